@@ -1,0 +1,53 @@
+"""Imports of optional dependencies that fail with the pip extra to install."""
+
+import importlib
+
+_EXTRA_OF = {
+    "torch": "torch",
+    "jax": "jax",
+    "flax": "jax",
+    "qwix": "jax",
+    "optax": "jax",
+    "matplotlib": "bench",
+    "tqdm": "bench",
+}
+
+
+def require(module, extra=None, purpose=None):
+    """Import ``module`` or raise an ImportError naming the pip extra that provides it.
+
+    Args:
+        module: dotted module name, e.g. ``"torch"`` or ``"flax.nnx"``.
+        extra: the mixle extra that installs it; guessed from the top-level name if omitted.
+        purpose: what needs it, used in the error message.
+
+    Returns:
+        The imported module.
+
+    >>> require("json").dumps([1])
+    '[1]'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        top = module.split(".")[0]
+        extra = extra or _EXTRA_OF.get(top, "all")
+        need = f" for {purpose}" if purpose else ""
+        raise ImportError(
+            f"mixle needs {top!r}{need}, which is not installed: "
+            f"run `pip install mixle[{extra}]` (or `pip install -e .[{extra}]` from a checkout)."
+        ) from err
+
+
+def is_available(module):
+    """True if ``module`` can be imported (without importing it when it is absent).
+
+    >>> is_available("json")
+    True
+    """
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False

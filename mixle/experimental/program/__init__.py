@@ -1,0 +1,1 @@
+"""Program transforms (LoRA)."""

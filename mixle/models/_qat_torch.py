@@ -1,0 +1,237 @@
+"""PyTorch QAT backend: the straight-through fake-quant op and the QATWrapper Linear layer."""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixle.models.qat_report import LayerDecision, QATReport
+from mixle.models.selection import LayerSelector
+from mixle.task.quantize import check_array, fake_quant_forward
+from mixle.task.spec import QuantSpec
+
+REPORT_ATTRIBUTE = "_mixle_qat_report"
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
+
+    @staticmethod
+    def forward(ctx, x, spec):
+        deq, mask = fake_quant_forward(x, spec, with_mask=spec.clip_gradient)
+        if mask is not None:
+            ctx.save_for_backward(mask)
+        return deq
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.saved_tensors:
+            (mask,) = ctx.saved_tensors
+            return grad * mask, None
+        return grad, None
+
+
+def fake_quantize_tensor(x, spec):
+    """Fake-quantize a torch tensor with the straight-through estimator.
+
+    >>> fake_quantize_tensor(torch.tensor([0.7, 0.1]), QuantSpec(bits=4)).tolist()
+    [0.699999988079071, 0.10000000149011612]
+    """
+    check_array(x)
+    return _FakeQuantSTE.apply(x, spec)
+
+
+def check_supported(spec):
+    """Refuse spec options this backend cannot honour (the torch backend does weights only)."""
+    base = QuantSpec()
+    torch_fields = {"bits", "grid", "granularity", "group_size", "clip_percentile", "clip_gradient"}
+    for field in dataclasses.fields(spec):
+        if field.name not in torch_fields and getattr(spec, field.name) != getattr(base, field.name):
+            raise ValueError(
+                f"QuantSpec.{field.name}={getattr(spec, field.name)!r} is not supported by the PyTorch "
+                f"backend, which fake-quantizes Linear weights only: leave it at its default "
+                f"({getattr(base, field.name)!r}) for torch models"
+            )
+
+
+class QATWrapper(nn.Linear):
+    """An ``nn.Linear`` whose weight is fake-quantized in the forward while enabled.
+
+    It reuses the wrapped layer's ``weight`` and ``bias`` Parameter objects (no copies), so tied
+    weights stay tied, ``state_dict()`` keys do not change and an existing optimizer keeps
+    training the same tensors. Train and eval mode both fake-quantize while ``enabled``.
+
+    Args:
+        linear: the ``nn.Linear`` to wrap (not itself a QATWrapper).
+        spec: QuantSpec; or pass its fields as keywords (default int4 per-channel symmetric).
+        enabled: fake-quantize in the forward (False computes exactly ``nn.Linear``).
+
+    >>> layer = QATWrapper(nn.Linear(4, 2), bits=8)
+    >>> layer.weight.shape, layer.spec.bits
+    (torch.Size([2, 4]), 8)
+    """
+
+    def __init__(self, linear, spec=None, *, enabled=True, **spec_fields):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"QATWrapper wraps an nn.Linear, got {type(linear).__name__}")
+        if isinstance(linear, QATWrapper):
+            raise TypeError("linear is already a QATWrapper: wrappers never nest; change its .spec instead")
+        if spec is None:
+            spec = QuantSpec(**spec_fields)
+        elif spec_fields:
+            raise TypeError(f"pass either spec=... or its fields {sorted(spec_fields)}, not both")
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"spec must be a mixle QuantSpec, got {type(spec).__name__}")
+        check_supported(spec)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        if spec.granularity == "group":
+            from mixle.task.quantize import block_shape
+
+            block_shape(linear.weight.shape, spec)  # raises if group_size does not divide in_features
+        nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        for name, value in vars(linear).items():
+            # Keep the user's hooks (forward, backward, state-dict) working on the wrapper.
+            if name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
+                setattr(self, name, value)
+        self.training = linear.training
+        self.spec = spec
+        self.enabled = enabled
+
+    def quantized_weight(self):
+        """The fake-quantized weight (with STE gradient) this layer uses while enabled."""
+        return fake_quantize_tensor(self.weight, self.spec)
+
+    def forward(self, x):
+        weight = self.quantized_weight() if self.enabled else self.weight
+        return F.linear(x, weight, self.bias)
+
+    def extra_repr(self):
+        state = "on" if self.enabled else "off"
+        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
+
+    def unwrap(self):
+        """A plain ``nn.Linear`` sharing this layer's Parameters."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight, linear.bias = self.weight, self.bias
+        linear.training = self.training
+        return linear
+
+
+def _float_reason(module, parent):
+    """Why a Linear cannot be fake-quantized by wrapping, or None if it can."""
+    if isinstance(parent, nn.MultiheadAttention):
+        return "nn.MultiheadAttention reads this weight directly, so a wrapper would never run"
+    if type(module) not in (nn.Linear, QATWrapper) and type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} overrides nn.Linear.forward; wrapping would change its maths"
+    return None
+
+
+def _tie_note(weight, embeddings):
+    for path, emb in embeddings:
+        if emb.weight is weight:
+            return f"weight tied to embedding {path!r}; its lookups stay float"
+    return ""
+
+
+def apply_qat_torch(model, selector, reconfigure):
+    """Torch half of ``apply_qat``: plan every decision, then swap, so failures change nothing."""
+    entries = list(model.named_modules(remove_duplicate=False))
+    parent_of = {}
+    for path, module in entries:
+        for name, child in module.named_children():
+            parent_of.setdefault(id(child), (module, name))
+    all_paths = [p for p, _ in entries]
+    linears = [(p, m) for p, m in entries if isinstance(m, nn.Linear)]
+    selector.check_all_used([p for p, _ in linears], all_paths, "nn.Linear")
+    embeddings = [(p, m) for p, m in entries if isinstance(m, nn.Embedding)]
+
+    decisions, replacements, respecs, seen = [], {}, [], {}
+    for path, module in linears:
+        kind = type(module).__name__
+        if id(module) in seen:
+            decisions.append(LayerDecision(path=path, kind=kind, action=seen[id(module)].action,
+                                           reason=f"same module as {seen[id(module)].path!r}",
+                                           spec=seen[id(module)].spec))
+            continue
+        parent = parent_of.get(id(module), (None, None))[0]
+        spec, reason = selector.decide(path)
+        blocked = _float_reason(module, parent)
+        if spec is not None and blocked:
+            spec, reason = None, blocked
+        if spec is None:
+            if isinstance(module, QATWrapper):
+                raise ValueError(
+                    f"layer {path!r} is already fake-quantized but is not selected now ({reason}); "
+                    f"apply_qat does not unwrap: use set_fake_quant_enabled(model, False) or rebuild the model"
+                )
+            decision = LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+        else:
+            check_supported(spec)
+            note = _tie_note(module.weight, embeddings)
+            if isinstance(module, QATWrapper):
+                if module.spec == spec:
+                    action = "unchanged"
+                elif reconfigure:
+                    action = "reconfigured"
+                    if spec.granularity == "group":
+                        QATWrapper(module.unwrap(), spec)  # validates group_size against this layer
+                    respecs.append((module, spec))
+                else:
+                    raise ValueError(
+                        f"layer {path!r} is already fake-quantized with {module.spec.short()}, not "
+                        f"{spec.short()}: pass reconfigure=True to change the spec"
+                    )
+            else:
+                action = "wrapped"
+                replacements[id(module)] = QATWrapper(module, spec, enabled=_current_enabled(model))
+            decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec, note=note)
+        seen[id(module)] = decision
+        decisions.append(decision)
+
+    # Commit: nothing below can fail on valid input, but restore everything if it does.
+    swapped = []
+    try:
+        for path, module in entries:
+            for name, child in list(module.named_children()):
+                if id(child) in replacements:
+                    setattr(module, name, replacements[id(child)])
+                    swapped.append((module, name, child))
+        for wrapper, spec in respecs:
+            wrapper.spec = spec
+    except BaseException:
+        for module, name, child in reversed(swapped):
+            setattr(module, name, child)
+        raise
+    root = replacements.get(id(model), model)
+    setattr(root, REPORT_ATTRIBUTE, QATReport(decisions))
+    return root
+
+
+def _current_enabled(model):
+    """New wrappers follow the model's toggle state if it already has wrappers."""
+    states = {m.enabled for m in model.modules() if isinstance(m, QATWrapper)}
+    return states.pop() if len(states) == 1 else True
+
+
+def set_enabled_torch(model, enabled):
+    wrappers = [m for m in model.modules() if isinstance(m, QATWrapper)]
+    if not wrappers:
+        raise ValueError("the model has no QAT layers to toggle: call apply_qat(model, ...) first")
+    for wrapper in wrappers:
+        wrapper.enabled = enabled
+    return model
+
+
+def report_torch(model):
+    report = getattr(model, REPORT_ATTRIBUTE, None)
+    if report is None:
+        raise ValueError("the model has no QAT report: call apply_qat(model, ...) first")
+    return report

@@ -1,0 +1,1 @@
+"""Tasks: quantization numerics, PTQ, conversion and export."""

@@ -1,0 +1,382 @@
+"""The quantization numerics, written once: scales, integer grids, clipping and round trips.
+
+Every backend (the torch STE, PTQ, the converted int model, the Flax check) calls these
+functions, so a weight quantized anywhere in mixle lands on the same grid.
+
+Layout convention: an array is viewed as ``batch + out + in`` axes. Scales are shared by all of
+``in`` (``channel``), by ``group_size`` consecutive elements of the flattened ``in`` axes
+(``group``), or by the whole array per batch element (``tensor``). Internally the array is
+reshaped to *blocks* of shape ``(B, S, K)`` and every reduction runs over the last axis K.
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from mixle.task.spec import QuantSpec
+
+__all__ = [
+    "QuantSpec",
+    "QuantizedArray",
+    "quantize_array",
+    "dequantize_array",
+    "quantize_dequantize_array",
+    "clip_threshold",
+    "fake_quant_forward",
+    "check_array",
+    "block_shape",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Array backends: numpy (and jax.numpy, which shares its API) and torch, with identical maths.
+
+
+def array_kind(x):
+    """'torch', 'jax' or 'numpy' for a supported array; TypeError otherwise.
+
+    >>> array_kind(np.zeros(2, np.float32))
+    'numpy'
+    """
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return "jax"
+    raise TypeError(
+        f"expected a numpy array, torch tensor or jax array, got {type(x).__name__}: "
+        f"convert it with np.asarray(...) first"
+    )
+
+
+class _NumpyOps:
+    def __init__(self, xp):
+        self.xp = xp
+
+    def is_float(self, x):
+        return self.xp.issubdtype(x.dtype, self.xp.floating) or x.dtype.name == "bfloat16"
+
+    def all_finite(self, x):
+        return bool(self.xp.isfinite(x).all())
+
+    def amax_last(self, a):
+        return a.max(axis=-1, keepdims=True)
+
+    def order_stats_last(self, a, ks):
+        if self.xp is np:
+            part = np.partition(a, sorted(set(ks)), axis=-1)
+        else:
+            part = self.xp.sort(a, axis=-1)
+        return [part[..., k : k + 1] for k in ks]
+
+    def scalar(self, value, like):
+        return self.xp.asarray(value, dtype=like.dtype)
+
+    def where(self, cond, a, b):
+        return self.xp.where(cond, a, b)
+
+    def round_clip(self, x, lo, hi):
+        return self.xp.clip(self.xp.round(x), lo, hi)
+
+    def to_int8(self, x):
+        return x.astype(self.xp.int8)
+
+    def to_dtype(self, x, like):
+        return x.astype(like.dtype)
+
+
+class _TorchOps:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def is_float(self, x):
+        return x.is_floating_point()
+
+    def all_finite(self, x):
+        return bool(self.torch.isfinite(x).all())
+
+    def amax_last(self, a):
+        return a.amax(dim=-1, keepdim=True)
+
+    def order_stats_last(self, a, ks):
+        # kthvalue is an exact O(K) selection per row (torch.quantile would sort everything).
+        return [a.kthvalue(k + 1, dim=-1, keepdim=True).values for k in ks]
+
+    def scalar(self, value, like):
+        return self.torch.tensor(value, dtype=like.dtype, device=like.device)
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b)
+
+    def round_clip(self, x, lo, hi):
+        return self.torch.round(x).clamp_(lo, hi)
+
+    def to_int8(self, x):
+        return x.to(self.torch.int8)
+
+    def to_dtype(self, x, like):
+        return x.to(like.dtype)
+
+
+def _ops(x):
+    kind = array_kind(x)
+    if kind == "torch":
+        return _TorchOps()
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return _NumpyOps(jnp)
+    return _NumpyOps(np)
+
+
+def _is_tracer(x):
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.core.Tracer)
+
+
+def check_array(x, name="x"):
+    """Validate a weight: a non-empty floating array with only finite values.
+
+    Raises:
+        TypeError: not an array, or not a floating dtype.
+        ValueError: empty, or containing NaN or infinity.
+
+    >>> check_array(np.ones(3, np.float32))
+    """
+    ops = _ops(x)
+    if not ops.is_float(x):
+        raise TypeError(
+            f"{name} has dtype {x.dtype}, but quantization needs a floating dtype: "
+            f"cast it first, e.g. {name}.astype(np.float32) / {name}.float()"
+        )
+    if math.prod(x.shape) == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(x.shape)}): there is nothing to quantize")
+    if not _is_tracer(x) and not ops.all_finite(x):
+        raise ValueError(
+            f"{name} contains NaN or infinity (shape {tuple(x.shape)}): quantization needs finite "
+            f"values; find where training diverged or clean the weights first"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks: the (B, S, K) view every reduction works on.
+
+
+def _split_shape(shape, batch_ndim, out_ndim):
+    if out_ndim is None:
+        out_ndim = 1 if len(shape) - batch_ndim >= 2 else 0
+    if batch_ndim < 0 or out_ndim < 0 or batch_ndim + out_ndim > len(shape):
+        raise ValueError(
+            f"an array of shape {tuple(shape)} has no room for {batch_ndim} batch and {out_ndim} "
+            f"output axes: the counts must not exceed its {len(shape)} dimensions"
+        )
+    batch = math.prod(shape[:batch_ndim])
+    rows = math.prod(shape[batch_ndim : batch_ndim + out_ndim])
+    cols = math.prod(shape[batch_ndim + out_ndim :])
+    return batch, rows, cols
+
+
+def block_shape(shape, spec, batch_ndim=0, out_ndim=None):
+    """The ``(B, S, K)`` block view of an array of ``shape``: S scales of K elements per batch.
+
+    Args:
+        shape: the array shape, laid out ``batch + out + in``.
+        spec: the QuantSpec (granularity and group_size decide S and K).
+        batch_ndim: leading axes that each get their own scales (stacked expert weights).
+        out_ndim: output axes after the batch axes; ``None`` means 1 for arrays with at least
+            two non-batch axes, else 0.
+
+    >>> block_shape((8, 64), QuantSpec(group_size=16))
+    (1, 32, 16)
+    """
+    batch, rows, cols = _split_shape(tuple(shape), batch_ndim, out_ndim)
+    if spec.granularity == "tensor":
+        return batch, 1, rows * cols
+    if spec.granularity == "channel":
+        return batch, rows, cols
+    if cols % spec.group_size:
+        divisors = [d for d in range(1, cols + 1) if cols % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
+        raise ValueError(
+            f"group_size={spec.group_size} does not divide the input size {cols} of an array of "
+            f"shape {tuple(shape)}: use a divisor of {cols}, e.g. {sorted(near)}, or "
+            f"granularity='channel'"
+        )
+    return batch, rows * cols // spec.group_size, spec.group_size
+
+
+def percentile_positions(count, percentile):
+    """Order-statistic indices (lo, hi) and the weight of hi for a linear-interpolated percentile.
+
+    The percentile of K sorted values v is ``v[lo] + (v[hi] - v[lo]) * frac`` with
+    ``pos = percentile / 100 * (K - 1)``, ``lo = floor(pos)``, ``hi = min(lo + 1, K - 1)``,
+    ``frac = pos - lo`` (numpy's default "linear" method, evaluated in the array's dtype).
+
+    >>> percentile_positions(5, 50.0)
+    (2, 3, 0.0)
+    """
+    pos = percentile / 100.0 * (count - 1)
+    lo = min(int(math.floor(pos)), count - 1)
+    hi = min(lo + 1, count - 1)
+    return lo, hi, pos - lo
+
+
+def _block_threshold(ops, magnitude, spec):
+    """Per-block clipping threshold: the max of |w|, or its clip_percentile."""
+    p = spec.clip_percentile
+    if p is None or p == 100.0:
+        return ops.amax_last(magnitude)
+    lo, hi, frac = percentile_positions(magnitude.shape[-1], p)
+    if frac == 0.0 or lo == hi:
+        return ops.order_stats_last(magnitude, [lo])[0]
+    low, high = ops.order_stats_last(magnitude, [lo, hi])
+    return low + (high - low) * ops.scalar(frac, magnitude)
+
+
+def _block_scale(ops, threshold, spec):
+    scale = threshold / ops.scalar(spec.scale_divisor, threshold)
+    # An all-zero block (or one whose scale underflows) gets scale 1: codes 0, no NaN.
+    return ops.where(scale == 0, ops.scalar(1.0, scale), scale)
+
+
+def _quantize_blocks(x, spec, batch_ndim, out_ndim):
+    """Core: returns (ops, blocks, rounded codes as floats, scale, threshold), all (B, S, ·)."""
+    ops = _ops(x)
+    shape = block_shape(x.shape, spec, batch_ndim, out_ndim)
+    blocks = x.reshape(shape)
+    threshold = _block_threshold(ops, abs(blocks), spec)
+    scale = _block_scale(ops, threshold, spec)
+    codes = ops.round_clip(blocks / scale, spec.code_min, spec.code_max)
+    return ops, blocks, codes, scale, threshold
+
+
+# ----------------------------------------------------------------------------------------------
+# Public numerics.
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedArray:
+    """Integer codes and scales of one quantized array.
+
+    Attributes:
+        codes: int8 array with the original shape (int4 codes are stored one per int8 here;
+            see ``pack_int4`` for two per byte).
+        scale: scales with shape ``(B, S, 1)`` in the array's float dtype (see ``block_shape``).
+        spec: the QuantSpec used.
+        batch_ndim: leading batch axes of the original array.
+        out_ndim: output axes after the batch axes.
+    """
+
+    codes: object
+    scale: object
+    spec: QuantSpec
+    batch_ndim: int = 0
+    out_ndim: int | None = None
+
+    @property
+    def shape(self):
+        return tuple(self.codes.shape)
+
+    def dequantize(self):
+        """Float array ``codes * scale`` with the original shape and the scale's dtype."""
+        return dequantize_array(self)
+
+
+def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
+    """Quantize an array to integer codes and per-block scales.
+
+    Args:
+        x: float numpy array, torch tensor or jax array, laid out ``batch + out + in``.
+        spec: a QuantSpec; or pass its fields as keywords (``bits=4, group_size=32``).
+        batch_ndim: leading axes with their own scales.
+        out_ndim: output axes (default: 1 for 2-D and larger arrays, else 0).
+
+    Returns:
+        QuantizedArray with int8 codes in ``[spec.code_min, spec.code_max]``.
+
+    >>> q = quantize_array(np.array([[0.7, -0.35], [0.0, 0.0]], np.float32), bits=4)
+    >>> q.codes.tolist(), q.scale.ravel().tolist()
+    ([[7, -4], [0, 0]], [0.10000000149011612, 1.0])
+    """
+    spec = _resolve_spec(spec, spec_fields)
+    check_array(x)
+    ops, blocks, codes, scale, _ = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+    return QuantizedArray(ops.to_int8(codes).reshape(x.shape), scale, spec, batch_ndim, out_ndim)
+
+
+def dequantize_array(q):
+    """Float array from a QuantizedArray: ``codes * scale`` per block.
+
+    >>> q = quantize_array(np.array([1.0, -0.5], np.float32), bits=8)
+    >>> dequantize_array(q).tolist()
+    [1.0, -0.5039370059967041]
+    """
+    ops = _ops(q.codes)
+    shape = block_shape(q.codes.shape, q.spec, q.batch_ndim, q.out_ndim)
+    codes = ops.to_dtype(q.codes.reshape(shape), q.scale)
+    return (codes * q.scale).reshape(q.codes.shape)
+
+
+def quantize_dequantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
+    """Round trip ``dequantize(quantize(x))`` in x's own dtype and array library.
+
+    This is the fake-quant forward: every backend's fake-quantized weight equals it.
+
+    >>> quantize_dequantize_array(np.array([0.7, 0.1, -0.2], np.float32), bits=4).tolist()
+    [0.699999988079071, 0.10000000149011612, -0.20000000298023224]
+    """
+    spec = _resolve_spec(spec, spec_fields)
+    check_array(x)
+    return fake_quant_forward(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim)[0]
+
+
+def fake_quant_forward(x, spec, *, with_mask=False, batch_ndim=0, out_ndim=None):
+    """Fake-quant forward for the STE backends: the round trip, plus the clip mask if asked.
+
+    Returns ``(dequantized, mask)``; ``mask`` is True where the STE passes the gradient
+    (``|w| <= c``), or None when not asked for. The input is not validated here: backends call
+    ``check_array`` once where it is cheap.
+
+    >>> fake_quant_forward(np.array([4.0, 1.0, 0.5], np.float32), QuantSpec(clip_percentile=50), with_mask=True)[1].tolist()
+    [False, True, True]
+    """
+    _, blocks, codes, scale, threshold = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+    deq = (codes * scale).reshape(x.shape)
+    if not with_mask:
+        return deq, None
+    return deq, (abs(blocks) <= threshold).reshape(x.shape)
+
+
+def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
+    """Per-block clipping threshold ``c`` (the max or clip_percentile of ``|x|``), shape (B, S, 1).
+
+    Weights with ``|w| > c`` saturate; with ``clip_gradient`` the STE gives them no gradient.
+
+    >>> clip_threshold(np.arange(1, 6, dtype=np.float32), bits=4, clip_percentile=50).ravel().tolist()
+    [3.0]
+    """
+    spec = _resolve_spec(spec, spec_fields)
+    check_array(x)
+    ops = _ops(x)
+    blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
+    return _block_threshold(ops, abs(blocks), spec)
+
+
+def _resolve_spec(spec, spec_fields):
+    if spec is None:
+        return QuantSpec(**spec_fields)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a mixle QuantSpec, got {type(spec).__name__}: build one with QuantSpec(bits=4, ...)")
+    if spec_fields:
+        raise TypeError(
+            f"pass either spec=... or its fields {sorted(spec_fields)}, not both: "
+            f"use spec.replace({', '.join(f'{k}=...' for k in spec_fields)})"
+        )
+    return spec
