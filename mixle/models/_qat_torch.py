@@ -125,6 +125,42 @@ class QATWrapper(nn.Linear):
         return linear
 
 
+class QATEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` tied to a fake-quantized head: lookups use the same quantized weight.
+
+    A tied weight is stored once as integers after conversion, so training must see the
+    quantized table in both uses. Created by ``apply_qat`` only for embeddings whose weight is
+    shared with a wrapped Linear; shares the Parameter like ``QATWrapper``.
+    """
+
+    def __init__(self, embedding, spec, *, enabled=True):
+        if embedding.sparse:
+            raise ValueError("a sparse nn.Embedding cannot be fake-quantized (its gradient would be dense)")
+        nn.Module.__init__(self)
+        for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):
+            setattr(self, name, getattr(embedding, name))
+        self.weight = embedding.weight
+        for name, value in vars(embedding).items():
+            if name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
+                setattr(self, name, value)
+        self.training = embedding.training
+        self.spec = spec
+        self.enabled = enabled
+
+    def forward(self, x):
+        weight = fake_quantize_tensor(self.weight, self.spec) if self.enabled else self.weight
+        return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    def extra_repr(self):
+        state = "on" if self.enabled else "off"
+        return f"{super().extra_repr()}, qat={self.spec.short()} ({state}, tied)"
+
+
+_QAT_LAYERS = (QATWrapper, QATEmbedding)
+
+
 def _float_reason(module, parent):
     """Why a Linear cannot be fake-quantized by wrapping, or None if it can."""
     if isinstance(parent, nn.MultiheadAttention):
@@ -137,7 +173,7 @@ def _float_reason(module, parent):
 def _tie_note(weight, embeddings):
     for path, emb in embeddings:
         if emb.weight is weight:
-            return f"weight tied to embedding {path!r}; its lookups stay float"
+            return f"weight tied to embedding {path!r}"
     return ""
 
 
@@ -152,6 +188,7 @@ def apply_qat_torch(model, selector, reconfigure):
     linears = [(p, m) for p, m in entries if isinstance(m, nn.Linear)]
     selector.check_all_used([p for p, _ in linears], all_paths, "nn.Linear")
     embeddings = [(p, m) for p, m in entries if isinstance(m, nn.Embedding)]
+    enabled = _current_enabled(model)
 
     decisions, replacements, respecs, seen = [], {}, [], {}
     for path, module in linears:
@@ -191,10 +228,12 @@ def apply_qat_torch(model, selector, reconfigure):
                     )
             else:
                 action = "wrapped"
-                replacements[id(module)] = QATWrapper(module, spec, enabled=_current_enabled(model))
+                replacements[id(module)] = QATWrapper(module, spec, enabled=enabled)
             decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec, note=note)
         seen[id(module)] = decision
         decisions.append(decision)
+
+    decisions += _plan_tied_embeddings(embeddings, linears, decisions, replacements, respecs, selector, enabled)
 
     # Commit: nothing below can fail on valid input, but restore everything if it does.
     swapped = []
@@ -215,14 +254,48 @@ def apply_qat_torch(model, selector, reconfigure):
     return root
 
 
+def _plan_tied_embeddings(embeddings, linears, decisions, replacements, respecs, selector, enabled):
+    """Embeddings sharing a weight with a quantized Linear get the same spec (one stored copy)."""
+    spec_of_weight = {}
+    for (path, module), decision in zip(linears, decisions):
+        if decision.spec is not None:
+            spec_of_weight.setdefault(id(module.weight), (path, decision.spec))
+    extra, seen = [], set()
+    for path, emb in embeddings:
+        if id(emb) in seen:
+            continue
+        seen.add(id(emb))
+        if id(emb.weight) not in spec_of_weight:
+            if isinstance(emb, QATEmbedding):
+                raise ValueError(f"embedding {path!r} is fake-quantized but its tied Linear is not selected now")
+            continue
+        head_path, spec = spec_of_weight[id(emb.weight)]
+        own_reason = selector.decide(path)[1]
+        if own_reason.startswith("excluded"):
+            raise ValueError(
+                f"embedding {path!r} shares its weight with {head_path!r}, which is selected, but it is "
+                f"{own_reason}: a tied weight is stored once, so exclude both or neither"
+            )
+        reason = f"weight tied to {head_path!r}: lookups use the same quantized weight"
+        if isinstance(emb, QATEmbedding):
+            action = "unchanged" if emb.spec == spec else "reconfigured"
+            if action == "reconfigured":
+                respecs.append((emb, spec))
+        else:
+            action = "wrapped"
+            replacements[id(emb)] = QATEmbedding(emb, spec, enabled=enabled)
+        extra.append(LayerDecision(path=path, kind=type(emb).__name__, action=action, reason=reason, spec=spec))
+    return extra
+
+
 def _current_enabled(model):
     """New wrappers follow the model's toggle state if it already has wrappers."""
-    states = {m.enabled for m in model.modules() if isinstance(m, QATWrapper)}
+    states = {m.enabled for m in model.modules() if isinstance(m, _QAT_LAYERS)}
     return states.pop() if len(states) == 1 else True
 
 
 def set_enabled_torch(model, enabled):
-    wrappers = [m for m in model.modules() if isinstance(m, QATWrapper)]
+    wrappers = [m for m in model.modules() if isinstance(m, _QAT_LAYERS)]
     if not wrappers:
         raise ValueError("the model has no QAT layers to toggle: call apply_qat(model, ...) first")
     for wrapper in wrappers:
