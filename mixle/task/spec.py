@@ -8,6 +8,13 @@ from dataclasses import dataclass
 GRIDS = ("symmetric", "qwix")
 GRANULARITIES = ("tensor", "channel", "group")
 SUPPORTED_BITS = (4, 8)
+WEIGHT_FORMATS = ("int", "float8_e4m3fn")
+# fp8 variants that only AMD (and some TPU) hardware implements: no export path, so refused.
+AMD_FP8_FORMATS = ("float8_e4m3fnuz", "float8_e5m2fnuz")
+STOCHASTIC_ROUNDING = ("uniform", "low_bit_uniform")
+CALIBRATIONS = ("absmax", "minmax", "rms", "fixed")
+# Options only the Flax (Qwix) backend honours; every other backend refuses them when set.
+QWIX_ONLY_FIELDS = ("act_bits", "weight_format", "bwd_bits", "bwd_stochastic_rounding", "calibration")
 
 
 def _is_int(value):
@@ -35,6 +42,23 @@ class QuantSpec:
         clip_gradient: the straight-through estimator passes no gradient to weights clipped
             by ``clip_percentile`` (requires it).
 
+    Flax (Qwix) only; other backends refuse them when set:
+
+    Args:
+        act_bits: also quantize the activations entering each selected matmul to 4 or 8 bits,
+            dynamically with one scale per token, on the same grid as the weights.
+        weight_format: ``"int"`` (codes of ``bits`` bits) or ``"float8_e4m3fn"`` (fp8 weights,
+            scale = absmax / 448; needs ``bits=8`` and ``grid="qwix"``).
+        bwd_bits: quantize the incoming gradients of the backward matmuls to 4 or 8 bits.
+        bwd_stochastic_rounding: ``"uniform"`` or ``"low_bit_uniform"`` rounding of those
+            gradients (needs ``bwd_bits``; draws from the ``stochastic_rounding`` RNG stream).
+        calibration: Qwix's weight range method instead of absmax: ``"absmax,<f>"``,
+            ``"minmax[,<f>]"`` (asymmetric, with a zero point), ``"rms,<f>"`` or
+            ``"fixed,<lo>,<hi>"`` (one fixed range, so ``granularity="tensor"``). Needs
+            ``grid="qwix"``: the symmetric grid already is ``absmax,<(qmax+0.5)/qmax>``.
+        act_static_scale: refused: static activation scales need a calibration pass.
+        kv_cache_bits: refused: Qwix's training provider has no KV-cache seam.
+
     >>> QuantSpec(bits=4, group_size=32)
     QuantSpec(bits=4, grid='symmetric', granularity='group', group_size=32, clip_percentile=None, clip_gradient=False)
     """
@@ -45,6 +69,13 @@ class QuantSpec:
     group_size: int | None = None
     clip_percentile: float | None = None
     clip_gradient: bool = False
+    act_bits: int | None = None
+    weight_format: str = "int"
+    bwd_bits: int | None = None
+    bwd_stochastic_rounding: str | None = None
+    calibration: str | None = None
+    act_static_scale: bool = False
+    kv_cache_bits: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.bits):
@@ -54,9 +85,14 @@ class QuantSpec:
         object.__setattr__(self, "bits", int(self.bits))
         if self.grid not in GRIDS:
             raise ValueError(f"grid={self.grid!r} is unknown: use one of {GRIDS}")
+        self._check_refused()
+        calibration = self._check_calibration()
         granularity = self.granularity
         if granularity is None:
-            granularity = "group" if self.group_size is not None else "channel"
+            if calibration is not None and calibration.startswith("fixed"):
+                granularity = "tensor"
+            else:
+                granularity = "group" if self.group_size is not None else "channel"
             object.__setattr__(self, "granularity", granularity)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity={granularity!r} is unknown: use one of {GRANULARITIES}")
@@ -90,6 +126,129 @@ class QuantSpec:
                 "clip_gradient=True masks the gradient of weights clipped by clip_percentile, "
                 "but clip_percentile is None: set clip_percentile (e.g. 99.9) or clip_gradient=False"
             )
+        self._check_qwix_options(calibration)
+
+    def _check_refused(self):
+        """Options with no seam in any backend: refused here, with the reason."""
+        if not isinstance(self.act_static_scale, bool):
+            raise TypeError(f"act_static_scale must be True or False, got {self.act_static_scale!r}")
+        if self.act_static_scale:
+            raise ValueError(
+                "act_static_scale=True is not supported: static activation scales need a calibration "
+                "pass over data to collect ranges, which mixle's QAT does not run; use dynamic "
+                "per-token activation scales (act_bits=8) instead"
+            )
+        if self.kv_cache_bits is not None:
+            raise ValueError(
+                f"kv_cache_bits={self.kv_cache_bits!r} is not supported: KV-cache quantization happens "
+                f"in the attention cache, which Qwix's training provider does not intercept (it only "
+                f"sees dot_general, einsum, conv and ragged_dot); leave kv_cache_bits=None"
+            )
+        fmt = self.weight_format
+        if fmt in AMD_FP8_FORMATS:
+            raise ValueError(
+                f"weight_format={fmt!r} is an AMD-only fp8 variant (the 'fnuz' formats): it has no "
+                f"export or kernel path here; use weight_format='float8_e4m3fn'"
+            )
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format={fmt!r} is unknown: use one of {WEIGHT_FORMATS}")
+
+    def _check_calibration(self):
+        """Validate ``calibration`` as ``method[,args]`` and store it normalised; returns it."""
+        text = self.calibration
+        if text is None:
+            return None
+        if not isinstance(text, str):
+            raise TypeError(f"calibration must be a string such as 'absmax,0.9' or None, got {text!r}")
+        method, *raw = [part.strip() for part in text.lower().split(",")]
+        if method == "percentile":
+            raise ValueError(
+                f"calibration={text!r}: percentile is not a Qwix calibration method; use "
+                f"clip_percentile={raw[0] if raw else '99.9'} instead (computed from the live weight)"
+            )
+        if method not in CALIBRATIONS:
+            raise ValueError(f"calibration={text!r} has unknown method {method!r}: use one of {CALIBRATIONS}")
+        try:
+            args = [float(a) for a in raw]
+        except ValueError:
+            raise ValueError(f"calibration={text!r} has a non-numeric argument: e.g. 'absmax,0.9' or 'fixed,-2,2'") from None
+        if not all(math.isfinite(a) for a in args):
+            raise ValueError(f"calibration={text!r} has a non-finite argument")
+        if method in ("absmax", "minmax") and (len(args) > 1 or (args and args[0] <= 0)):
+            raise ValueError(f"calibration={text!r}: {method} takes at most one positive factor, e.g. '{method},0.9'")
+        if method == "rms" and (len(args) != 1 or args[0] <= 0):
+            raise ValueError(f"calibration={text!r}: rms needs exactly one positive factor, e.g. 'rms,3.0'")
+        if method == "fixed":
+            if len(args) == 1:
+                args = [-args[0], args[0]]
+            if len(args) != 2 or not (args[0] <= 0 <= args[1] and args[0] < args[1]):
+                raise ValueError(
+                    f"calibration={text!r}: fixed needs a range containing 0, e.g. 'fixed,-2,2' or 'fixed,2'"
+                )
+        normalised = ",".join([method] + [repr(a) for a in args])
+        object.__setattr__(self, "calibration", normalised)
+        return normalised
+
+    def _check_qwix_options(self, calibration):
+        for name in ("act_bits", "bwd_bits"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_int(value):
+                raise TypeError(f"{name} must be an int (4 or 8) or None, got {value!r}")
+            if value not in SUPPORTED_BITS:
+                raise ValueError(f"{name}={value!r} is not supported: use 4, 8 or None")
+            object.__setattr__(self, name, int(value))
+        sr = self.bwd_stochastic_rounding
+        if sr is not None:
+            if sr not in STOCHASTIC_ROUNDING:
+                raise ValueError(f"bwd_stochastic_rounding={sr!r} is unknown: use one of {STOCHASTIC_ROUNDING} or None")
+            if self.bwd_bits is None:
+                raise ValueError(
+                    f"bwd_stochastic_rounding={sr!r} rounds quantized gradients, but bwd_bits is None: "
+                    f"set bwd_bits=8 (or 4) too"
+                )
+        if self.weight_format != "int":
+            if self.bits != 8 or self.grid != "qwix":
+                raise ValueError(
+                    f"weight_format={self.weight_format!r} stores 8-bit floats with Qwix's scale "
+                    f"(absmax / 448), which mixle's integer grids do not describe: pass bits=8 and grid='qwix'"
+                )
+        if calibration is not None:
+            if self.grid != "qwix":
+                raise ValueError(
+                    f"calibration={calibration!r} is Qwix's range method and needs grid='qwix'; the "
+                    f"symmetric grid is itself absmax calibration with factor (qmax + 0.5) / qmax"
+                )
+            if self.clip_percentile is not None:
+                raise ValueError(
+                    f"calibration={calibration!r} and clip_percentile={self.clip_percentile!r} both set the "
+                    f"weight range: keep one"
+                )
+            if calibration.startswith("fixed") and self.granularity != "tensor":
+                raise ValueError(
+                    f"calibration={calibration!r} is one range for the whole tensor, but "
+                    f"granularity={self.granularity!r}: use granularity='tensor' (the default with 'fixed')"
+                )
+            if calibration.startswith("minmax") and self.weight_format != "int":
+                raise ValueError(f"calibration={calibration!r} is asymmetric, which fp8 weights do not support")
+
+    def __repr__(self):
+        # Qwix-only options appear only when set, so plain specs print as before.
+        names = [f.name for f in dataclasses.fields(self)]
+        base = QuantSpec.__dataclass_fields__
+        shown = [n for n in names if n not in QWIX_ONLY_FIELDS + ("act_static_scale", "kv_cache_bits")
+                 or getattr(self, n) != base[n].default]
+        return "QuantSpec(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in shown) + ")"
+
+    def qwix_only_options(self):
+        """The Flax-only options set on this spec, as ``{name: value}`` (empty for plain specs).
+
+        >>> QuantSpec(bits=8, act_bits=8).qwix_only_options()
+        {'act_bits': 8}
+        """
+        base = QuantSpec.__dataclass_fields__
+        return {n: getattr(self, n) for n in QWIX_ONLY_FIELDS if getattr(self, n) != base[n].default}
 
     @property
     def qmax(self):
@@ -129,4 +288,12 @@ class QuantSpec:
         label = f"int{self.bits}/{gran}/{self.grid}"
         if self.clip_percentile is not None:
             label += f"/p{self.clip_percentile:g}"
+        if self.weight_format != "int":
+            label = label.replace(f"int{self.bits}", "fp8", 1)
+        if self.calibration is not None:
+            label += f"/{self.calibration}"
+        if self.act_bits is not None:
+            label += f"/a{self.act_bits}"
+        if self.bwd_bits is not None:
+            label += f"/g{self.bwd_bits}" + ("sr" if self.bwd_stochastic_rounding else "")
         return label
