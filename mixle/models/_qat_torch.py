@@ -12,6 +12,9 @@ from mixle.task.quantize import check_array, fake_quant_forward
 from mixle.task.spec import QuantSpec
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
+# A Linear subclass defining this method (e.g. a LoRA layer) builds its own fake-quantized
+# replacement, a QATWrapper subclass: method(spec, enabled) -> layer.
+WRAP_HOOK = "_mixle_wrap_qat"
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -165,6 +168,8 @@ def _float_reason(module, parent):
     """Why a Linear cannot be fake-quantized by wrapping, or None if it can."""
     if isinstance(parent, nn.MultiheadAttention):
         return "nn.MultiheadAttention reads this weight directly, so a wrapper would never run"
+    if hasattr(module, WRAP_HOOK):
+        return None
     if type(module) not in (nn.Linear, QATWrapper) and type(module).forward is not nn.Linear.forward:
         return f"{type(module).__name__} overrides nn.Linear.forward; wrapping would change its maths"
     return None
@@ -228,7 +233,8 @@ def apply_qat_torch(model, selector, reconfigure):
                     )
             else:
                 action = "wrapped"
-                replacements[id(module)] = QATWrapper(module, spec, enabled=enabled)
+                hook = getattr(module, WRAP_HOOK, None)
+                replacements[id(module)] = hook(spec, enabled) if hook else QATWrapper(module, spec, enabled=enabled)
             decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec, note=note)
         seen[id(module)] = decision
         decisions.append(decision)

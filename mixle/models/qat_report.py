@@ -37,8 +37,9 @@ class QATReport:
     ['fc']
     """
 
-    def __init__(self, decisions):
+    def __init__(self, decisions, *, done="quantized", left="left in float"):
         self.decisions = tuple(decisions)
+        self._words = (done, left)  # the summary line's verbs; other transforms (LoRA) pass theirs
 
     @property
     def wrapped(self):
@@ -77,8 +78,8 @@ class QATReport:
             rows.append((d.path or "<root>", d.kind, d.action, d.spec.short() if d.spec else "-", reason))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
-        lines.append(f"{len(self.wrapped)} quantized, {len(self.skipped)} left in float")
+        lines.append(f"{len(self.wrapped)} {self._words[0]}, {len(self.skipped)} {self._words[1]}")
         return "\n".join(lines)
 
     def __repr__(self):
-        return f"QATReport({len(self.wrapped)} quantized, {len(self.skipped)} skipped)"
+        return f"QATReport({len(self.wrapped)} {self._words[0]}, {len(self.skipped)} skipped)"

@@ -23,13 +23,15 @@ class LayerSelector:
             ``(regex, None)`` to leave them in float.
         exclude: regexes of paths never quantized (checked before patterns).
         default_spec: the spec for plain-string patterns.
+        spec_type: the class of specs allowed in ``(regex, spec)`` pairs (QuantSpec for QAT;
+            other layer transforms, such as LoRA, pass their own).
 
     >>> s = LayerSelector(patterns=[("head", None), ".*"], exclude=(), default_spec=QuantSpec())
     >>> s.decide("head")[0] is None, s.decide("blocks.0.fc")[0].bits
     (True, 4)
     """
 
-    def __init__(self, *, patterns, exclude, default_spec):
+    def __init__(self, *, patterns, exclude, default_spec, spec_type=QuantSpec):
         if isinstance(patterns, (str, bytes)) or isinstance(exclude, (str, bytes)):
             raise TypeError(
                 "patterns and exclude take a sequence of regexes, e.g. patterns=('.*',) or "
@@ -38,8 +40,10 @@ class LayerSelector:
         self.rules = []
         for entry in patterns:
             if isinstance(entry, tuple):
-                if len(entry) != 2 or not (entry[1] is None or isinstance(entry[1], QuantSpec)):
-                    raise TypeError(f"patterns entry {entry!r} must be a regex or a (regex, QuantSpec or None) pair")
+                if len(entry) != 2 or not (entry[1] is None or isinstance(entry[1], spec_type)):
+                    raise TypeError(
+                        f"patterns entry {entry!r} must be a regex or a (regex, {spec_type.__name__} or None) pair"
+                    )
                 regex, spec = entry
             else:
                 regex, spec = entry, default_spec
