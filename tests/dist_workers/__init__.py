@@ -1,0 +1,1 @@
+"""Worker programs the distributed tests launch in separate processes, and their launcher."""
