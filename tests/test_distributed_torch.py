@@ -145,6 +145,16 @@ def test_ddp_trained_model_converts_to_the_fake_quant_forward(ddp):
     stored = rank0["converted_state_dict"]
     assert stored["blocks.0.qkv.codes"].dtype == torch.uint8  # int4 packed two per byte
     assert "blocks.0.qkv.weight" not in stored
+    # The wrapper itself is refused with the fix, not deep-copied along with its process group.
+    assert rank0["convert_engine_error"].startswith("TypeError: convert got a DistributedDataParallel wrapper")
+    assert "convert(model.module)" in rank0["convert_engine_error"]
+
+
+def test_ddp_wrapper_reports_what_apply_qat_wrapped(ddp):
+    report = ddp[0]["report"].splitlines()
+    wrapped = [line.split()[0] for line in report if " wrapped " in line]
+    assert sorted(wrapped) == sorted(["head", "tok"] + [f"blocks.{i}.{name}" for i in (0, 1)
+                                                          for name in ("qkv", "proj", "fc", "out")])
 
 
 def test_fsdp2_matches_single_process(fsdp2, reference):
@@ -162,6 +172,14 @@ def test_fsdp2_toggle_off_is_the_float_model(fsdp2):
     assert torch.equal(rank0["probe_logits/off"], float_logits(state))
     torch.testing.assert_close(rank0["probe_logits/on"], float_logits(numpy_fake_quant_state(state)),
                                rtol=0, atol=1e-6)
+
+
+def test_fsdp2_gathered_model_converts_and_sharded_model_is_refused(fsdp2):
+    rank0 = fsdp2[0]
+    torch.testing.assert_close(rank0["probe_logits/converted"], rank0["probe_logits/on"], rtol=0, atol=1e-6)
+    for rank in fsdp2:
+        assert rank["convert_engine_error"].startswith("ValueError: convert needs the whole model in one process")
+        assert "full_state_dict=True" in rank["convert_engine_error"]
 
 
 def test_fsdp2_full_state_dict_loads_strict_into_unwrapped_model(fsdp2, reference):

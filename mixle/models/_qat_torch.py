@@ -310,6 +310,8 @@ def set_enabled_torch(model, enabled):
 
 
 def report_torch(model):
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module  # apply_qat ran on the model before it was wrapped
     report = getattr(model, REPORT_ATTRIBUTE, None)
     if report is None:
         raise ValueError("the model has no QAT report: call apply_qat(model, ...) first")

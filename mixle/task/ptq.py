@@ -5,6 +5,7 @@ come from the very function the QAT forward calls, so PTQ and QAT cannot use dif
 """
 
 import copy
+import sys
 
 from mixle._optional import require
 
@@ -100,7 +101,10 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
     count = weight_shape[0] * weight_shape[1]
     if spec.bits == 4 and count % 2 and int(codes[-1]) >> 4:
         raise ValueError(f"{name}: the pad nibble after the last of {count} int4 codes is not zero: the data is corrupt")
-    want = scale_shape(spec, weight_shape)
+    try:
+        want = scale_shape(spec, weight_shape)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
     if tuple(scale.shape) != want or not scale.is_floating_point():
         raise ValueError(
             f"{name}: {spec.short()} scales of a {list(weight_shape)} weight are floats of shape {list(want)}, "
@@ -217,6 +221,21 @@ def _check_torch_model(model, purpose):
     if not isinstance(model, nn.Module):
         raise TypeError(f"{purpose} takes a torch.nn.Module, got {type(model).__name__} "
                         f"(Flax models are not supported by {purpose} yet)")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(f"{purpose} got a {type(model).__name__} wrapper, which would be copied with its "
+                        f"process group: pass the model inside it, {purpose}(model.module)")
+    if _has_sharded_parameters(model):
+        raise ValueError(
+            f"{purpose} needs the whole model in one process, but this {type(model).__name__} has sharded "
+            f"(FSDP2/DTensor) parameters: gather get_model_state_dict(model, options=StateDictOptions("
+            f"full_state_dict=True, cpu_offload=True)), load it with strict=True into an unsharded copy of "
+            f"the model (apply_qat with the same spec) on rank 0, and call {purpose} on that"
+        )
+
+
+def _has_sharded_parameters(model):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in model.parameters())
 
 
 def _convert_in_place(model):

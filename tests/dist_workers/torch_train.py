@@ -52,19 +52,31 @@ def train(mode, out):
             result[f"probe_logits/{'on' if enabled else 'off'}"] = engine(probe_batch())
     set_fake_quant_enabled(engine, True)
 
-    if mode == "ddp":
-        from mixle.task.quantize import convert
+    from mixle.models.qat import get_qat_report
+    from mixle.task.quantize import convert
 
+    try:
+        convert(engine)
+    except (TypeError, ValueError) as error:
+        result["convert_engine_error"] = f"{type(error).__name__}: {error}"
+    if mode == "ddp":
+        result["report"] = str(get_qat_report(engine))
         result["state_dict"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         converted = convert(engine.module)
-        with torch.no_grad():
-            result["probe_logits/converted"] = converted(probe_batch())
-        result["converted_state_dict"] = converted.state_dict()
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         result["state_dict"] = get_model_state_dict(engine, options=options)  # full on rank 0 only
+        converted = None
+        if rank == 0:
+            unsharded = make_model()
+            unsharded.load_state_dict(result["state_dict"], strict=True)
+            converted = convert(unsharded)
+    if converted is not None:
+        with torch.no_grad():
+            result["probe_logits/converted"] = converted(probe_batch())
+        result["converted_state_dict"] = converted.state_dict()
     torch.save(result, f"{out}/rank{rank}.pt")
 
 
