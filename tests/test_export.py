@@ -1,0 +1,389 @@
+"""Real byte counts, and save/load of quantized models: bit-exact, tie-preserving, tamper-evident."""
+
+import hashlib
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+from torch import nn
+
+from mixle.models.qat import apply_qat
+from mixle.task.export import MANIFEST_KEY, read_manifest, read_safetensors, write_safetensors
+from mixle.task.quantize import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantSpec,
+    convert,
+    load_quantized,
+    model_nbytes,
+    quantize_model,
+    save_quantized,
+)
+from tests.test_ptq_convert import TinyCausalLM, lm_batch, make_lm, make_mlp, mlp_batch
+
+
+def float_weight_bytes(model, names):
+    return sum(model.get_submodule(n).weight.numel() * 4 for n in names)
+
+
+MLP_LAYERS = ("0", "2")
+LM_LAYERS = ("q", "k", "v", "o", "fc1", "fc2", "head")  # head is tied to tok: one table
+
+
+# ----------------------------------------------------------------------------------------------
+# model_nbytes
+
+
+def test_model_nbytes_of_a_float_model_counts_every_tensor_once():
+    model = make_lm()
+    unique = {id(p): p for p in model.parameters()}
+    assert model_nbytes(model).float_bytes == sum(p.numel() * 4 for p in unique.values())
+    assert model_nbytes(model).total == model_nbytes(model).float_bytes
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_int4_weights_are_an_eighth_of_fp32_plus_scales(kind):
+    model, layers = (make_mlp(), MLP_LAYERS) if kind == "mlp" else (make_lm(), LM_LAYERS)
+    quantized = quantize_model(model, bits=4)
+    nb = model_nbytes(quantized)
+    shapes = [tuple(model.get_submodule(n).weight.shape) for n in layers]
+    assert nb.int4_code_bytes == sum(math.ceil(o * i / 2) for o, i in shapes)
+    assert nb.scale_bytes == sum(o * 4 for o, _ in shapes)  # one fp32 scale per output channel
+    assert nb.int8_code_bytes == 0
+    target = float_weight_bytes(model, layers) / 8 + nb.scale_bytes
+    assert abs(nb.int4_code_bytes + nb.scale_bytes - target) <= 0.02 * target
+    # Everything else stays fp32: biases, norms, the untied position table.
+    quantized_weights = {id(model.get_submodule(n).weight) for n in layers}
+    rest = {id(p): p for p in model.parameters() if id(p) not in quantized_weights}
+    assert nb.float_bytes == sum(p.numel() * 4 for p in rest.values())
+
+
+def test_int8_and_group_scales_are_counted():
+    model = make_mlp()
+    nb = model_nbytes(quantize_model(model, bits=8, group_size=16))
+    assert nb.int8_code_bytes == 32 * 64 + 64 * 10
+    assert nb.scale_bytes == (32 * 64 + 64 * 10) // 16 * 4
+    assert nb.as_dict()["total"] == nb.total == nb.float_bytes + nb.int8_code_bytes + nb.scale_bytes
+
+
+def test_model_nbytes_refuses_non_modules():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        model_nbytes({"w": torch.zeros(2)})
+
+
+# ----------------------------------------------------------------------------------------------
+# save -> load
+
+
+def assert_same_model(a, b):
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+    assert [type(m) for m in a.modules()] == [type(m) for m in b.modules()]
+    for (_, ma), (_, mb) in zip(a.named_modules(), b.named_modules()):
+        if isinstance(ma, (QuantizedLinear, QuantizedEmbedding)):
+            assert ma.spec == mb.spec and ma.weight_shape == mb.weight_shape
+
+
+@pytest.fixture
+def lm_file(tmp_path):
+    model = quantize_model(make_lm(), bits=4, group_size=8)
+    path = tmp_path / "lm.safetensors"
+    manifest = save_quantized(model, path)
+    return model, path, manifest
+
+
+def test_save_load_round_trip_is_bit_exact_and_keeps_the_tie(lm_file):
+    model, path, manifest = lm_file
+    loaded = load_quantized(path, make_lm(seed=7))
+    assert_same_model(model, loaded)
+    assert loaded.head.codes is loaded.tok.codes and loaded.head.scale is loaded.tok.scale
+    with torch.no_grad():
+        assert torch.equal(loaded(lm_batch()), model(lm_batch()))
+    assert manifest["aliases"] == {"head.codes": "tok.codes", "head.scale": "tok.scale"}
+    assert manifest["nbytes"] == model_nbytes(model).as_dict() == model_nbytes(loaded).as_dict()
+
+
+@pytest.mark.parametrize(
+    "spec_args",
+    [dict(bits=8), dict(bits=4, grid="qwix", clip_percentile=99.5), dict(bits=4, granularity="tensor"),
+     dict(bits=4, patterns=(("fc1", QuantSpec(bits=8)), ".*"), exclude=("head",))],
+    ids=["int8", "qwix-p99.5", "tensor", "mixed-bits-float-head"],
+)
+def test_round_trip_for_other_specs(tmp_path, spec_args):
+    model = make_lm()
+    quantized = quantize_model(model, **spec_args)
+    save_quantized(quantized, tmp_path / "m.safetensors")
+    loaded = load_quantized(tmp_path / "m.safetensors", make_lm(seed=3))
+    assert_same_model(quantized, loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(lm_batch()), quantized(lm_batch()))
+    if "exclude" in spec_args:
+        assert loaded.head.weight is loaded.tok.weight  # the float tie is the skeleton's, values loaded
+
+
+def test_convert_after_qat_round_trips_a_wrapped_mlp(tmp_path):
+    qat = apply_qat(make_mlp(), bits=4, group_size=8).eval()
+    converted = convert(qat)
+    save_quantized(converted, tmp_path / "mlp.safetensors")
+    loaded = load_quantized(tmp_path / "mlp.safetensors", make_mlp(seed=5))
+    with torch.no_grad():
+        assert torch.equal(loaded(mlp_batch()), qat(mlp_batch()))
+
+
+def test_bfloat16_models_round_trip(tmp_path):
+    model = make_mlp().to(torch.bfloat16)
+    quantized = quantize_model(model, bits=4)
+    assert quantized[0].scale.dtype == torch.bfloat16
+    save_quantized(quantized, tmp_path / "bf16.safetensors")
+    assert_same_model(quantized, load_quantized(tmp_path / "bf16.safetensors", make_mlp().to(torch.bfloat16)))
+    theirs = safetensors.torch.load_file(tmp_path / "bf16.safetensors")
+    assert theirs["0.scale"].dtype == torch.bfloat16 and torch.equal(theirs["0.scale"], quantized[0].scale)
+
+
+def test_load_leaves_the_skeleton_untouched(lm_file):
+    _, path, _ = lm_file
+    skeleton = make_lm(seed=9)
+    before = {k: v.clone() for k, v in skeleton.state_dict().items()}
+    load_quantized(path, skeleton)
+    assert isinstance(skeleton.fc1, nn.Linear) and not isinstance(skeleton.fc1, QuantizedLinear)
+    assert all(torch.equal(before[k], v) for k, v in skeleton.state_dict().items())
+
+
+def test_the_safetensors_package_reads_the_file_identically(lm_file):
+    model, path, manifest = lm_file
+    mine, metadata = read_safetensors(path)
+    theirs = safetensors.numpy.load_file(path)
+    assert sorted(mine) == sorted(theirs) == sorted(manifest["tensors"])
+    for name, array in theirs.items():
+        assert array.dtype == mine[name].dtype and array.shape == mine[name].shape
+        assert array.tobytes() == mine[name].tobytes()
+        assert hashlib.sha256(array.tobytes()).hexdigest() == manifest["tensors"][name]["sha256"]
+    state = model.state_dict()
+    for name, tensor in safetensors.torch.load_file(path).items():
+        assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name])
+    with safetensors.safe_open(path, "np") as handle:
+        assert json.loads(handle.metadata()[MANIFEST_KEY]) == manifest == json.loads(metadata[MANIFEST_KEY])
+    # The data section holds exactly the model's bytes: no pickle, nothing duplicated for the tie.
+    raw = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    assert len(raw) - 8 - header_size == model_nbytes(model).total
+    assert b"\x80\x04" not in raw[:2] and raw[8:9] == b"{"
+
+
+def test_numpy_writer_and_package_writer_agree(tmp_path):
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([-1, 7], np.int8),
+              "c": np.array(3.5, np.float64), "d": np.array([True, False])}
+    write_safetensors(tmp_path / "mine.safetensors", arrays, {"k": "v"})
+    theirs = safetensors.numpy.load_file(tmp_path / "mine.safetensors")
+    safetensors.numpy.save_file(arrays, tmp_path / "theirs.safetensors", metadata={"k": "v"})
+    mine, metadata = read_safetensors(tmp_path / "theirs.safetensors")
+    assert metadata == {"k": "v"}
+    for name, array in arrays.items():
+        for other in (theirs[name], mine[name]):
+            assert other.dtype == array.dtype and other.shape == array.shape
+            np.testing.assert_array_equal(other, array)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corrupt, truncated and tampered files
+
+
+def test_every_flipped_bit_is_rejected(tmp_path):
+    model = quantize_model(nn.Sequential(nn.Linear(6, 3), nn.ReLU(), nn.Linear(3, 2)), bits=4)
+    path = tmp_path / "small.safetensors"
+    save_quantized(model, path)
+    good = path.read_bytes()
+    skeleton = nn.Sequential(nn.Linear(6, 3), nn.ReLU(), nn.Linear(3, 2))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(good)
+    accepted = []
+    with open(bad, "r+b") as handle:  # flip in place: reopening the file each time is the slow part
+        for position in range(len(good)):
+            for bit in (0x01, 0x80):
+                handle.seek(position)
+                handle.write(bytes([good[position] ^ bit]))
+                handle.flush()
+                try:
+                    load_quantized(bad, skeleton)
+                    accepted.append((position, bit))
+                except ValueError:
+                    pass
+            handle.seek(position)
+            handle.write(good[position : position + 1])
+    assert accepted == []
+    assert_same_model(model, load_quantized(path, skeleton))
+
+
+def test_a_flipped_data_byte_names_the_tensor(lm_file):
+    _, path, manifest = lm_file
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="fails its sha256 check: the file is corrupt"):
+        load_quantized(path, make_lm())
+
+
+def test_truncated_files_are_rejected(lm_file, tmp_path):
+    _, path, _ = lm_file
+    good = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", good[:8])
+    cut = tmp_path / "cut.safetensors"
+    for length in (0, 5, 8, 9, 8 + header_size // 2, 8 + header_size, 8 + header_size + 3, len(good) - 1):
+        cut.write_bytes(good[:length])
+        with pytest.raises(ValueError, match="truncated"):
+            load_quantized(cut, make_lm())
+    cut.write_bytes(good + b"\0")
+    with pytest.raises(ValueError, match="unexpected bytes"):
+        load_quantized(cut, make_lm())
+
+
+def resign(path, edit_manifest=None, edit_tensors=None):
+    """Rewrite a file with the safetensors package, after edits, with valid hashes everywhere.
+
+    This is what a buggy or malicious writer could produce: every checksum agrees, so only the
+    structural checks of load_quantized stand between the file and a wrong model.
+    """
+    tensors = safetensors.numpy.load_file(path)
+    with safetensors.safe_open(path, "np") as handle:
+        manifest = json.loads(handle.metadata()[MANIFEST_KEY])
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_manifest:
+        edit_manifest(manifest)
+    for name, array in tensors.items():
+        manifest["tensors"][name]["sha256"] = hashlib.sha256(array.tobytes()).hexdigest()
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    manifest["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    safetensors.numpy.save_file(tensors, path, metadata={MANIFEST_KEY: json.dumps(manifest)})
+
+
+def layer(manifest, path):
+    return next(entry for entry in manifest["layers"] if entry["path"] == path)
+
+
+def test_resigning_an_unchanged_file_still_loads(lm_file):
+    model, path, _ = lm_file
+    resign(path)  # the package's writer, our checksums: proves the tampering tests below are fair
+    assert_same_model(model, load_quantized(path, make_lm()))
+
+
+def test_an_edited_manifest_without_a_new_hash_is_rejected(lm_file):
+    _, path, _ = lm_file
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'\\"bits\\": 4', b'\\"bits\\": 8', 1))
+    with pytest.raises(ValueError, match="manifest fails its sha256 check"):
+        load_quantized(path, make_lm())
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda m: layer(m, "fc1").update(weight_shape=[64, 32]), r"layer 'fc1'.*needs torch.uint8 codes of shape \[1024\]"),
+        (lambda m: layer(m, "fc1").update(bits=8, spec={**layer(m, "fc1")["spec"], "bits": 8}),
+         r"layer 'fc1'.*bits=8 .*needs torch.int8 codes of shape \[128, 32\], got torch.uint8"),
+        (lambda m: layer(m, "q").update(bits=8), r"layer 'q'.*bits=8 disagrees with its spec's bits=4"),
+        (lambda m: m.update(format_version=2), "format_version 2 is not the version 1"),
+        (lambda m: layer(m, "q").update(spec={**layer(m, "q")["spec"], "group_size": 5}), "layer 'q'.*group_size=5 does not divide"),
+        (lambda m: m["aliases"].update({"head.codes": "q.codes"}), r"layer 'head'.*needs torch.uint8 codes of shape \[1536\]"),
+        (lambda m: m["layers"].pop(), "does not fit this model"),
+    ],
+    ids=["shape", "bits-and-spec", "bits-only", "version", "group-size", "alias", "missing-layer"],
+)
+def test_a_manifest_that_disagrees_with_the_tensors_is_rejected(lm_file, edit, words):
+    _, path, _ = lm_file
+    resign(path, edit_manifest=edit)
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, make_lm())
+
+
+def test_a_manifest_tensor_shape_that_disagrees_with_the_header_is_rejected(lm_file):
+    _, path, _ = lm_file
+    resign(path, edit_manifest=lambda m: m["tensors"]["fc1.codes"].update(shape=[32, 32]))
+    with pytest.raises(ValueError, match=r"tensor 'fc1.codes' is U8 \[2048\] in the file but U8 \[32, 32\] in the manifest"):
+        load_quantized(path, make_lm())
+
+
+def set_first_byte(name, value):
+    def edit(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name].reshape(-1).view(np.uint8)[0] = value
+    return edit
+
+
+@pytest.mark.parametrize(
+    "spec,tensor,value,words",
+    [
+        (QuantSpec(bits=4), "fc1.codes", 0x08, r"codes span \[-8, .*outside the int4/channel/symmetric grid \[-7, 7\]"),
+        (QuantSpec(bits=4), "fc1.codes", 0x80, r"outside the int4/channel/symmetric grid"),
+        (QuantSpec(bits=8), "fc1.codes", 0x80, r"codes span \[-128, .*outside the int8/channel/symmetric grid \[-127, 127\]"),
+    ],
+)
+def test_out_of_range_codes_are_rejected(tmp_path, spec, tensor, value, words):
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(make_lm(), spec), path)
+    resign(path, edit_tensors=set_first_byte(tensor, value))
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, make_lm())
+
+
+def test_qwix_grid_allows_minus_eight(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(make_lm(), bits=4, grid="qwix"), path)
+    resign(path, edit_tensors=set_first_byte("fc1.codes", 0x88))
+    assert int(load_quantized(path, make_lm()).fc1.quantized_array().codes[0, 0]) == -8
+
+
+def test_odd_int4_count_needs_a_zero_pad_nibble(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(nn.Sequential(nn.Linear(3, 3)), bits=4), path)  # 9 codes, 5 bytes
+    def edit(tensors):
+        tensors["0.codes"] = tensors["0.codes"].copy()
+        tensors["0.codes"][-1] |= 0x10
+    resign(path, edit_tensors=edit)
+    with pytest.raises(ValueError, match="pad nibble"):
+        load_quantized(path, nn.Sequential(nn.Linear(3, 3)))
+
+
+def test_a_bad_scale_is_rejected(lm_file):
+    _, path, _ = lm_file
+    resign(path, edit_tensors=lambda t: t.__setitem__("q.scale", -t["q.scale"]))
+    with pytest.raises(ValueError, match="scales must be finite and positive"):
+        load_quantized(path, make_lm())
+
+
+@pytest.mark.parametrize(
+    "skeleton,words",
+    [
+        (lambda: TinyCausalLM(dim=16), r"layer 'tok'|fc1"),
+        (lambda: nn.Sequential(nn.Linear(32, 64)), "has no module"),
+        (lambda: make_lm().to(torch.float64), "float32 .* in the file, torch.float64"),
+    ],
+    ids=["other-sizes", "other-architecture", "other-dtype"],
+)
+def test_a_model_of_another_architecture_is_rejected(lm_file, skeleton, words):
+    _, path, _ = lm_file
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, skeleton())
+
+
+def test_save_and_load_refuse_the_wrong_models(tmp_path, lm_file):
+    with pytest.raises(ValueError, match="still has QAT layers: save convert"):
+        save_quantized(apply_qat(make_mlp(), bits=4), tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="no quantized layer"):
+        save_quantized(make_mlp(), tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="needs a float model"):
+        load_quantized(lm_file[1], quantize_model(make_lm()))
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_plain_safetensors_file_is_not_a_quantized_model(tmp_path):
+    safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, tmp_path / "plain.safetensors")
+    with pytest.raises(ValueError, match="not written by save_quantized"):
+        read_manifest(tmp_path / "plain.safetensors")
