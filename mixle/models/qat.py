@@ -53,7 +53,8 @@ def _backend(model, purpose):
     )
 
 
-def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=False, **spec_fields):
+def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=False, example_inputs=None,
+              **spec_fields):
     """Make a model's selected layers fake-quantize their weights for quantization-aware training.
 
     PyTorch: every selected ``nn.Linear`` is swapped in place for a ``QATWrapper`` that shares
@@ -68,6 +69,11 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=Fal
             layer, so typos fail loudly.
         exclude: regexes of module paths to keep in float; each must match a module.
         reconfigure: allow changing the spec of layers that are already wrapped.
+        example_inputs: Flax only (required there): the positional inputs of one model call,
+            e.g. ``(x,)``. The model is traced once under ``jax.grad`` (shapes only) to find which
+            kernels Qwix quantizes; the report lists every kernel as quantized or skipped and why.
+            Flax NNX models are changed in place (same object, same Params, class swapped to a
+            Qwix subclass of theirs); Linen modules come back as a new module using the same params.
 
     Returns:
         The model (for torch, the replacement if the root itself is an ``nn.Linear``). Its report
@@ -89,8 +95,13 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=Fal
     backend = _backend(model, "apply_qat")
     selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec)
     if backend.__name__.endswith("_qat_torch"):
+        if example_inputs is not None:
+            raise ValueError(
+                "example_inputs is only used for Flax models: the PyTorch backend wraps nn.Linear layers "
+                "without running the model; drop example_inputs"
+            )
         return backend.apply_qat_torch(model, selector, reconfigure)
-    return backend.apply_qat_flax(model, selector, reconfigure)
+    return backend.apply_qat_flax(model, selector, reconfigure, example_inputs)
 
 
 def set_fake_quant_enabled(model, enabled):
@@ -149,7 +160,7 @@ def fake_quantize(x, *, spec=None, **spec_fields):
 
         return fake_quantize_tensor(x, spec)
     if kind == "jax":
-        from mixle.models._qat_flax import fake_quantize_jax
+        from mixle.models._fake_quant_jax import fake_quantize_jax
 
         return fake_quantize_jax(x, spec)
     return quantize_dequantize_array(x, spec)

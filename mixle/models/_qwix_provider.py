@@ -1,0 +1,375 @@
+"""mixle's Qwix QtProvider: weight detection, percentile clipping and tied heads, with a record.
+
+Qwix intercepts ``dot_general`` / ``einsum`` / ``conv`` inside the model call and decides per op
+which operand is a weight. This subclass keeps Qwix's numerics (calibration, ``qarray``
+quantize, ``dot_general_qt``) and changes only what the measured pitfalls require:
+
+* weights are found by identity / jit lineage first and by shape only as a fallback, so an
+  activation with the shape of a kernel is not taken for a weight (Qwix would assert);
+* ``clip_percentile`` clips each weight to the percentile of its live (traced) value before
+  Qwix's absmax calibration, with a straight-through gradient;
+* ``granularity='tensor'`` is per tensor on the weight side only (activations stay per token);
+* group-wise (tiled) weights are fake-quantized with Qwix's quantizer before the matmul,
+  because Qwix's tiled ``dot_general_qt`` keeps the float weight for the input gradient;
+* ``nnx.Embed.attend`` (tied heads, a transposed weight Qwix misses under grad) is quantized
+  explicitly, and the lookups of such a tied embedding use the same quantized table;
+* every weight the provider quantized or had to leave in float is recorded for the report.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_rounding
+from qwix._src.providers import qt
+from qwix._src.utils import flax_util
+
+from mixle.task.quantize import block_shape, clip_threshold
+
+QUANTIZED = "quantized"
+FLOAT = "float"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=())
+def _straight_through(w, value):
+    """``value`` forward; the gradient goes to ``w`` unchanged (value carries none)."""
+    return value
+
+
+def _straight_through_fwd(w, value):
+    return value, None
+
+
+def _straight_through_bwd(_, grad):
+    return grad, jnp.zeros_like(grad)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def clip_live(w, contracting, spec):
+    """Clip ``w`` to ``[-c, c]``, ``c`` = spec.clip_percentile of ``|w|`` per mixle block.
+
+    ``contracting`` are the weight's input axes; the others are output axes (one block per
+    output channel, or per group of the last input axis, or one block for ``tensor``).
+    The gradient is straight-through, or masked outside ``[-c, c]`` with ``clip_gradient``.
+    """
+    out_axes = [a for a in range(w.ndim) if a not in contracting]
+    perm = out_axes + list(contracting)
+    wt = jnp.transpose(w, perm)
+    out_ndim = 0 if spec.granularity == "tensor" else len(out_axes)
+    shape = block_shape(wt.shape, spec, 0, out_ndim)
+    c = clip_threshold(wt, spec, out_ndim=out_ndim)
+    blocks = wt.reshape(shape)
+    clipped = jnp.clip(blocks, -c, c).reshape(wt.shape)
+    inverse = [perm.index(a) for a in range(w.ndim)]
+    clipped = jnp.transpose(clipped, inverse)
+    if spec.clip_gradient:
+        mask = jnp.transpose((abs(blocks) <= c).reshape(wt.shape), inverse)
+        return jnp.where(mask, w, jax.lax.stop_gradient(clipped))
+    return _straight_through(w, jax.lax.stop_gradient(clipped))
+
+
+def _path_text(path):
+    return ".".join(str(p) for p in path)
+
+
+def _own_params(module):
+    """``{name: array}`` of the Params the module owns directly (what Qwix can detect)."""
+    if isinstance(module, nn.Module):
+        return {n: flax_util.unbox(v) for n, v in module.scope._collection("params").items()
+                if isinstance(flax_util.unbox(v), jax.Array)}
+    return {n: v.get_raw_value() for n, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
+def _traced_param(x, by_id):
+    """Name of the Param ``x`` is (identity) or was derived from by unary jit ops, else None."""
+    while True:
+        if id(x) in by_id:
+            return by_id[id(x)]
+        parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
+        if parent is None or len(parent.in_tracers) != 1:
+            return None
+        x = parent.in_tracers[0]
+
+
+class QATProvider(qt.QtProvider):
+    """A Qwix ``QtProvider`` for ``MixleQtRule``s (see the module docstring).
+
+    Args:
+        rules: ``mixle.models.qwix_rules.qwix_rule(...)`` rules, first match wins.
+
+    ``disable_jit`` is always True: Qwix's patched ``dot_general`` would otherwise be baked
+    into the trace cache of jitted helpers (``jnp.dot``, ``@``) and leak into user code.
+    """
+
+    def __init__(self, rules):
+        super().__init__(rules, disable_jit=True)
+        self.records = {}  # (module path, param name) -> (QUANTIZED | FLOAT, reason)
+        self.tied = set()  # module paths of Embeds whose attend() is quantized
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _record(self, module_path, name, state, reason=""):
+        key = (module_path, name)
+        if self.records.get(key, (None,))[0] == FLOAT and state == QUANTIZED:
+            return  # a weight left in float by one op stays reported as float
+        self.records[key] = (state, reason)
+
+    def _module_and_path(self):
+        module = flax_util.get_current_module()
+        return module, _path_text(flax_util.get_current_module_path())
+
+    def _find_weight(self, module, lhs, rhs):
+        """``('lhs' | 'rhs' | None, param name)``: which operand is a weight of ``module``."""
+        params = _own_params(module)
+        by_id = {id(v): n for n, v in params.items()}
+        strong = [_traced_param(lhs, by_id), _traced_param(rhs, by_id)]
+        if strong[0] and strong[1]:
+            return None, None  # a product of two weights (e.g. a regulariser): keep it float
+        if strong[0] or strong[1]:
+            return ("lhs", strong[0]) if strong[0] else ("rhs", strong[1])
+        weak = [flax_util.find_param(lhs), flax_util.find_param(rhs)]
+        if weak[0] and weak[1]:
+            raise ValueError(
+                f"in module {self._module_and_path()[1]!r} both operands of a matmul have the shape of "
+                f"a parameter ({weak[0]!r}: {lhs.shape}, {weak[1]!r}: {rhs.shape}) and neither is the "
+                f"parameter itself, so the weight cannot be told from the activation: use an input "
+                f"whose shape differs from the weights, or contract the parameter value directly"
+            )
+        if weak[0] or weak[1]:
+            return ("lhs", weak[0]) if weak[0] else ("rhs", weak[1])
+        return None, None
+
+    # -- dot_general / einsum -----------------------------------------------------------------
+
+    def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    *, out_sharding=None):
+        rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        plain = functools.partial(jax.lax.dot_general, lhs, rhs, dimension_numbers, precision=precision,
+                                  preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        if rule is None or rule.weight_qtype is None:
+            return plain()
+        return self._quantized_dot(rule, lhs, rhs, dimension_numbers, plain)
+
+    def einsum(self, einsum_str, *operands, precision=None, preferred_element_type=None,
+               _dot_general=jax.lax.dot_general, out_sharding=None):
+        rule, op_id = self._get_current_rule_and_op_id("einsum")
+        kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        if rule is None or rule.weight_qtype is None or len(operands) != 2:
+            return jnp.einsum(einsum_str, *operands, _dot_general=_dot_general, **kwargs)
+
+        def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+            plain = functools.partial(jax.lax.dot_general, lhs, rhs, dimension_numbers, precision=precision,
+                                      preferred_element_type=preferred_element_type, **kw)
+            return self._quantized_dot(rule, lhs, rhs, dimension_numbers, plain)
+
+        with jax.disable_jit():
+            return jnp.einsum(einsum_str, *operands, _dot_general=quantized_dot_general, **kwargs)
+
+    def _quantized_dot(self, rule, lhs, rhs, dimension_numbers, plain, weight=None):
+        spec = rule.spec
+        module, path = self._module_and_path()
+        side, name = weight if weight else self._find_weight(module, lhs, rhs)
+        if side is None and rule.act_qtype is None:
+            return plain()
+        (lhs_ca, rhs_ca), _ = dimension_numbers
+        w = {"lhs": lhs, "rhs": rhs}.get(side)
+        contracting = lhs_ca if side == "lhs" else rhs_ca
+        weight_qtype = None
+        tile_size = spec.group_size if spec.granularity == "group" else None
+        if side is not None:
+            if tile_size is not None and len(contracting) != 1:
+                self._record(path, name, FLOAT, (
+                    f"group_size needs one input axis, but this weight is contracted over {len(contracting)} "
+                    f"axes {tuple(contracting)}: give it granularity='channel' with a (regex, spec) pattern"))
+                return plain()
+            if tile_size is not None:
+                # Raises mixle's message (naming divisors) when group_size does not divide the input.
+                try:
+                    block_shape((w.shape[contracting[0]],), spec, 0, 0)
+                except ValueError as err:
+                    raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
+            if spec.clip_percentile is not None and spec.clip_percentile < 100:
+                w = clip_live(w, contracting, spec)
+            if tile_size is not None:
+                w = self._fake_quantize_tiled(w, contracting, rule)
+            else:
+                weight_qtype = rule.weight_qtype
+            self._record(path, name, QUANTIZED)
+            lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
+        config = self._config(rule, side, weight_qtype, tile_size)
+        return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
+
+    def _weight_calibration(self, spec):
+        if spec.grid == "symmetric":
+            return f"absmax,{(spec.qmax + 0.5) / spec.qmax!r}"
+        return spec.calibration or "absmax"
+
+    def _fake_quantize_tiled(self, w, contracting, rule):
+        """Qwix's group-wise quantize-dequantize of a weight, straight-through gradient."""
+        spec = rule.spec
+        channelwise = [a for a in range(w.ndim) if a not in contracting]
+        how = qarray.HowToQuantize(qtype=rule.weight_qtype, channelwise_axes=channelwise,
+                                   tiled_axes={contracting[-1]: spec.group_size},
+                                   calibration_method=self._weight_calibration(spec))
+        deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(w), how))
+        return _straight_through(w, deq)
+
+    def _config(self, rule, side, weight_qtype, tile_size):
+        spec = rule.spec
+        act_qtype, act_method = rule.act_qtype, rule.act_calibration_method
+        tensor = spec.granularity == "tensor"
+        per_side = {}
+        for s in ("lhs", "rhs"):
+            is_weight = s == side
+            per_side[s] = dict(
+                qtype=weight_qtype if is_weight else act_qtype,
+                method=self._weight_calibration(spec) if is_weight else act_method,
+                disable=tensor and is_weight,
+            )
+        noise_fn = None
+        if rule.bwd_qtype is not None and rule.bwd_stochastic_rounding is not None:
+            noise_fn = stochastic_rounding.get_noise_fn(
+                method=rule.bwd_stochastic_rounding,
+                key=flax_util.make_rng("stochastic_rounding"),
+                channelwise_noise_axes=rule.channelwise_noise_axes,
+            )
+        return dot_general_qt.DotGeneralQtConfig(
+            lhs_qtype=per_side["lhs"]["qtype"],
+            rhs_qtype=per_side["rhs"]["qtype"],
+            tile_size=tile_size if act_qtype is not None else None,
+            lhs_calibration_method=per_side["lhs"]["method"] or "absmax",
+            rhs_calibration_method=per_side["rhs"]["method"] or "absmax",
+            lhs_disable_channelwise_axes=per_side["lhs"]["disable"],
+            rhs_disable_channelwise_axes=per_side["rhs"]["disable"],
+            dlhs_grad_qtype=rule.bwd_qtype,
+            dlhs_grad_calibration_method=rule.bwd_calibration_method,
+            dlhs_stochastic_rounding_noise_fn=noise_fn,
+            drhs_grad_qtype=rule.bwd_qtype,
+            drhs_grad_calibration_method=rule.bwd_calibration_method,
+            drhs_stochastic_rounding_noise_fn=noise_fn,
+            use_original_residuals=False,  # textbook STE: dx = g @ q(W)^T
+        )
+
+    # -- conv and ragged_dot ------------------------------------------------------------------
+
+    def conv_general_dilated(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                             dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                             precision=None, preferred_element_type=None, out_sharding=None):
+        rule, _ = self._get_current_rule_and_op_id("conv_general_dilated", only_rule=True)
+        geometry = (window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                    feature_group_count, batch_group_count)
+
+        def plain(rhs=rhs):
+            return jax.lax.conv_general_dilated(lhs, rhs, *geometry, precision=precision,
+                                                preferred_element_type=preferred_element_type,
+                                                out_sharding=out_sharding)
+
+        if rule is None or rule.weight_qtype is None:
+            return plain()
+        spec = rule.spec
+        module, path = self._module_and_path()
+        side, name = self._find_weight(module, lhs, rhs)
+        if side != "rhs":
+            return plain()
+        if spec.granularity == "group":
+            self._record(path, name, FLOAT, "Qwix's convolution has no group-wise (tiled) scales: "
+                                            "give this layer granularity='channel' with a (regex, spec) pattern")
+            return plain()
+        dnums = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        if spec.clip_percentile is not None and spec.clip_percentile < 100:
+            rhs = clip_live(rhs, [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]], spec)
+        self._record(path, name, QUANTIZED)
+        config = conv_general_qt.ConvGeneralQtConfig(
+            lhs_qtype=rule.act_qtype,
+            rhs_qtype=rule.weight_qtype,
+            lhs_calibration_method=rule.act_calibration_method or "absmax",
+            rhs_calibration_method=self._weight_calibration(spec),
+            rhs_disable_channelwise_axes=spec.granularity == "tensor",
+            dlhs_grad_qtype=rule.bwd_qtype,
+            drhs_grad_qtype=rule.bwd_qtype,
+            dlhs_grad_calibration_method=rule.bwd_calibration_method,
+            drhs_grad_calibration_method=rule.bwd_calibration_method,
+        )
+        # Qwix's conv QT keeps the quantized operands as residuals: the textbook STE already.
+        return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
+                                               rhs_dilation, dimension_numbers, feature_group_count,
+                                               batch_group_count, out_sharding)
+
+    def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
+        rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
+        if rule is not None and rule.weight_qtype is not None:
+            spec = rule.spec
+            module, path = self._module_and_path()
+            name = flax_util.find_param(rhs)
+            if name is not None and (spec.grid != "qwix" or spec.granularity != "channel"
+                                     or spec.clip_percentile is not None or spec.calibration is not None):
+                self._record(path, name, FLOAT, (
+                    "Qwix's ragged_dot has no calibration, tiling or per-tensor option, so "
+                    f"{spec.short()} cannot be honoured: use grid='qwix' per channel for this layer"))
+                rule = None
+            elif name is not None:
+                self._record(path, name, QUANTIZED)
+        if rule is None or rule.weight_qtype is None:
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                      preferred_element_type=preferred_element_type, group_offset=group_offset)
+        return super().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset)
+
+    # -- tied embeddings ----------------------------------------------------------------------
+
+    def get_intercept_map(self):
+        mapping = super().get_intercept_map()
+        mapping["flax.nnx.nn.linear.Embed.attend"] = _attend_handler(self)
+        mapping["flax.nnx.nn.linear.Embed.__call__"] = _lookup_handler(self)
+        return mapping
+
+    def attend(self, embed, query, out_sharding):
+        rule, _ = self._get_current_rule_and_op_id("dot_general")
+        if rule is None or rule.weight_qtype is None:
+            return nnx.Embed.attend(embed, query, out_sharding=out_sharding)  # the original (interceptor off)
+        query, table = embed.promote_dtype((query, embed.embedding.get_raw_value()), dtype=embed.dtype)
+        numbers = (((query.ndim - 1,), (1,)), ((), ()))
+        plain = functools.partial(jax.lax.dot_general, query, table, numbers)
+        out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))
+        if self.records.get((self._module_and_path()[1], "embedding"), (None,))[0] == QUANTIZED:
+            self.tied.add(self._module_and_path()[1])
+        return out
+
+    def lookup(self, embed, inputs, out_sharding):
+        path = _path_text(embed.qwix_path)
+        rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
+        if path not in self.tied or rule is None or rule.weight_qtype is None:
+            return nnx.Embed.__call__(embed, inputs, out_sharding=out_sharding)
+        table = embed.embedding.get_raw_value()
+        if rule.spec.clip_percentile is not None and rule.spec.clip_percentile < 100:
+            table = clip_live(table, (1,), rule.spec)
+        if rule.spec.granularity == "group":
+            table = self._fake_quantize_tiled(table, (1,), rule)
+        else:
+            how = qarray.HowToQuantize(qtype=rule.weight_qtype,
+                                       channelwise_axes=[] if rule.spec.granularity == "tensor" else [0],
+                                       calibration_method=self._weight_calibration(rule.spec))
+            deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
+            table = _straight_through(table, deq)
+        (table,) = embed.promote_dtype((table,), dtype=embed.dtype, inexact=False)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        return jnp.take(table, inputs, axis=0)
+
+
+def _attend_handler(provider):
+    def attend(self, query, out_sharding=None):  # `self` (the Embed) is how Qwix finds the module
+        return provider.attend(self, query, out_sharding)
+
+    return attend
+
+
+def _lookup_handler(provider):
+    def __call__(self, inputs, out_sharding=None):  # noqa: N807 - `self` names the Embed for Qwix
+        return provider.lookup(self, inputs, out_sharding)
+
+    return __call__
