@@ -6,13 +6,14 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
-from mixle.models.qat import set_fake_quant_enabled
-from tests.dist_workers.launch import WorkersFailed, alive, run_bounded, torchrun_command, worker_env
+torch = pytest.importorskip("torch")
+
+from mixle.models.qat import set_fake_quant_enabled  # noqa: E402
+from tests.dist_workers.launch import WorkersFailed, alive, run_bounded, torchrun_command, worker_env  # noqa: E402
 from tests.dist_workers.torch_setup import QAT_SCHEDULE, loss_fn, make_batches, make_model, make_optimizer, \
-    probe_batch
-from tests.test_numerics import reference_codes_scales
+    probe_batch  # noqa: E402
+from tests.test_numerics import reference_codes_scales  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="this torch build has no gloo backend")

@@ -56,6 +56,7 @@ def run_bounded(command, *, env, timeout, workdir):
     (workdir / "pids").mkdir(parents=True, exist_ok=True)
     log_path = workdir / "output.log"
     with open(log_path, "wb") as log:
+        command = [str(part) for part in command]
         proc = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
