@@ -387,3 +387,23 @@ def test_a_plain_safetensors_file_is_not_a_quantized_model(tmp_path):
     safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match="not written by save_quantized"):
         read_manifest(tmp_path / "plain.safetensors")
+
+
+def test_the_package_causal_lm_converts_saves_and_loads_exactly(tmp_path):
+    transformer = pytest.importorskip("mixle.models.transformer")
+    build = lambda: transformer.build_causal_lm(vocab=64, d_model=32, n_layer=1, n_head=2, block=16)
+    torch.manual_seed(0)
+    qat = apply_qat(build(), bits=4, group_size=16).eval()
+    converted = convert(qat)
+    ids = lm_batch(vocab=64)
+    with torch.no_grad():
+        assert torch.equal(converted(ids, all_positions=True), qat(ids, all_positions=True))
+    save_quantized(converted, tmp_path / "lm.safetensors")
+    loaded = load_quantized(tmp_path / "lm.safetensors", build())
+    assert loaded.head.codes is loaded.tok.codes
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, all_positions=True), qat(ids, all_positions=True))
+    nb = model_nbytes(loaded)
+    names = [path for path, m in qat.named_modules() if isinstance(m, nn.Linear)]
+    fp32 = float_weight_bytes(qat, names)
+    assert abs(nb.int4_code_bytes + nb.scale_bytes - (fp32 / 8 + nb.scale_bytes)) <= 0.02 * (fp32 / 8 + nb.scale_bytes)
