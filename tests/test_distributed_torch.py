@@ -198,8 +198,8 @@ def test_hung_workers_are_killed_at_the_deadline(tmp_path):
     command = torchrun_command(WORKER, 2, "hang", tmp_path, 600)
     start = time.monotonic()
     with pytest.raises(WorkersFailed, match="deadline"):
-        run_bounded(command, env=worker_env(), timeout=8, workdir=tmp_path)
-    assert time.monotonic() - start < 20
+        run_bounded(command, env=worker_env(), timeout=15, workdir=tmp_path)  # room to start under load
+    assert time.monotonic() - start < 30
     pids = [int(path.stem) for path in (tmp_path / "pids").glob("*.pid")]
     assert len(pids) == 2  # both ranks had started
     deadline = time.monotonic() + 5
