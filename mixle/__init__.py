@@ -10,6 +10,11 @@ _LAZY = {
     "fake_quantize_int4": "mixle.models.qat",
     "QATWrapper": "mixle.models.qat",
     "get_qat_report": "mixle.models.qat",
+    "quantize_model": "mixle.task.quantize",
+    "convert": "mixle.task.quantize",
+    "model_nbytes": "mixle.task.quantize",
+    "save_quantized": "mixle.task.quantize",
+    "load_quantized": "mixle.task.quantize",
 }
 
 __all__ = ["__version__", *_LAZY]
