@@ -19,7 +19,7 @@ from mixle.experimental.program.lora import (
 from mixle.models.qat import QATWrapper, QuantSpec, apply_qat, get_qat_report, set_fake_quant_enabled
 from tests.test_numerics import reference_codes_scales
 from tests.test_optional_imports import BLOCK, run_python
-from tests.test_qat_torch import TinyLM, ids, make_lm
+from tests.test_qat_torch import ids, make_lm
 
 BODY = ("body.0", "body.2")
 
@@ -79,6 +79,9 @@ def test_adapters_start_as_exact_noop_and_only_they_train():
     assert [k for k in keys if "lora" not in k] == base_keys
     assert sorted(k for k in keys if "lora" in k) == [f"{p}.{n}" for p in BODY for n in ("lora_A", "lora_B")]
     assert model.body[0].lora_A.shape == (4, 16) and model.body[0].lora_B.shape == (32, 4)
+    missing, unexpected = model.load_state_dict(make_lm(seed=2).state_dict(), strict=False)  # a base checkpoint
+    assert unexpected == [] and sorted(missing) == sorted(k for k in keys if "lora" in k)
+    model.load_state_dict(make_lm().state_dict(), strict=False)
     bound = 1 / np.sqrt(16)
     assert model.body[0].lora_A.abs().max() <= bound and not model.body[0].lora_B.any()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -268,6 +271,24 @@ def test_optimizer_built_after_lora_keeps_training_after_qat():
     model(ids()).square().mean().backward()
     opt.step()
     assert not torch.equal(model.body[2].lora_B, before)
+
+
+def test_apply_qat_reconfigure_keeps_the_adapters():
+    model = lora_then_qat()
+    adapters = [id(p) for p in lora_parameters(model)]
+    apply_qat(model, bits=8, group_size=8, reconfigure=True)
+    assert model.body[0].spec == QuantSpec(bits=8, group_size=8) and type(model.body[0]) is QATLoRALinear
+    assert [id(p) for p in lora_parameters(model)] == adapters
+    with pytest.raises(ValueError, match="group_size=5 does not divide"):
+        apply_qat(model, bits=8, group_size=5, reconfigure=True)
+
+
+def test_convert_refuses_unmerged_adapters():
+    from mixle.task.quantize import convert
+
+    model = qat_then_lora()
+    with pytest.raises(ValueError, match="merge_lora"):
+        convert(model)
 
 
 # ------------------------------------------------------------------------------------ merge
