@@ -124,11 +124,15 @@ def _decisions(plan, provider, previous, reconfigure):
                 f"{plan.reasons[owner]}, but no matmul or conv of module {owner or '<root>'!r} used this "
                 f"{'x'.join(map(str, shape))} weight directly under jax.grad (Qwix only quantizes a Param "
                 f"that its own module contracts: not one sliced, transposed or used from another module)")
-            decisions.append(LayerDecision(path=full, kind=kind, action="skipped", reason=why))
+            notes = sorted(provider.notes.get((owner, name), ()))
+            decisions.append(LayerDecision(path=full, kind=kind, action="skipped", reason=why, note="; ".join(notes)))
             continue
         old = previous.get(owner)
         action = "wrapped" if old is None else ("unchanged" if old == spec else "reconfigured")
-        note = "tied: embedding lookups use the same quantized table" if owner in provider.tied else ""
+        notes = sorted(provider.notes.get((owner, name), ()))
+        if owner in provider.tied:
+            notes.insert(0, "tied: embedding lookups use the same quantized table")
+        note = "; ".join(notes)
         decisions.append(LayerDecision(path=full, kind=kind, action=action, reason=plan.reasons[owner],
                                        spec=spec, note=note))
     return decisions
@@ -188,12 +192,15 @@ def _needs_rng(specs):
 
 
 def _probe_nnx(model, inputs):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, state = nnx.split(model)
 
-    def loss(params, rest):
-        return _scalar(nnx.merge(graphdef, params, rest)(*inputs))
+    def probe(state):
+        # Abstract (eval_shape) and on a merged copy: no compute, and BatchNorm statistics or RNG
+        # counters of the user's model are not advanced.
+        copy = nnx.merge(graphdef, state)
+        nnx.grad(lambda m: _scalar(m(*inputs)))(copy)
 
-    jax.eval_shape(jax.grad(loss), params, rest)
+    jax.eval_shape(probe, state)
 
 
 def _apply_nnx(model, selector, reconfigure, inputs):

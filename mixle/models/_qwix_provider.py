@@ -110,6 +110,37 @@ class QATProvider(qt.QtProvider):
         super().__init__(rules, disable_jit=True)
         self.records = {}  # (module path, param name) -> (QUANTIZED | FLOAT, reason)
         self.tied = set()  # module paths of Embeds whose attend() is quantized
+        self.notes = {}  # (module path, param name) -> set of remarks for the report
+        self._root = None
+        self._params_by_id = None
+
+    def process_model_inputs(self, model, model_args, model_kwargs):
+        self._root, self._params_by_id = model, None
+        return super().process_model_inputs(model, model_args, model_kwargs)
+
+    def _foreign_weight(self, x, current):
+        """``(owner, name)`` if ``x`` is a Param of another NNX module than ``current``, else None."""
+        if self._params_by_id is None:
+            self._params_by_id = {}
+            if isinstance(self._root, nnx.Module):
+                for path, node in nnx.iter_graph(self._root):
+                    if isinstance(node, nnx.Param):
+                        self._params_by_id[id(node.get_raw_value())] = (_path_text(path[:-1]), str(path[-1]))
+        found = self._params_by_id.get(id(x))
+        return found if found is not None and found[0] != current else None
+
+    def _note_foreign(self, *operands):
+        """Record a Param of another module used in a matmul here: Qwix leaves that use in float."""
+        try:
+            _, current = self._module_and_path()
+        except (ValueError, AttributeError):
+            return
+        for x in operands:
+            found = self._foreign_weight(x, current)
+            if found is not None:
+                self.notes.setdefault(found, set()).add(
+                    f"also used directly by module {current or '<root>'!r}, where it stays float "
+                    f"(Qwix quantizes a weight only in the module that owns it)")
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -133,6 +164,12 @@ class QATProvider(qt.QtProvider):
         if strong[0] or strong[1]:
             return ("lhs", strong[0]) if strong[0] else ("rhs", strong[1])
         weak = [flax_util.find_param(lhs), flax_util.find_param(rhs)]
+        if weak[0] and weak[1] and weak[0] == weak[1]:
+            # An activation shaped like the kernel, and a kernel cast (e.g. to bf16) so it is no longer
+            # the Param itself: flax layers put the kernel on the right, so that one is the weight.
+            self.notes.setdefault((self._module_and_path()[1], weak[1]), set()).add(
+                "told from a same-shaped activation by position (flax layers put the kernel on the right)")
+            return "rhs", weak[1]
         if weak[0] and weak[1]:
             raise ValueError(
                 f"in module {self._module_and_path()[1]!r} both operands of a matmul have the shape of "
@@ -152,6 +189,7 @@ class QATProvider(qt.QtProvider):
         plain = functools.partial(jax.lax.dot_general, lhs, rhs, dimension_numbers, precision=precision,
                                   preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None:
+            self._note_foreign(lhs, rhs)
             return plain()
         return self._quantized_dot(rule, lhs, rhs, dimension_numbers, plain)
 
@@ -160,6 +198,7 @@ class QATProvider(qt.QtProvider):
         rule, op_id = self._get_current_rule_and_op_id("einsum")
         kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None or len(operands) != 2:
+            self._note_foreign(*operands)
             return jnp.einsum(einsum_str, *operands, _dot_general=_dot_general, **kwargs)
 
         def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
@@ -174,6 +213,8 @@ class QATProvider(qt.QtProvider):
         spec = rule.spec
         module, path = self._module_and_path()
         side, name = weight if weight else self._find_weight(module, lhs, rhs)
+        if side is None:
+            self._note_foreign(lhs, rhs)
         if side is None and rule.act_qtype is None:
             return plain()
         (lhs_ca, rhs_ca), _ = dimension_numbers
