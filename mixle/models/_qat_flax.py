@@ -88,6 +88,23 @@ def _plan(selector, kernels, module_paths, kinds):
     return _Plan(kernels, kinds, specs, reasons, rule_of)
 
 
+def _check_backend_support(specs):
+    """Refuse int4 x int4 products, which XLA's CPU and GPU backends reject (TPU runs them)."""
+    if jax.default_backend() == "tpu":
+        return
+    for path, spec in specs.items():
+        w4 = spec.bits == 4 and spec.weight_format == "int"
+        a4, g4 = spec.act_bits == 4, spec.bwd_bits == 4
+        pair = ("weights", "activations") if w4 and a4 else ("gradients", "weights") if g4 and w4 else \
+            ("gradients", "activations") if g4 and a4 else None
+        if pair:
+            raise ValueError(
+                f"module {path or '<root>'!r}: {spec.short()} makes Qwix multiply int4 {pair[0]} by int4 "
+                f"{pair[1]}, which XLA's {jax.default_backend().upper()} backend rejects (only TPUs run "
+                f"int4 x int4 matmuls); use 8 bits for one of them, e.g. act_bits=8 or bwd_bits=8"
+            )
+
+
 def _rules(specs, separator):
     """One Qwix rule per selected module, matching its exact path (Qwix joins paths with '/')."""
     return [qwix_rule(spec, re.escape(path.replace(".", separator))) for path, spec in specs.items()]
@@ -213,6 +230,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     float_class = state.float_class if state else type(model)
     modules, kernels, kinds = _nnx_layout(model)
     plan = _plan(selector, kernels, [_dotted(p) for p in modules], kinds)
+    _check_backend_support(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         report = QATReport(_mark_unchanged(state.report.decisions))
@@ -312,6 +330,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     object.__setattr__(float_module, "__class__", float_class)
     kernels, module_paths, kinds = _linen_layout(float_module, inputs)
     plan = _plan(selector, kernels, module_paths, kinds)
+    _check_backend_support(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         state.report = QATReport(_mark_unchanged(state.report.decisions))

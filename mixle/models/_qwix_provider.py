@@ -16,8 +16,8 @@ quantize, ``dot_general_qt``) and changes only what the measured pitfalls requir
 * every weight the provider quantized or had to leave in float is recorded for the report.
 """
 
-import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -380,9 +380,14 @@ class QATProvider(qt.QtProvider):
             self.tied.add(self._module_and_path()[1])
         return out
 
+    def _peek_rule(self, path):
+        """The first rule matching a '/'-joined module path, without counting it as used."""
+        return next((r for r in self._rules if re.fullmatch(r.module_path, path)), None)
+
     def lookup(self, embed, inputs, out_sharding):
         path = _path_text(embed.qwix_path)
-        rule, _ = self._get_current_rule_and_op_id("dot_general", only_rule=True)
+        # A lookup is not an intercepted op: it must not make an unused rule look used.
+        rule = self._peek_rule("/".join(map(str, embed.qwix_path)))
         if path not in self.tied or rule is None or rule.weight_qtype is None:
             return nnx.Embed.__call__(embed, inputs, out_sharding=out_sharding)
         table = embed.embedding.get_raw_value()

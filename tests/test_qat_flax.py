@@ -1,0 +1,481 @@
+"""Flax QAT through Qwix: same numbers as torch/numpy, exact toggle, complete report, the Qwix pitfalls."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("flax")
+qwix = pytest.importorskip("qwix")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mixle.models.qat import (  # noqa: E402
+    QuantSpec,
+    apply_qat,
+    fake_quantize,
+    get_qat_report,
+    set_fake_quant_enabled,
+)
+from mixle.models.qwix_rules import qwix_rules  # noqa: E402
+from tests.test_numerics import GRANULARITIES, reference_codes_scales  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+RNG = np.random.default_rng(0)
+W1 = RNG.standard_normal((32, 48)).astype(np.float32)  # torch layout (out, in)
+B1 = RNG.standard_normal(32).astype(np.float32)
+W2 = RNG.standard_normal((16, 32)).astype(np.float32)
+B2 = RNG.standard_normal(16).astype(np.float32)
+X = RNG.standard_normal((5, 48)).astype(np.float32)
+
+
+def _linear(w, b=None):
+    """An nnx.Linear holding torch-layout weights (kernel = w.T)."""
+    layer = nnx.Linear(w.shape[1], w.shape[0], use_bias=b is not None, rngs=nnx.Rngs(0))
+    layer.kernel[...] = jnp.asarray(w.T)
+    if b is not None:
+        layer.bias[...] = jnp.asarray(b)
+    return layer
+
+
+class Single(nnx.Module):
+    """One bias-free Linear: model(eye) is exactly its (fake-quantized) kernel."""
+
+    def __init__(self, w):
+        self.fc = _linear(w)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class Stack(nnx.Module):
+    def __init__(self):
+        self.fc1 = _linear(W1, B1)
+        self.fc2 = _linear(W2, B2)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def torch_stack(spec):
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    with torch.no_grad():
+        for layer, w, b in ((net[0], W1, B1), (net[2], W2, B2)):
+            layer.weight.copy_(torch.from_numpy(w))
+            layer.bias.copy_(torch.from_numpy(b))
+    return apply_qat(net, spec=spec)
+
+
+def flax_weight(w, spec):
+    model = Single(w)
+    apply_qat(model, spec=spec, example_inputs=(jnp.eye(w.shape[1]),))
+    return np.asarray(model(jnp.eye(w.shape[1]))).T
+
+
+# ------------------------------------------------------------------------------- cross-backend
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", GRANULARITIES)
+@pytest.mark.parametrize("percentile", [None, 99.0])
+def test_flax_weights_and_outputs_equal_torch_and_numpy(bits, granularity, group_size, percentile):
+    spec = QuantSpec(bits=bits, granularity=granularity, group_size=group_size, clip_percentile=percentile)
+    codes, scale, expected = reference_codes_scales(W1, bits, granularity, group_size, percentile)
+    got = flax_weight(W1, spec)
+    # Same integer codes; values equal up to float32 rounding of the scale (Qwix computes
+    # absmax * (qmax + 0.5) / qmax / (qmax + 0.5), mixle absmax / qmax).
+    blocks = got.reshape(scale.shape[0], -1)
+    np.testing.assert_array_equal(np.rint(blocks / scale).reshape(W1.shape), codes)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-7 * np.abs(W1).max())
+
+    net = torch_stack(spec)
+    np.testing.assert_allclose(got, net[0].quantized_weight().detach().numpy(), rtol=0, atol=2e-7 * np.abs(W1).max())
+    model = Stack()
+    apply_qat(model, spec=spec, example_inputs=(jnp.asarray(X),))
+    out = np.asarray(model(jnp.asarray(X)))
+    np.testing.assert_allclose(out, net(__import__("torch").from_numpy(X)).detach().numpy(), rtol=1e-5, atol=1e-5)
+    # and the numpy reference of the whole stack
+    w2 = reference_codes_scales(W2, bits, granularity, group_size, percentile)[2]
+    ref = np.maximum(X @ expected.T + B1, 0) @ w2.T + B2
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", GRANULARITIES)
+def test_qwix_grid_equals_qwix_own_output(bits, granularity, group_size):
+    spec = QuantSpec(bits=bits, grid="qwix", granularity=granularity, group_size=group_size)
+    ours = Stack()
+    apply_qat(ours, spec=spec, example_inputs=(jnp.asarray(X),))
+    stock = qwix.quantize_model(Stack(), qwix.QtProvider(qwix_rules(spec), disable_jit=True), jnp.asarray(X))
+    if granularity == "group":
+        # mixle fake-quantizes tiled weights before a float matmul (see the STE test); Qwix sums
+        # per tile: the same values up to summation order.
+        np.testing.assert_allclose(ours(jnp.asarray(X)), stock(jnp.asarray(X)), rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(ours(jnp.asarray(X)), stock(jnp.asarray(X)))
+    # Against mixle's numpy qwix grid: equal except where w/scale is the -absmax rounding tie
+    # (-7.5 or -127.5), which Qwix may land on either side of by one ulp of the scale.
+    codes, scale, expected = reference_codes_scales(W1, bits, granularity, group_size, grid="qwix")
+    got = flax_weight(W1, spec)
+    tie = np.isclose(np.abs(W1.reshape(scale.shape[0], -1)) / scale, 2 ** (bits - 1) - 0.5).reshape(W1.shape)
+    np.testing.assert_allclose(got[~tie], expected[~tie], rtol=0, atol=2e-7 * np.abs(W1).max())
+    assert np.all(np.abs(got[tie] - expected[tie]) <= scale.max() * 1.0001)
+
+
+# ------------------------------------------------------------------------------- gradients
+
+
+def _input_and_kernel_grads(model, x, r):
+    def loss(m, x):
+        return jnp.sum(m(x) * r)
+
+    return nnx.grad(loss, argnums=(0, 1))(model, x)
+
+
+@pytest.mark.parametrize("granularity,group_size", [("channel", None), ("group", 16)])
+def test_textbook_straight_through_estimator(granularity, group_size):
+    spec = QuantSpec(bits=4, granularity=granularity, group_size=group_size)
+    x, r = jnp.asarray(X), jnp.asarray(RNG.standard_normal((5, 32)).astype(np.float32))
+    wq = reference_codes_scales(W1, 4, granularity, group_size)[2]
+    model = Single(W1)
+    apply_qat(model, spec=spec, example_inputs=(x,))
+    grads, dx = _input_and_kernel_grads(model, x, r)
+    np.testing.assert_allclose(dx, np.asarray(r) @ wq, rtol=1e-5, atol=1e-5)  # g @ q(W), not g @ W
+    np.testing.assert_allclose(grads.fc.kernel[...], X.T @ np.asarray(r), rtol=1e-5, atol=1e-5)
+    if granularity == "channel":
+        # Qwix's default for a forward-only rule keeps the float weight as the residual.
+        stock_rule = [qwix.QtRule(module_path=".*", weight_qtype=jnp.int4,
+                                  weight_calibration_method=f"absmax,{7.5 / 7!r}")]
+        stock = qwix.quantize_model(Single(W1), qwix.QtProvider(stock_rule, disable_jit=True), x)
+        _, dx_stock = _input_and_kernel_grads(stock, x, r)
+        np.testing.assert_allclose(dx_stock, np.asarray(r) @ W1, rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(dx_stock) - np.asarray(dx)).max() > 1e-2
+
+
+def test_percentile_clip_gradient_masks_clipped_weights_from_the_live_weight():
+    spec = QuantSpec(bits=4, clip_percentile=90.0, clip_gradient=True)
+    x, r = jnp.asarray(X), jnp.asarray(RNG.standard_normal((5, 32)).astype(np.float32))
+    model = Single(W1)
+    apply_qat(model, spec=spec, example_inputs=(x,))
+    _, scale, _ = reference_codes_scales(W1, 4, "channel", None, 90.0)
+    mask = np.abs(W1) <= scale * 7
+    grads, _ = _input_and_kernel_grads(model, x, r)
+    np.testing.assert_allclose(grads.fc.kernel[...], (X.T @ np.asarray(r)) * mask.T, rtol=1e-5, atol=1e-6)
+    assert 0.05 < 1 - mask.mean() < 0.2
+    # The threshold follows the weight as it trains (not frozen at apply time).
+    w_new = W1 * np.linspace(0.5, 2.0, 48, dtype=np.float32)
+    model.fc.kernel[...] = jnp.asarray(w_new.T)
+    got = np.asarray(model(jnp.eye(48))).T
+    np.testing.assert_allclose(got, reference_codes_scales(w_new, 4, "channel", None, 90.0)[2],
+                               rtol=0, atol=2e-7 * np.abs(w_new).max())
+
+
+# ------------------------------------------------------------------------------- toggle / state
+
+
+@pytest.fixture(scope="module")
+def toggled():
+    x = jnp.asarray(X)
+    float_model = Stack()
+    model = Stack()
+    optimizer_state_before = nnx.state(model, nnx.Param)
+    apply_qat(model, bits=4, group_size=8, example_inputs=(x,))
+    return float_model, model, x, optimizer_state_before
+
+
+def test_apply_qat_keeps_the_class_hierarchy_and_the_float32_state_tree(toggled):
+    float_model, model, x, before = toggled
+    assert isinstance(model, Stack) and type(model) is not Stack
+    after = nnx.state(model, nnx.Param)
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    assert jax.tree.structure(nnx.state(model)) == jax.tree.structure(nnx.state(float_model))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        assert a.dtype == jnp.float32 and a is b  # the very same arrays: nothing copied or cast
+
+
+def test_toggle_is_exact_eagerly_and_under_nnx_jit(toggled):
+    float_model, model, x, _ = toggled
+    call = nnx.jit(lambda m, x: m(x))
+    grad = nnx.grad(lambda m: jnp.sum(m(x) ** 2))
+    fresh = Stack()
+    apply_qat(fresh, bits=4, group_size=8, example_inputs=(x,))
+    on_eager, on_jit = model(x), call(model, x)
+    assert not np.allclose(on_eager, float_model(x), atol=1e-3)
+    np.testing.assert_array_equal(on_eager, fresh(x))
+    np.testing.assert_array_equal(on_jit, call(fresh, x))
+    set_fake_quant_enabled(model, False)
+    assert isinstance(model, Stack)
+    np.testing.assert_array_equal(model(x), float_model(x))
+    np.testing.assert_array_equal(call(model, x), call(float_model, x))
+    g_off, g_float = grad(model), grad(float_model)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_off)), jax.tree.leaves(nnx.state(g_float))):
+        np.testing.assert_array_equal(a, b)
+    set_fake_quant_enabled(model, True)
+    np.testing.assert_array_equal(model(x), on_eager)
+    np.testing.assert_array_equal(call(model, x), on_jit)
+
+
+def test_checkpoints_load_both_ways(toggled):
+    float_model, model, x, _ = toggled
+    qat_state = nnx.state(model)
+    target = Stack()
+    target.fc1.kernel[...] = target.fc1.kernel[...] * 0
+    nnx.update(target, qat_state)  # a QAT checkpoint restores into the float model
+    np.testing.assert_array_equal(target(x), float_model(x))
+    other = Stack()
+    apply_qat(other, bits=4, group_size=8, example_inputs=(x,))
+    other.fc2.bias[...] = other.fc2.bias[...] + 1
+    nnx.update(other, nnx.state(float_model))  # and a float checkpoint into a QAT model
+    np.testing.assert_array_equal(other(x), model(x))
+
+
+def test_reapply_is_idempotent_and_a_new_spec_needs_reconfigure(toggled):
+    _, _, x, _ = toggled
+    model = Stack()
+    apply_qat(model, bits=4, example_inputs=(x,))
+    cls, out = type(model), model(x)
+    apply_qat(model, bits=4, example_inputs=(x,))
+    assert type(model) is cls and {d.action for d in get_qat_report(model).decisions} == {"unchanged"}
+    with pytest.raises(ValueError, match="already set up for QAT as int4/channel/symmetric, not int8"):
+        apply_qat(model, bits=8, example_inputs=(x,))
+    assert type(model) is cls
+    np.testing.assert_array_equal(model(x), out)
+    set_fake_quant_enabled(model, False)
+    apply_qat(model, bits=8, reconfigure=True, example_inputs=(x,))
+    assert {d.action for d in get_qat_report(model).decisions} == {"reconfigured"}
+    np.testing.assert_array_equal(model(x), Stack()(x))  # stays off after reconfiguring
+    set_fake_quant_enabled(model, True)
+    fresh = Stack()
+    apply_qat(fresh, bits=8, example_inputs=(x,))
+    np.testing.assert_array_equal(model(x), fresh(x))
+
+
+def test_linen_toggle_report_and_same_params():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+    x = jnp.asarray(X)
+    module = MLP()
+    params = {"params": {"fc1": {"kernel": jnp.asarray(W1.T), "bias": jnp.asarray(B1)},
+                         "fc2": {"kernel": jnp.asarray(W2.T), "bias": jnp.asarray(B2)}}}
+    spec = QuantSpec(bits=4, group_size=8, clip_percentile=95.0)
+    qat = apply_qat(module, spec=spec, example_inputs=(x,))
+    assert isinstance(qat, MLP) and type(module) is MLP
+    assert get_qat_report(qat).wrapped == ["fc1.kernel", "fc2.kernel"]
+    w1, w2 = (reference_codes_scales(w, 4, "group", 8, 95.0)[2] for w in (W1, W2))
+    out = qat.apply(params, x)
+    np.testing.assert_allclose(out, np.maximum(X @ w1.T + B1, 0) @ w2.T + B2, rtol=1e-5, atol=1e-5)
+    set_fake_quant_enabled(qat, False)
+    np.testing.assert_array_equal(qat.apply(params, x), module.apply(params, x))
+    set_fake_quant_enabled(qat, True)
+    np.testing.assert_array_equal(qat.apply(params, x), out)
+    np.testing.assert_array_equal(jax.jit(qat.apply)(params, x), jax.jit(apply_qat(module, spec=spec, example_inputs=(x,)).apply)(params, x))
+
+
+# ------------------------------------------------------------------------------- report / pitfalls
+
+
+class TiedLM(nnx.Module):
+    """Embedding, a Linear, and the head tied to the embedding through nnx.Embed.attend."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(11, 8, rngs=rngs)
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.emb.attend(self.fc(self.emb(ids)))
+
+
+def test_tied_head_is_quantized_under_grad_and_lookups_share_the_quantized_table():
+    ids = jnp.asarray(RNG.integers(0, 11, (3, 4)), jnp.int32)
+    model = TiedLM(nnx.Rngs(0))
+    apply_qat(model, bits=4, example_inputs=(ids,))
+    report = get_qat_report(model)
+    assert report.wrapped == ["emb.embedding", "fc.kernel"] and "tied" in report["emb.embedding"].note
+    table = np.asarray(model.emb.embedding[...])  # (vocab, features): one scale per vocabulary row
+    tq = reference_codes_scales(table, 4, "channel")[2]
+    wq = reference_codes_scales(np.asarray(model.fc.kernel[...]).T, 4, "channel")[2]
+    expected = (tq[np.asarray(ids)] @ wq.T + np.asarray(model.fc.bias[...])) @ tq.T
+    for run in (lambda m: m(ids), nnx.jit(lambda m: m(ids))):
+        np.testing.assert_allclose(run(model), expected, rtol=1e-5, atol=1e-5)
+    grads = nnx.grad(lambda m: jnp.sum(m(ids) ** 2))(model)
+    assert np.abs(np.asarray(grads.emb.embedding[...])).min(axis=1).max() > 0
+    # Stock Qwix leaves this head (and the lookups) in float outside plain jit: the transposed
+    # table is neither the Param itself nor, eagerly or under grad, traceable to it.
+    stock = qwix.quantize_model(TiedLM(nnx.Rngs(0)), qwix.QtProvider(qwix_rules(bits=4), disable_jit=True), ids)
+    float_head = (table[np.asarray(ids)] @ wq.T + np.asarray(model.fc.bias[...])) @ table.T
+    np.testing.assert_allclose(stock(ids), float_head, rtol=1e-5, atol=1e-5)
+    assert np.abs(float_head - expected).max() > 1e-2
+
+
+class Leaky(nnx.Module):
+    """Weights Qwix misses: a child's kernel used by the parent, and a sliced stacked Param."""
+
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+        self.stack = nnx.Param(jax.random.normal(rngs.params(), (3, 8, 8)))
+        self.emb = nnx.Embed(5, 8, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.fc(x) + x @ self.fc.kernel[...]
+        return jnp.einsum("bd,de->be", y, self.stack[...][1]) + self.emb(jnp.zeros(x.shape[0], jnp.int32))
+
+
+def test_report_lists_every_kernel_with_the_reason_when_left_in_float():
+    x = jnp.ones((2, 8))
+    model = Leaky(nnx.Rngs(0))
+    apply_qat(model, bits=4, exclude=("emb",), example_inputs=(x,))
+    report = get_qat_report(model)
+    assert [d.path for d in report.decisions] == ["emb.embedding", "fc.kernel", "stack"]
+    assert report["emb.embedding"].action == "skipped" and "excluded by 'emb'" in report["emb.embedding"].reason
+    assert report["fc.kernel"].action == "wrapped"
+    assert "also used directly by module '<root>', where it stays float" in report["fc.kernel"].note
+    assert report["stack"].action == "skipped" and "sliced" in report["stack"].reason
+    assert "1 quantized, 2 left in float" in str(report)
+
+
+def test_unmatched_patterns_raise_naming_them_and_leave_the_model_unchanged():
+    x = jnp.ones((2, 8))
+    model = Leaky(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="patterns entry 'fcc' matches no Flax module with a kernel"):
+        apply_qat(model, patterns=("fcc",), example_inputs=(x,))
+    # 'emb' has a kernel but is only looked up: its Qwix rule matches no operation.
+    with pytest.raises(ValueError, match=r"patterns entry 'emb' selects \['emb'\], but no dot_general"):
+        apply_qat(model, patterns=("emb", ("fc", None)), example_inputs=(x,))
+    assert type(model) is Leaky and not hasattr(model.fc, "qwix_path")
+    with pytest.raises(TypeError, match="needs example_inputs"):
+        apply_qat(model)
+
+
+def test_user_matmul_after_apply_qat_stays_float():
+    """Qwix's patched dot_general must not leak into the trace cache of jnp.matmul / @."""
+
+    class MatMul(nnx.Module):
+        def __init__(self, n_in, n_out):
+            self.w = nnx.Param(jnp.asarray(RNG.standard_normal((n_in, n_out)), jnp.float32))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    def user_error(h, w):
+        reference = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+        return max(float(np.abs(np.asarray(f(h, w)) - reference).max())
+                   for f in (lambda a, b: a @ b, jnp.dot, jnp.matmul, jax.jit(lambda a, b: a @ b)))
+
+    # Control: a stock provider with jit left on leaks (this is what the test must catch).
+    h, w = jnp.asarray(RNG.standard_normal((3, 7)), jnp.float32), jnp.asarray(RNG.standard_normal((7, 9)), jnp.float32)
+    stock = qwix.quantize_model(MatMul(7, 9), qwix.QtProvider(qwix_rules(bits=4), disable_jit=False), h)
+    stock(h)
+    assert user_error(h, w) > 1e-2
+    jax.clear_caches()
+    h, w = jnp.asarray(RNG.standard_normal((5, 6)), jnp.float32), jnp.asarray(RNG.standard_normal((6, 4)), jnp.float32)
+    model = MatMul(6, 4)
+    apply_qat(model, bits=4, example_inputs=(h,))
+    model(h), nnx.jit(lambda m: m(h))(model), nnx.grad(lambda m: jnp.sum(m(h)))(model)
+    assert not np.allclose(model(h), h @ model.w[...], atol=1e-3)  # the model itself is quantized
+    assert user_error(h, w) < 1e-5
+
+
+def test_activation_shaped_like_the_kernel_is_not_taken_for_the_weight():
+    """Batch 16 into Linear(16, 16): Qwix's shape fallback would see two weights and assert."""
+    x = jnp.asarray(RNG.standard_normal((16, 16)), jnp.float32)
+    for dtype, note in ((jnp.float32, ""), (jnp.bfloat16, "by position")):
+        model = nnx.Sequential(nnx.Linear(16, 16, dtype=dtype, rngs=nnx.Rngs(0)))
+        apply_qat(model, bits=4, example_inputs=(x,))
+        decision = get_qat_report(model)["layers.0.kernel"]
+        assert decision.action == "wrapped" and note in decision.note
+        if dtype == jnp.float32:
+            w = np.asarray(model.layers[0].kernel[...]).T
+            expected = np.asarray(x) @ reference_codes_scales(w, 4, "channel")[2].T + np.asarray(model.layers[0].bias[...])
+            np.testing.assert_allclose(model(x), expected, atol=1e-5, rtol=1e-5)
+        else:
+            # bf16 scales: compare with the same layer fed 5 rows, where the kernel is unambiguous.
+            np.testing.assert_allclose(np.asarray(model(x)[:5], np.float32), np.asarray(model(x[:5]), np.float32),
+                                       atol=2e-2, rtol=2e-2)
+            assert not np.allclose(np.asarray(model(x), np.float32), np.asarray(nnx.Sequential(
+                nnx.Linear(16, 16, dtype=dtype, rngs=nnx.Rngs(0)))(x), np.float32), atol=2e-2)
+
+
+def test_group_size_that_does_not_divide_names_the_layer_and_divisors():
+    model = Stack()
+    with pytest.raises(ValueError, match=r"module 'fc2', weight 'kernel' \(32, 16\): group_size=5 does not divide"):
+        apply_qat(model, bits=4, group_size=5, patterns=(("fc2", QuantSpec(group_size=5)), ("fc1", None)),
+                  example_inputs=(jnp.asarray(X),))
+    assert type(model) is Stack
+
+
+@pytest.mark.parametrize("fields", [
+    dict(bits=8, act_bits=8),
+    dict(bits=4, grid="qwix", act_bits=8),
+    dict(bits=8, grid="qwix", weight_format="float8_e4m3fn"),
+    dict(bits=4, bwd_bits=8),
+    dict(bits=8, grid="qwix", calibration="rms,3"),
+    dict(bits=8, grid="qwix", calibration="minmax,0.9"),
+    dict(bits=4, grid="qwix", calibration="fixed,-1,1"),
+])
+def test_qwix_options_pass_through_to_qwix(fields):
+    x, r = jnp.asarray(X), jnp.asarray(RNG.standard_normal((5, 16)).astype(np.float32))
+    ours = Stack()
+    apply_qat(ours, example_inputs=(x,), **fields)
+    stock = qwix.quantize_model(Stack(), qwix.QtProvider(qwix_rules(**fields), disable_jit=True), x)
+    np.testing.assert_array_equal(ours(x), stock(x))
+    assert not np.allclose(ours(x), Stack()(x), atol=1e-4)
+    g_ours, g_stock = (nnx.grad(lambda m: jnp.sum(m(x) * r))(m) for m in (ours, stock))
+    for a, b in zip(jax.tree.leaves(nnx.state(g_ours)), jax.tree.leaves(nnx.state(g_stock))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_stochastic_rounding_of_gradients_draws_from_its_rng_stream():
+    x = jnp.asarray(X)
+    model = Stack()
+    apply_qat(model, bits=4, bwd_bits=8, bwd_stochastic_rounding="uniform", example_inputs=(x,))
+    step = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))
+    g1, g2 = step(model), step(model)
+    assert np.abs(np.asarray(g1.fc1.kernel[...]) - np.asarray(g2.fc1.kernel[...])).max() > 0
+    plain = Stack()
+    apply_qat(plain, bits=4, bwd_bits=8, example_inputs=(x,))
+    np.testing.assert_array_equal(model(x), plain(x))  # forward unchanged; only gradients are noisy
+
+
+@pytest.mark.parametrize("fields", [dict(bits=4, act_bits=4), dict(bits=4, bwd_bits=4), dict(bits=8, act_bits=4, bwd_bits=4)])
+def test_int4_by_int4_products_are_refused_off_tpu(fields):
+    if jax.default_backend() == "tpu":
+        pytest.skip("TPUs run int4 x int4 matmuls")
+    model = Stack()
+    with pytest.raises(ValueError, match="makes Qwix multiply int4 .* by int4 .*use 8 bits for one of them"):
+        apply_qat(model, example_inputs=(jnp.asarray(X),), **fields)
+    assert type(model) is Stack
+    # What the refusal saves the user from: XLA's verifier error deep inside the first call.
+    stock = qwix.quantize_model(Stack(), qwix.QtProvider(qwix_rules(**fields), disable_jit=True), jnp.asarray(X),
+                                skip_nnx_init=True)
+    with pytest.raises(Exception, match="does not support custom element sizes"):
+        jax.block_until_ready(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(X))))(stock))
+
+
+def test_fake_quantize_on_jax_arrays_matches_numpy_and_passes_gradients_straight_through():
+    w = jnp.asarray(W1)
+    # Same codes as numpy; values within one float32 ulp of the scale (XLA's CPU backend turns the
+    # division by the constant qmax into a multiplication by its reciprocal).
+    for spec in (QuantSpec(bits=4), QuantSpec(bits=8, group_size=16), QuantSpec(bits=4, granularity="tensor"),
+                 QuantSpec(bits=4, grid="qwix"), QuantSpec(bits=4, clip_percentile=90.0)):
+        codes, scale, expected = reference_codes_scales(W1, spec.bits, spec.granularity, spec.group_size,
+                                                        spec.clip_percentile, grid=spec.grid)
+        blocks = W1.reshape(scale.shape[0], -1)
+        # On the qwix grid the -absmax element is a rounding tie (-7.5): one ulp decides -8 or -7.
+        tie = np.isclose(np.abs(blocks) / scale, spec.qmax + 0.5) if spec.grid == "qwix" else blocks < -np.inf
+        for got in (fake_quantize(w, spec=spec), jax.jit(lambda a: fake_quantize(a, spec=spec))(w)):
+            got_codes = np.rint(np.asarray(got).reshape(blocks.shape) / scale)
+            np.testing.assert_array_equal(got_codes[~tie], codes.reshape(blocks.shape)[~tie])
+            assert set(got_codes[tie].tolist()) <= {-spec.qmax - 1.0, -spec.qmax, spec.qmax}
+            np.testing.assert_allclose(np.asarray(got).reshape(blocks.shape)[~tie], expected.reshape(blocks.shape)[~tie],
+                                       rtol=0, atol=3e-7 * np.abs(W1).max())
+    spec = QuantSpec(bits=4, clip_percentile=90.0)
+    np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec) * 3))(w), np.full(W1.shape, 3))
+    masked = jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec.replace(clip_gradient=True))))(w)
+    _, scale, _ = reference_codes_scales(W1, 4, "channel", None, 90.0)
+    np.testing.assert_array_equal(masked, (np.abs(W1) <= scale * 7).astype(np.float32))
