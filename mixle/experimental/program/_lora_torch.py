@@ -73,16 +73,18 @@ class LoRALinear(nn.Linear):
         """``(A, B)`` as the forward uses them (fake-quantized in ``QATLoRALinear`` when asked)."""
         return self.lora_A, self.lora_B
 
-    def adapter_output(self, x):
-        """The adapter term ``alpha/rank * B(A(dropout(x)))``."""
+    def forward(self, x):
+        # super() is nn.Linear here and QATWrapper in QATLoRALinear: the base path is theirs.
+        base = super().forward(x)
         a, b = self.adapter_weights()
         if self.lora_spec.dropout and self.training:
             x = F.dropout(x, self.lora_spec.dropout, training=True)
-        return F.linear(F.linear(x, a), b) * self.lora_spec.scaling
-
-    def forward(self, x):
-        # super() is nn.Linear here and QATWrapper in QATLoRALinear: the base path is theirs.
-        return super().forward(x) + self.adapter_output(x)
+        h = F.linear(x, a)
+        # One GEMM adds alpha/rank * h @ B^T onto the base output: no full-size scale or add pass,
+        # and with B = 0 it adds exact zeros, so a fresh adapter leaves the output bit-identical.
+        out = torch.addmm(base.reshape(-1, self.out_features), h.reshape(-1, h.shape[-1]), b.t(),
+                          alpha=self.lora_spec.scaling)
+        return out.view(base.shape)
 
     def merged_weight(self):
         """``W + (B @ A) * alpha/rank`` in W's dtype (summed in at least float32), no gradient."""
