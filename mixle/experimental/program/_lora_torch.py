@@ -11,7 +11,6 @@ from mixle.models.qat_report import LayerDecision, QATReport
 from mixle.task.quantize import block_shape
 
 REPORT_ATTRIBUTE = "_mixle_lora_report"
-ADAPTER_NAMES = ("lora_A", "lora_B")
 _MARK_PREFIX = "_mixle_"  # reports kept on a root module; they follow it when it is replaced
 
 
@@ -23,6 +22,13 @@ def _adopt(dst, linear):
         if name.endswith(("hooks", "hooks_with_kwargs", "always_called")) or name.startswith(_MARK_PREFIX):
             setattr(dst, name, value)
     dst.training = linear.training
+    return dst
+
+
+def _copy_marks(src, dst):
+    for name, value in vars(src).items():
+        if name.startswith(_MARK_PREFIX):
+            setattr(dst, name, value)
     return dst
 
 
@@ -114,8 +120,8 @@ class QATLoRALinear(LoRALinear, QATWrapper):
     ``set_fake_quant_enabled`` toggles the base (and the adapters, with ``adapter_spec``);
     off, it computes exactly what ``LoRALinear`` computes.
 
-    >>> from mixle.experimental.program.lora import LoRASpec
-    >>> layer = QATLoRALinear(nn.Linear(6, 4), LoRASpec(rank=2, alpha=2), QATWrapper(nn.Linear(1, 1)).spec)
+    >>> from mixle.experimental.program.lora import LoRASpec, QuantSpec
+    >>> layer = QATLoRALinear(nn.Linear(6, 4), LoRASpec(rank=2, alpha=2), QuantSpec(bits=4))
     >>> layer.spec.bits, layer.lora_spec.rank, isinstance(layer, QATWrapper)
     (4, 2, True)
     """
@@ -124,9 +130,7 @@ class QATLoRALinear(LoRALinear, QATWrapper):
         if isinstance(linear, (LoRALinear, QATWrapper)):
             raise TypeError(f"QATLoRALinear takes a plain nn.Linear, got {type(linear).__name__}: use apply_lora")
         QATWrapper.__init__(self, linear, spec, enabled=enabled)
-        for name, value in vars(linear).items():
-            if name.startswith(_MARK_PREFIX):
-                setattr(self, name, value)
+        _copy_marks(linear, self)
         self._set_adapters(lora, adapters)
 
     def adapter_weights(self):
@@ -136,11 +140,7 @@ class QATLoRALinear(LoRALinear, QATWrapper):
         return fake_quantize_tensor(self.lora_A, spec), fake_quantize_tensor(self.lora_B, spec)
 
     def base_layer(self):
-        layer = QATWrapper(plain_linear(self), self.spec, enabled=self.enabled)
-        for name, value in vars(self).items():
-            if name.startswith(_MARK_PREFIX):
-                setattr(layer, name, value)
-        return layer
+        return _copy_marks(self, QATWrapper(plain_linear(self), self.spec, enabled=self.enabled))
 
 
 def _parameter_holders(entries):
