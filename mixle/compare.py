@@ -1,0 +1,507 @@
+"""The main job: train a causal LM in fp32, then compare PTQ, fine-tune + PTQ and QAT at int4/int8.
+
+Every training phase is a ``GradLeaf`` M-step on windows of the training text; every quantized
+model is evaluated as real integer weights (``quantize_model`` for PTQ, ``convert`` for QAT)
+on the same held-out windows, and its size is the real bytes of those weights.
+"""
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mixle._optional import require
+from mixle.task.spec import SUPPORTED_BITS, QuantSpec
+
+__all__ = ["CompareConfig", "PRESETS", "ExternalQAT", "run_compare", "format_table", "save_plot",
+           "write_outputs", "prepare_data", "held_out_loss", "warmup_cosine", "MIN_DEGRADATION"]
+
+# Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
+MIN_DEGRADATION = 0.005
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    """Everything that decides a comparison run (validated on construction).
+
+    Args:
+        steps: fp32 training steps from scratch.
+        finetune_steps: extra steps given to each QAT run and to the fp32 fine-tune baseline.
+        bits: the integer widths to compare, a tuple of 4 and/or 8.
+        d_model, n_layer, n_head, block: the ``build_causal_lm`` size.
+        batch_size: training windows per step.
+        lr: peak learning rate of fp32 training (linear warm-up, cosine decay to 10%).
+        finetune_lr: peak learning rate of every fine-tune (QAT and fp32 alike), cosine to 0.
+        warmup: warm-up steps of fp32 training (fine-tunes warm up over 5% of their steps).
+        group_size, clip_percentile: the QuantSpec options used by PTQ and QAT alike
+            (default: per-channel symmetric, no clipping).
+        corpus: a UTF-8 text file, or None for the embedded corpus (``mixle.data.default_text``).
+        tokenizer: ``"char"`` or ``"byte"``.
+        held_out_fraction: share of the text held out for evaluation.
+        eval_windows: evaluate on at most this many held-out windows (None: all).
+        curve_every, curve_windows: held-out loss on ``curve_windows`` windows every
+            ``curve_every`` steps, for the training curves.
+        seed: seeds the model initialisation, the split and the batch sampling.
+        threads: torch CPU threads (None leaves torch's setting).
+    """
+
+    steps: int = 1600
+    finetune_steps: int = 400
+    bits: tuple = (4, 8)
+    d_model: int = 128
+    n_layer: int = 3
+    n_head: int = 4
+    block: int = 64
+    batch_size: int = 32
+    lr: float = 3e-3
+    finetune_lr: float = 1e-3
+    warmup: int = 100
+    group_size: int | None = None
+    clip_percentile: float | None = None
+    corpus: str | None = None
+    tokenizer: str = "char"
+    held_out_fraction: float = 0.1
+    eval_windows: int | None = None
+    curve_every: int = 100
+    curve_windows: int = 64
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self):
+        bits = self.bits if isinstance(self.bits, tuple | list) else (self.bits,)
+        for b in bits:
+            if b not in SUPPORTED_BITS or isinstance(b, bool):
+                raise ValueError(f"bits={b!r} is not supported: compare int4 and/or int8, e.g. bits=(4, 8)")
+        if not bits or len(set(bits)) != len(bits):
+            raise ValueError(f"bits={self.bits!r} must list 4 and/or 8 once each")
+        object.__setattr__(self, "bits", tuple(int(b) for b in bits))
+        for name in ("steps", "finetune_steps", "d_model", "n_layer", "n_head", "block", "batch_size",
+                     "curve_every", "curve_windows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        for name in ("warmup", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative int")
+        for name in ("eval_windows", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int or None")
+        for name in ("lr", "finetune_lr"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        self.spec(self.bits[0])  # validates group_size and clip_percentile
+
+    def spec(self, bits):
+        """The QuantSpec shared by PTQ and QAT at ``bits``."""
+        return QuantSpec(bits=bits, group_size=self.group_size, clip_percentile=self.clip_percentile)
+
+    def replace(self, **changes):
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    "default": CompareConfig(),
+    # A few seconds: the CLI and notebook tests run this.
+    "smoke": CompareConfig(steps=60, finetune_steps=30, d_model=32, n_layer=1, n_head=2, block=32,
+                           batch_size=8, warmup=10, eval_windows=32, curve_every=15, curve_windows=8),
+    # The benchmark's preset: a wider, deeper model trained longer.
+    "large": CompareConfig(steps=3000, finetune_steps=600, d_model=192, n_layer=4, n_head=6, block=128,
+                           batch_size=32, lr=2e-3, finetune_lr=6e-4, warmup=200, curve_every=150),
+}
+
+
+@dataclass(frozen=True)
+class ExternalQAT:
+    """Another library's QAT, trained and evaluated exactly like mixle's in ``run_compare``.
+
+    Attributes:
+        name: the method name in the table (e.g. ``"torchao QAT"``).
+        bits: its integer width.
+        prepare: ``f(model) -> model`` preparing a copy of the fp32 checkpoint for QAT.
+        to_float: ``f(trained) -> CausalLM`` with the trained float weights, which
+            ``quantize_model(·, spec)`` turns into the real int model that is evaluated.
+        spec: the QuantSpec reproducing that library's integer grid.
+    """
+
+    name: str
+    bits: int
+    prepare: object
+    to_float: object
+    spec: QuantSpec
+
+
+def warmup_cosine(warmup, floor=0.0):
+    """An ``lr_schedule(step, m_steps)`` for GradLeaf: linear warm-up, then cosine decay to ``floor``.
+
+    >>> f = warmup_cosine(10, floor=0.1)
+    >>> round(f(0, 100), 2), f(9, 100), round(f(99, 100), 3)
+    (0.1, 1.0, 0.1)
+    """
+
+    def schedule(step, m_steps):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, m_steps - 1 - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return schedule
+
+
+def _torch():
+    return require("torch", extra="torch", purpose="mixle compare")
+
+
+def _window_density(lm, ids):
+    """The module GradLeaf trains: ``log_density(starts)`` = log-prob of the windows at ``starts``."""
+    torch = _torch()
+
+    class WindowDensity(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+            self.offsets = torch.arange(lm.block + 1)
+            self.ids = ids
+
+        def log_density(self, starts):
+            return self.lm.sequence_log_prob(self.ids[starts[:, None] + self.offsets])
+
+    return WindowDensity()
+
+
+def held_out_windows(ids, block, max_windows=None):
+    """Non-overlapping windows of ``block + 1`` tokens (stride ``block``), evenly thinned to a cap.
+
+    Every token after a window's first is predicted once, with its window as context.
+
+    >>> held_out_windows(np.arange(10), 3).tolist()
+    [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
+    """
+    count = (len(ids) - 1) // block
+    starts = np.arange(count) * block
+    if max_windows is not None and count > max_windows:
+        starts = starts[np.linspace(0, count - 1, max_windows).round().astype(int)]
+    return np.stack([ids[s : s + block + 1] for s in starts])
+
+
+def held_out_loss(model, windows, batch=128):
+    """Mean next-token cross-entropy (nats) of ``model`` over ``windows``, in eval mode.
+
+    Args:
+        model: a ``CausalLM`` (float, QAT-wrapped or converted to int weights).
+        windows: int token windows, shape ``(count, length)``.
+    """
+    torch = _torch()
+    windows = torch.as_tensor(windows)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for i in range(0, len(windows), batch):
+                total -= model.sequence_log_prob(windows[i : i + batch]).double().sum().item()
+    finally:
+        model.train(was_training)
+    return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+class CompareData:
+    """The tokenized corpus of a run: training ids, held-out windows and the tokenizer.
+
+    Built by ``prepare_data(config)``, which is where bad input is refused (missing corpus file,
+    empty text, a block larger than the data), before any training starts.
+    """
+
+    def __init__(self, config):
+        from mixle.data import check_block, load_splits
+
+        torch = _torch()
+        train, held, self.tokenizer = load_splits(config.corpus, config.held_out_fraction, config.seed,
+                                                  tokenizer=config.tokenizer)
+        check_block(train, config.block, "the training text")
+        check_block(held, config.block, "the held-out text")
+        self.block = config.block
+        self.train_ids = torch.as_tensor(train)
+        self.train_starts = torch.arange(len(train) - config.block)
+        self.eval_windows = held_out_windows(held, config.block, config.eval_windows)
+        self.curve_windows = held_out_windows(held, config.block, config.curve_windows)
+        self.info = {
+            "corpus": config.corpus or f"pydoc_data.topics (CPython {platform.python_version()})",
+            "tokenizer": config.tokenizer, "vocab": self.tokenizer.vocab_size,
+            "train_tokens": len(train), "held_out_tokens": len(held),
+            "held_out_windows": len(self.eval_windows),
+            "predicted_tokens": int(self.eval_windows.shape[0] * config.block),
+        }
+
+
+def prepare_data(config):
+    """Load, split and tokenize the corpus of ``config``; raises clear errors for bad input.
+
+    >>> prepare_data(PRESETS["smoke"].replace(block=10**7))
+    Traceback (most recent call last):
+    ...
+    ValueError: block=10000000 is larger than the data: the training text has 418022 tokens but one training window needs block + 1 = 10000001; use a smaller block or a longer text
+    """
+    return CompareData(config)
+
+
+class _Run:
+    """One comparison run: phases, and the rows, curves and timings they produce."""
+
+    def __init__(self, config, data, progress):
+        self.config, self.progress, self.torch = config, progress, _torch()
+        self.train_ids, self.train_starts = data.train_ids, data.train_starts
+        self.eval_windows, self.curve_windows = data.eval_windows, data.curve_windows
+        self.tokenizer, self.data = data.tokenizer, data.info
+        self.rows, self.curves, self.seconds = [], {}, {}
+
+    def train(self, lm, phase, steps, lr, schedule, seed, start):
+        """Train ``lm`` through a GradLeaf M-step; records its curves under ``phase``."""
+        from mixle.models.grad_leaf import GradLeaf
+
+        torch, config = self.torch, self.config
+        per_token = 1.0 / config.block
+        curve = {"step": [], "train_loss": [], "eval_step": [], "held_out_loss": []}
+
+        def record(step, loss):
+            curve["step"].append(start + step + 1)
+            curve["train_loss"].append(loss * per_token)
+            if (step + 1) % config.curve_every == 0 or step + 1 == steps:
+                curve["eval_step"].append(start + step + 1)
+                curve["held_out_loss"].append(held_out_loss(lm, self.curve_windows))
+
+        leaf = GradLeaf(_window_density(lm, self.train_ids), m_steps=steps, lr=lr, batch_size=config.batch_size,
+                        optimizer=torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
+                        seed=seed, progress=phase if self.progress else None, callback=record)
+        began = time.perf_counter()
+        leaf.fit(self.train_starts)
+        self.seconds[phase] = round(time.perf_counter() - began, 2)
+        self.curves[phase] = curve
+        return lm
+
+    def add(self, method, bits, model, **extra):
+        from mixle.task.quantize import model_nbytes
+
+        loss = held_out_loss(model, self.eval_windows)
+        row = {"method": method, "bits": bits, "loss": loss, "perplexity": math.exp(loss),
+               "bytes": model_nbytes(model).total, **extra}
+        self.rows.append(row)
+        return row
+
+    def finetune_phase(self, base, phase, prepare=None):
+        model = copy.deepcopy(base)
+        if prepare is not None:
+            model = prepare(model)
+        config = self.config
+        schedule = warmup_cosine(max(1, config.finetune_steps // 20), floor=0.0)
+        # Every fine-tune sees the same batches in the same order.
+        return self.train(model, phase, config.finetune_steps, config.finetune_lr, schedule,
+                          config.seed + 1, config.steps)
+
+
+def run_compare(config=None, *, data=None, progress=True, external=()):
+    """Train fp32, then compare PTQ, fine-tune + PTQ and QAT at each of ``config.bits``.
+
+    Args:
+        config: a CompareConfig (default: ``PRESETS["default"]``).
+        data: ``prepare_data(config)`` if already built (else it is built here).
+        progress: show a tqdm bar per training phase.
+        external: ``ExternalQAT`` entries (e.g. torchao) run like mixle's QAT.
+
+    Returns:
+        A JSON-ready dict: ``config``, ``environment``, ``data``, ``model``, ``rows`` (method,
+        bits, held-out loss, perplexity, real bytes), ``summary`` per bit width (recovered %),
+        ``curves`` per phase and ``seconds`` per phase.
+    """
+    config = PRESETS["default"] if config is None else config
+    if not isinstance(config, CompareConfig):
+        raise TypeError(f"config must be a CompareConfig, got {type(config).__name__}")
+    torch = _torch()
+    from mixle.models.qat import apply_qat
+    from mixle.models.transformer import build_causal_lm
+    from mixle.task.quantize import convert, quantize_model
+
+    previous_threads = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    try:
+        if data is None:
+            data = prepare_data(config)
+        elif data.block != config.block:
+            raise ValueError(f"data was prepared for block={data.block}, but config.block={config.block}")
+        run = _Run(config, data, progress)
+        began = time.perf_counter()
+        torch.manual_seed(config.seed)
+        lm = build_causal_lm(run.tokenizer.vocab_size, config.d_model, config.n_layer, config.n_head, config.block)
+        run.train(lm, "fp32", config.steps, config.lr, warmup_cosine(config.warmup, floor=0.1), config.seed, 0)
+        run.add("fp32", 32, lm)
+        for bits in config.bits:
+            run.add("PTQ", bits, quantize_model(lm, config.spec(bits)))
+
+        tuned = run.finetune_phase(lm, "fp32 fine-tune")
+        run.add("fp32 fine-tune", 32, tuned)
+        for bits in config.bits:
+            run.add("fine-tune + PTQ", bits, quantize_model(tuned, config.spec(bits)))
+
+        for bits in config.bits:
+            qat = run.finetune_phase(lm, f"QAT int{bits}", lambda m, b=bits: apply_qat(m, spec=config.spec(b)))
+            fake = held_out_loss(qat, run.eval_windows)
+            run.add("QAT", bits, convert(qat), fake_quant_loss=fake)
+
+        for ext in external:
+            trained = run.finetune_phase(lm, ext.name, ext.prepare)
+            fake = held_out_loss(trained, run.eval_windows)
+            run.add(ext.name, ext.bits, quantize_model(ext.to_float(trained), ext.spec),
+                    fake_quant_loss=fake, spec=ext.spec.short())
+        total = time.perf_counter() - began
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    from mixle.task.quantize import model_nbytes
+
+    return {
+        "config": dataclasses.asdict(config),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": config.threads or previous_threads, "platform": platform.platform(),
+                        "total_seconds": round(total, 2)},
+        "data": run.data,
+        "model": {"parameters": sum(p.numel() for p in lm.parameters()), "fp32_bytes": model_nbytes(lm).total},
+        "rows": run.rows,
+        "summary": summarize(run.rows, config.bits, [e.name for e in external]),
+        "curves": run.curves,
+        "seconds": run.seconds,
+    }
+
+
+def _row(rows, method, bits):
+    return next((r for r in rows if r["method"] == method and r["bits"] == bits), None)
+
+
+def summarize(rows, bits_list, external_names=()):
+    """Per bit width: how much of fine-tune + PTQ's held-out loss degradation QAT recovers.
+
+    ``recovered = (L_ptq - L_qat) / (L_ptq - L_fp32)`` with L_ptq the fine-tuned model after PTQ
+    and L_fp32 the fine-tuned fp32 model (same number of extra steps as QAT). When PTQ loses
+    less than ``MIN_DEGRADATION`` nats the ratio is noise, so it is None and a note says why.
+
+    >>> rows = [{"method": "fp32 fine-tune", "bits": 32, "loss": 1.0}, {"method": "fine-tune + PTQ", "bits": 4, "loss": 1.2},
+    ...         {"method": "QAT", "bits": 4, "loss": 1.02}]
+    >>> round(summarize(rows, (4,))["int4"]["QAT"]["recovered_percent"], 6)
+    90.0
+    """
+    tuned = _row(rows, "fp32 fine-tune", 32)
+    summary = {}
+    for bits in bits_list:
+        baseline = _row(rows, "fine-tune + PTQ", bits)
+        degradation = baseline["loss"] - tuned["loss"]
+        entry = {"ptq_degradation_nats": degradation,
+                 "ptq_perplexity_increase_percent": 100 * math.expm1(degradation)}
+        for name in ("QAT", *external_names):
+            row = _row(rows, name, bits)
+            if row is None:
+                continue
+            gap = 100 * math.expm1(row["loss"] - tuned["loss"])
+            if degradation < MIN_DEGRADATION:
+                recovered = None
+                note = (f"PTQ at int{bits} loses only {degradation:+.4f} nats ({entry['ptq_perplexity_increase_percent']:+.2f}% "
+                        f"perplexity): nothing to recover, so no recovered % is given; {name} is at {gap:+.2f}%")
+            else:
+                recovered = 100 * (baseline["loss"] - row["loss"]) / degradation
+                note = (f"{name} recovers {recovered:.1f}% of the held-out loss PTQ loses at int{bits}; "
+                        f"its perplexity is {gap:+.2f}% vs the fp32 fine-tune (PTQ: "
+                        f"{entry['ptq_perplexity_increase_percent']:+.2f}%)")
+            entry[name] = {"recovered_percent": recovered, "perplexity_gap_percent": gap, "note": note}
+        summary[f"int{bits}"] = entry
+    return summary
+
+
+def format_table(results):
+    """The results as a plain-text table plus one summary line per bit width."""
+    rows = results["rows"]
+    fp32_bytes = results["model"]["fp32_bytes"]
+    header = f"{'method':<18}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        bits = "fp32" if row["bits"] == 32 else f"int{row['bits']}"
+        lines.append(f"{row['method']:<18}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
+                     f"{row['bytes']:>11,d}{row['bytes'] / fp32_bytes:>7.1%}")
+    lines.append("")
+    for name, entry in results["summary"].items():
+        for method, value in entry.items():
+            if isinstance(value, dict):
+                lines.append(f"{name}: {value['note']}")
+    data, env = results["data"], results["environment"]
+    lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['corpus']} ({data['tokenizer']}-level, "
+                 f"vocab {data['vocab']}); {results['model']['parameters']:,} parameters; torch {env['torch']}, "
+                 f"{env['threads']} threads, {env['total_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def save_plot(results, path):
+    """Write a PNG: training curves (left) and held-out perplexity by method and bits (right)."""
+    require("matplotlib", extra="bench", purpose="the comparison plot")
+    from matplotlib.figure import Figure  # no pyplot: works headless and leaves notebook backends alone
+
+    fig = Figure(figsize=(13, 4.8))
+    left, right = fig.subplots(1, 2)
+    for phase, curve in results["curves"].items():
+        steps, loss = np.asarray(curve["step"]), np.asarray(curve["train_loss"])
+        width = max(1, min(50, len(loss) // 10))
+        smooth = np.convolve(loss, np.ones(width) / width, mode="valid")
+        line, = left.plot(steps[width - 1 :], smooth, alpha=0.35, linewidth=1)
+        left.plot(curve["eval_step"], curve["held_out_loss"], marker="o", markersize=3,
+                  color=line.get_color(), label=phase)
+    left.set_xlabel("training step")
+    left.set_ylabel("loss (nats/token)")
+    left.set_title("training (faint: train loss; dots: held-out subset)")
+    left.legend(fontsize=8)
+
+    rows = [r for r in results["rows"] if r["bits"] != 32]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    bit_groups = list(dict.fromkeys(r["bits"] for r in rows))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        xs, ys = [], []
+        for j, bits in enumerate(bit_groups):
+            row = _row(rows, method, bits)
+            if row is not None:
+                xs.append(j + (i - (len(methods) - 1) / 2) * width)
+                ys.append(row["perplexity"])
+        bars = right.bar(xs, ys, width, label=method)
+        right.bar_label(bars, fmt="%.3f", fontsize=7)
+    for method, style in (("fp32", ":"), ("fp32 fine-tune", "--")):
+        row = _row(results["rows"], method, 32)
+        right.axhline(row["perplexity"], linestyle=style, color="black", linewidth=1, label=f"{method} ({row['perplexity']:.3f})")
+    all_ppl = [r["perplexity"] for r in results["rows"]]
+    low, high = min(all_ppl), max(all_ppl)
+    right.set_ylim(low - 0.3 * (high - low) - 1e-3, high + 0.25 * (high - low) + 1e-3)
+    right.set_xticks(range(len(bit_groups)), [f"int{b}" for b in bit_groups])
+    right.set_ylabel("held-out perplexity (real int weights)")
+    right.set_title("held-out perplexity by method and bits (lower is better)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_outputs(results, out_dir):
+    """Write ``results.json``, ``table.txt`` and ``compare.png`` into ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, name) for name in ("results.json", "table.txt", "compare.png")}
+    with open(paths["results.json"], "w") as handle:
+        json.dump(results, handle, indent=1)
+    with open(paths["table.txt"], "w") as handle:
+        handle.write(format_table(results) + "\n")
+    save_plot(results, paths["compare.png"])
+    return paths

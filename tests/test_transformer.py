@@ -1,0 +1,91 @@
+"""build_causal_lm: shapes, causality, the tied head, sequence log-probabilities and QAT wrapping."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mixle.models.qat import QATWrapper, apply_qat, get_qat_report, set_fake_quant_enabled
+from mixle.models.transformer import CausalLM, build_causal_lm
+from mixle.task.quantize import quantize_dequantize_array
+
+
+def small(seed=0, **kw):
+    torch.manual_seed(seed)
+    return build_causal_lm(vocab=kw.pop("vocab", 40), d_model=32, n_layer=2, n_head=4, block=16, **kw)
+
+
+def test_structure_plain_linears_and_a_tied_head():
+    lm = small()
+    assert isinstance(lm, CausalLM)
+    assert lm.head.weight is lm.tok.weight
+    assert lm.head.bias is None
+    linears = sorted(name for name, m in lm.named_modules() if type(m) is nn.Linear)
+    assert linears == sorted([f"blocks.{i}.{n}" for i in range(2) for n in ("qkv", "proj", "fc", "out")] + ["head"])
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in lm.modules())
+    # The tied table is one Parameter: counted once.
+    unique = {id(p) for p in lm.parameters()}
+    assert len(unique) == len(list(lm.parameters()))
+
+
+def test_forward_shapes_and_last_position_option():
+    lm = small().eval()
+    idx = torch.randint(0, 40, (3, 10))
+    every = lm(idx, all_positions=True)
+    assert every.shape == (3, 10, 40)
+    assert torch.equal(lm(idx), every[:, -1])
+
+
+def test_attention_is_causal():
+    lm = small().eval()
+    idx = torch.randint(0, 40, (2, 12))
+    changed = idx.clone()
+    changed[:, 7:] = (changed[:, 7:] + 1) % 40
+    with torch.no_grad():
+        a, b = lm(idx, all_positions=True), lm(changed, all_positions=True)
+    assert torch.equal(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_sequence_log_prob_matches_a_numpy_log_softmax():
+    lm = small().eval()
+    tokens = torch.randint(0, 40, (4, 9))
+    with torch.no_grad():
+        got = lm.sequence_log_prob(tokens).numpy()
+        logits = lm(tokens[:, :-1], all_positions=True).double().numpy()
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    target = tokens[:, 1:].numpy()
+    expected = np.take_along_axis(log_softmax, target[..., None], -1)[..., 0].sum(1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_apply_qat_wraps_every_linear_and_the_tied_embedding_follows_the_head():
+    lm = small()
+    keys = list(lm.state_dict())
+    lm = apply_qat(lm, bits=4)
+    assert list(lm.state_dict()) == keys
+    report = get_qat_report(lm)
+    assert set(report.wrapped) >= {"head", "blocks.0.qkv", "blocks.1.out", "tok"}
+    assert isinstance(lm.head, QATWrapper) and lm.head.weight is lm.tok.weight
+    ids = torch.tensor([[3, 7, 39]])
+    w = lm.tok.weight.detach().numpy()
+    # Per-row symmetric int4 in plain numpy: scale = max|row| / 7, codes rounded and clipped to -7..7.
+    scale = np.abs(w).max(1, keepdims=True) / np.float32(7)
+    reference = (np.clip(np.round(w / scale), -7, 7) * scale).astype(np.float32)
+    np.testing.assert_allclose(lm.tok(ids)[0].detach().numpy(), reference[[3, 7, 39]], rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(quantize_dequantize_array(w, bits=4), lm.head.quantized_weight().detach().numpy())
+    set_fake_quant_enabled(lm, False)
+    assert torch.equal(lm.tok(ids)[0], lm.tok.weight[[3, 7, 39]])
+
+
+def test_bad_sizes_and_inputs_are_refused():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_head=4"):
+        build_causal_lm(vocab=10, d_model=30, n_head=4)
+    with pytest.raises(ValueError, match="vocab must be a positive int"):
+        build_causal_lm(vocab=0)
+    lm = small()
+    with pytest.raises(ValueError, match="sequence length 17 must be between 1 and the model's block=16"):
+        lm(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
+        lm(torch.zeros(5, dtype=torch.long))
