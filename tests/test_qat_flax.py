@@ -313,6 +313,55 @@ def test_tied_head_is_quantized_under_grad_and_lookups_share_the_quantized_table
     assert np.abs(float_head - expected).max() > 1e-2
 
 
+def test_linen_tied_head_is_quantized_the_same_way_eagerly_under_jit_and_under_grad():
+    class LinenTied(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            emb = nn.Embed(11, 8, name="emb")
+            return emb.attend(nn.Dense(8, name="fc")(emb(ids)))
+
+    ids = jnp.asarray(RNG.integers(0, 11, (3, 4)), jnp.int32)
+    params = LinenTied().init(jax.random.key(0), ids)
+    table, kernel = np.asarray(params["params"]["emb"]["embedding"]), np.asarray(params["params"]["fc"]["kernel"])
+    tq, wq = (reference_codes_scales(w, 4, "channel")[2] for w in (table, kernel.T))
+    expected = (tq[np.asarray(ids)] @ wq.T + np.asarray(params["params"]["fc"]["bias"])) @ tq.T
+    qat = apply_qat(LinenTied(), bits=4, example_inputs=(ids,))
+    assert "tied" in get_qat_report(qat)["emb.embedding"].note
+    value = jax.value_and_grad(lambda p: jnp.sum(qat.apply(p, ids) ** 2))(params)[0]
+    for got in (qat.apply(params, ids), jax.jit(qat.apply)(params, ids)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(value, np.sum(expected ** 2), rtol=1e-5)
+    # Stock Qwix quantizes this head only under jit (through tracer lineage): evaluation and
+    # training would see different models.
+    stock = qwix.quantize_model(LinenTied(), qwix.QtProvider(qwix_rules(bits=4, patterns=["emb"]), disable_jit=True))
+    float_out = LinenTied().apply(params, ids)
+    assert np.abs(np.asarray(jax.jit(stock.apply)(params, ids)) - np.asarray(float_out)).max() > 1e-2
+    stock_value = jax.value_and_grad(lambda p: jnp.sum(stock.apply(p, ids) ** 2))(params)[0]
+    np.testing.assert_allclose(stock_value, jnp.sum(float_out ** 2), rtol=1e-6)
+
+
+class CNN(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.fc = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(self.conv(x).mean((1, 2)))
+
+
+def test_convolutions_follow_qwix_and_group_size_is_reported_for_them():
+    x = jnp.asarray(RNG.standard_normal((2, 6, 6, 3)), jnp.float32)
+    model = CNN(nnx.Rngs(0))
+    apply_qat(model, bits=4, grid="qwix", example_inputs=(x,))
+    stock = qwix.quantize_model(CNN(nnx.Rngs(0)), qwix.QtProvider(qwix_rules(bits=4, grid="qwix"), disable_jit=True), x)
+    np.testing.assert_array_equal(model(x), stock(x))
+    assert get_qat_report(model).wrapped == ["conv.kernel", "fc.kernel"]
+    model = CNN(nnx.Rngs(0))
+    apply_qat(model, bits=4, group_size=4, example_inputs=(x,))
+    decision = get_qat_report(model)["conv.kernel"]
+    assert decision.action == "skipped" and "no group-wise (tiled) scales" in decision.reason
+
+
 class Leaky(nnx.Module):
     """Weights Qwix misses: a child's kernel used by the parent, and a sliced stacked Param."""
 

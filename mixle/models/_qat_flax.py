@@ -304,11 +304,11 @@ def _linen_rngs(key):
     return {"params": key, "dropout": key, "stochastic_rounding": key}
 
 
-def _probe_linen(qat_module, inputs):
+def _probe_linen(float_module, qat_module, inputs):
     key = jax.random.key(0)
 
     def run():
-        variables = qat_module.init(_linen_rngs(key), *inputs)
+        variables = float_module.init(_linen_rngs(key), *inputs)
         params = variables["params"]
         rest = {k: v for k, v in variables.items() if k != "params"}
 
@@ -342,8 +342,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     off_class = _name_like(type(float_class.__name__, (float_class,), {"_unquantized_type": float_class}),
                            float_class)
     # The probe records what was quantized on the traced (grad) path; it leaves nothing behind.
-    provider.records.clear()
-    _probe_linen(qat_module, inputs)
+    _probe_linen(float_module, qat_module, inputs)
     _check_patterns_ran(plan, provider, rules)
     report = QATReport(_decisions(plan, provider, state.specs if state else {}, reconfigure))
     new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs))

@@ -85,15 +85,10 @@ def _own_params(module):
     return {n: v.get_raw_value() for n, v in vars(module).items() if isinstance(v, nnx.Param)}
 
 
-def _traced_param(x, by_id):
-    """Name of the Param ``x`` is (identity) or was derived from by unary jit ops, else None."""
-    while True:
-        if id(x) in by_id:
-            return by_id[id(x)]
-        parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
-        if parent is None or len(parent.in_tracers) != 1:
-            return None
-        x = parent.in_tracers[0]
+def _shape_match(params, x):
+    """The one Param with ``x``'s shape (Qwix's fallback for cast weights), else None."""
+    names = [n for n, v in params.items() if tuple(v.shape) == tuple(getattr(x, "shape", ()))]
+    return names[0] if len(names) == 1 else None
 
 
 class QATProvider(qt.QtProvider):
@@ -155,15 +150,20 @@ class QATProvider(qt.QtProvider):
         return module, _path_text(flax_util.get_current_module_path())
 
     def _find_weight(self, module, lhs, rhs):
-        """``('lhs' | 'rhs' | None, param name)``: which operand is a weight of ``module``."""
+        """``('lhs' | 'rhs' | None, param name)``: which operand is a weight of ``module``.
+
+        Identity first, then a unique shape match (a cast weight). Unlike Qwix, jit tracer
+        lineage is not followed: it exists under ``jit`` but not under ``grad``, so a transposed
+        or reshaped weight would be quantized in evaluation and left float in training.
+        """
         params = _own_params(module)
         by_id = {id(v): n for n, v in params.items()}
-        strong = [_traced_param(lhs, by_id), _traced_param(rhs, by_id)]
+        strong = [by_id.get(id(lhs)), by_id.get(id(rhs))]
         if strong[0] and strong[1]:
             return None, None  # a product of two weights (e.g. a regulariser): keep it float
         if strong[0] or strong[1]:
             return ("lhs", strong[0]) if strong[0] else ("rhs", strong[1])
-        weak = [flax_util.find_param(lhs), flax_util.find_param(rhs)]
+        weak = [_shape_match(params, lhs), _shape_match(params, rhs)]
         if weak[0] and weak[1] and weak[0] == weak[1]:
             # An activation shaped like the kernel, and a kernel cast (e.g. to bf16) so it is no longer
             # the Param itself: flax layers put the kernel on the right, so that one is the weight.
@@ -346,7 +346,7 @@ class QATProvider(qt.QtProvider):
         if rule is not None and rule.weight_qtype is not None:
             spec = rule.spec
             module, path = self._module_and_path()
-            name = flax_util.find_param(rhs)
+            name = self._find_weight(module, lhs, rhs)[1]
             if name is not None and (spec.grid != "qwix" or spec.granularity != "channel"
                                      or spec.clip_percentile is not None or spec.calibration is not None):
                 self._record(path, name, FLOAT, (
@@ -364,58 +364,80 @@ class QATProvider(qt.QtProvider):
 
     def get_intercept_map(self):
         mapping = super().get_intercept_map()
-        mapping["flax.nnx.nn.linear.Embed.attend"] = _attend_handler(self)
-        mapping["flax.nnx.nn.linear.Embed.__call__"] = _lookup_handler(self)
+        mapping["flax.nnx.nn.linear.Embed.attend"] = _handler("attend", self)
+        mapping["flax.nnx.nn.linear.Embed.__call__"] = _handler("lookup", self)
+        # Linen wraps methods (scope handling); patch the inner functions it calls.
+        mapping["flax.linen.linear.Embed.attend.__wrapped__"] = _handler("attend", self)
+        mapping["flax.linen.linear.Embed.__call__.__wrapped__"] = _handler("lookup", self)
         return mapping
 
-    def attend(self, embed, query, out_sharding):
+    @staticmethod
+    def _table(embed, *others, inexact=True):
+        """The embedding table (and other arrays) promoted to the Embed's dtype, as flax does."""
+        if isinstance(embed, nn.Module):
+            return embed.promote_dtype(*others, embed.embedding, dtype=embed.dtype, inexact=inexact)
+        return embed.promote_dtype((*others, embed.embedding.get_raw_value()), dtype=embed.dtype, inexact=inexact)
+
+    @staticmethod
+    def _original(embed, method):
+        cls = nn.Embed if isinstance(embed, nn.Module) else nnx.Embed
+        function = getattr(cls, method)
+        return getattr(function, "__wrapped__", function)  # the patched code runs the original here
+
+    def attend(self, embed, query, **kwargs):
+        """``Embed.attend`` with the table contracted directly as the weight (channel = vocab row)."""
         rule, _ = self._get_current_rule_and_op_id("dot_general")
         if rule is None or rule.weight_qtype is None:
-            return nnx.Embed.attend(embed, query, out_sharding=out_sharding)  # the original (interceptor off)
-        query, table = embed.promote_dtype((query, embed.embedding.get_raw_value()), dtype=embed.dtype)
+            return self._original(embed, "attend")(embed, query, **kwargs)
+        query, table = self._table(embed, query)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
         out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))
-        if self.records.get((self._module_and_path()[1], "embedding"), (None,))[0] == QUANTIZED:
-            self.tied.add(self._module_and_path()[1])
+        path = self._module_and_path()[1]
+        if self.records.get((path, "embedding"), (None,))[0] == QUANTIZED:
+            self.tied.add(path)
         return out
 
     def _peek_rule(self, path):
         """The first rule matching a '/'-joined module path, without counting it as used."""
         return next((r for r in self._rules if re.fullmatch(r.module_path, path)), None)
 
-    def lookup(self, embed, inputs, out_sharding):
-        path = _path_text(embed.qwix_path)
+    def lookup(self, embed, inputs, **kwargs):
+        """Lookups of a tied embedding read the same quantized table as its ``attend``."""
+        path = _path_text(flax_util.get_current_module_path())
         # A lookup is not an intercepted op: it must not make an unused rule look used.
-        rule = self._peek_rule("/".join(map(str, embed.qwix_path)))
-        if path not in self.tied or rule is None or rule.weight_qtype is None:
-            return nnx.Embed.__call__(embed, inputs, out_sharding=out_sharding)
-        table = embed.embedding.get_raw_value()
-        if rule.spec.clip_percentile is not None and rule.spec.clip_percentile < 100:
-            table = clip_live(table, (1,), rule.spec)
-        if rule.spec.granularity == "group":
+        rule = self._peek_rule(path.replace(".", "/"))
+        if path not in self.tied or rule is None or rule.weight_qtype is None or embed.num_embeddings == 1:
+            return self._original(embed, "__call__")(embed, inputs, **kwargs)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        (table,) = self._table(embed, inexact=False)
+        spec = rule.spec
+        if spec.clip_percentile is not None and spec.clip_percentile < 100:
+            table = clip_live(table, (1,), spec)
+        if spec.granularity == "group":
             table = self._fake_quantize_tiled(table, (1,), rule)
         else:
             how = qarray.HowToQuantize(qtype=rule.weight_qtype,
-                                       channelwise_axes=[] if rule.spec.granularity == "tensor" else [0],
-                                       calibration_method=self._weight_calibration(rule.spec))
+                                       channelwise_axes=[] if spec.granularity == "tensor" else [0],
+                                       calibration_method=self._weight_calibration(spec))
             deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
             table = _straight_through(table, deq)
-        (table,) = embed.promote_dtype((table,), dtype=embed.dtype, inexact=False)
-        if not jnp.issubdtype(inputs.dtype, jnp.integer):
-            raise ValueError("Input type must be an integer or unsigned integer.")
         return jnp.take(table, inputs, axis=0)
 
 
-def _attend_handler(provider):
-    def attend(self, query, out_sharding=None):  # `self` (the Embed) is how Qwix finds the module
-        return provider.attend(self, query, out_sharding)
+def _handler(kind, provider):
+    """A replacement for ``Embed.attend`` / ``Embed.__call__`` whose first argument is ``self``.
 
-    return attend
+    Qwix finds the current NNX module by looking for a frame variable named ``self``.
+    """
+    if kind == "attend":
+        def attend(self, query, **kwargs):
+            return provider.attend(self, query, **kwargs)
 
+        return attend
 
-def _lookup_handler(provider):
-    def __call__(self, inputs, out_sharding=None):  # noqa: N807 - `self` names the Embed for Qwix
-        return provider.lookup(self, inputs, out_sharding)
+    def lookup(self, inputs, **kwargs):
+        return provider.lookup(self, inputs, **kwargs)
 
-    return __call__
+    return lookup
