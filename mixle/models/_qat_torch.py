@@ -8,41 +8,19 @@ from torch import nn
 
 from mixle.models.qat_report import LayerDecision, QATReport
 from mixle.models.selection import LayerSelector
-from mixle.task.quantize import check_array, fake_quant_forward
+from mixle.models._fake_quant_torch import (  # noqa: F401  (fake_quantize_tensor is re-exported)
+    _FakeQuantSTE,
+    fake_quantize_tensor,
+    fake_quantized_weight,
+    invalidate_caches,
+    linear,
+)
 from mixle.task.spec import QuantSpec
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
 # A Linear subclass defining this method (e.g. a LoRA layer) builds its own fake-quantized
 # replacement, a QATWrapper subclass: method(spec, enabled) -> layer.
 WRAP_HOOK = "_mixle_wrap_qat"
-
-
-class _FakeQuantSTE(torch.autograd.Function):
-    """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
-
-    @staticmethod
-    def forward(ctx, x, spec):
-        deq, mask = fake_quant_forward(x, spec, with_mask=spec.clip_gradient)
-        if mask is not None:
-            ctx.save_for_backward(mask)
-        return deq
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.saved_tensors:
-            (mask,) = ctx.saved_tensors
-            return grad * mask, None
-        return grad, None
-
-
-def fake_quantize_tensor(x, spec):
-    """Fake-quantize a torch tensor with the straight-through estimator.
-
-    >>> fake_quantize_tensor(torch.tensor([0.7, 0.1]), QuantSpec(bits=4)).tolist()
-    [0.699999988079071, 0.10000000149011612]
-    """
-    check_array(x)
-    return _FakeQuantSTE.apply(x, spec)
 
 
 def check_supported(spec):
@@ -107,12 +85,21 @@ class QATWrapper(nn.Linear):
         self.enabled = enabled
 
     def quantized_weight(self):
-        """The fake-quantized weight (with STE gradient) this layer uses while enabled."""
-        return fake_quantize_tensor(self.weight, self.spec)
+        """The fake-quantized weight (with STE gradient) this layer uses while enabled.
+
+        Computed once per version of the weight and reused until an in-place change, an
+        optimizer step or ``load_state_dict`` (see ``mixle.models._fake_quant_torch``).
+        """
+        return fake_quantized_weight(self.weight, self.spec)[0]
 
     def forward(self, x):
-        weight = self.quantized_weight() if self.enabled else self.weight
-        return F.linear(x, weight, self.bias)
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.spec)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change
+        super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self):
         state = "on" if self.enabled else "off"
@@ -152,9 +139,14 @@ class QATEmbedding(nn.Embedding):
         self.enabled = enabled
 
     def forward(self, x):
-        weight = fake_quantize_tensor(self.weight, self.spec) if self.enabled else self.weight
+        # shared: the tied head uses this weight too, so its codes are kept for that second use.
+        weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0] if self.enabled else self.weight
         return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        invalidate_caches()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self):
         state = "on" if self.enabled else "off"

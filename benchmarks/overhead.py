@@ -1,0 +1,336 @@
+"""Training-step time and peak memory of mixle QAT against fp32, torchao QAT and Brevitas.
+
+Every variant trains a copy of the same model on the same batch (SGD, full step: forward,
+backward, optimizer). Steps of all variants are interleaved round by round in one process, so
+machine load hits them alike; the table shows the median step after warm-up and its ratio to
+fp32. Peak memory is a separate pass per variant: the highest total of live torch CPU
+allocations (torch.profiler memory events, every tensor counted: parameters, gradients,
+activations, caches, temporaries) from building the model through its third training step.
+
+Shapes: ``mlp`` is 4 Linear layers 512->2048->512->2048->512 with GELU, batch 256, MSE loss;
+``transformer`` is ``mixle.models.transformer.build_causal_lm(vocab=256)`` with its defaults
+(d_model 128, 3 layers, 4 heads, block 64; head tied to the embedding), batch 32 of 65 tokens,
+next-token cross-entropy.
+
+Usage::
+
+    python benchmarks/overhead.py                       # both shapes, 2 threads, 30 steps
+    python benchmarks/overhead.py --shapes mlp --steps 40 --threads 2 --plot overhead.png
+    python benchmarks/overhead.py --no-compile --no-memory --only "fp32|int4 channel"
+"""
+
+import argparse
+import copy
+import contextlib
+import io
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mixle.models.qat import apply_qat  # noqa: E402
+from mixle.task.spec import QuantSpec  # noqa: E402
+
+PERCENTILE = 99.9
+
+
+# ---------------------------------------------------------------------------------- shapes
+
+
+@dataclass
+class Shape:
+    name: str
+    description: str
+    build: object  # () -> nn.Module (fp32, seeded)
+    batch: object  # () -> (inputs, targets)
+    loss: object  # (model, inputs, targets) -> scalar loss
+
+
+def _mlp():
+    torch.manual_seed(0)
+    sizes = [512, 2048, 512, 2048, 512]
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.GELU())
+    return nn.Sequential(*layers)
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
+
+
+def _lm():
+    from mixle.models.transformer import build_causal_lm
+
+    torch.manual_seed(0)
+    return build_causal_lm(vocab=256)
+
+
+def _lm_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (32, 65), generator=g), None
+
+
+def _lm_loss(model, tokens, _):
+    logits = model(tokens[:, :-1], all_positions=True)
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+SHAPES = {
+    "mlp": Shape("mlp", "MLP 512->2048->512->2048->512 (GELU), batch 256, MSE", _mlp, _mlp_batch,
+                 lambda model, x, y: F.mse_loss(model(x), y)),
+    "transformer": Shape("transformer", "build_causal_lm(vocab=256): d_model 128, 3 layers, 4 heads, "
+                         "tied head; batch 32 x 64 tokens, cross-entropy", _lm, _lm_batch, _lm_loss),
+}
+
+
+# -------------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Variant:
+    name: str
+    prepare: object  # fp32 model -> model to train (may be compiled)
+    compiled: bool = False
+
+
+def _mixle(bits, granularity, group_size=None, percentile=None):
+    spec = QuantSpec(bits=bits, granularity=granularity, group_size=group_size, clip_percentile=percentile)
+    return lambda model: apply_qat(model, spec=spec)
+
+
+def _torchao(granularity):
+    def prepare(model):
+        with _quiet():
+            from torchao.quantization import quantize_
+            from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+        if granularity == "group":
+            weight = IntxFakeQuantizeConfig(torch.int4, group_size=32, is_symmetric=True)
+        else:
+            weight = IntxFakeQuantizeConfig(torch.int4, granularity="per_channel", is_symmetric=True)
+        with _quiet():
+            quantize_(model, QATConfig(weight_config=weight, step="prepare"))
+        return model
+
+    return prepare
+
+
+def _brevitas(per_channel):
+    def prepare(model):
+        with _quiet():
+            import brevitas.nn as qnn
+            from brevitas.quant import Int8WeightPerChannelFloat, Int8WeightPerTensorFloat
+        quant = Int8WeightPerChannelFloat if per_channel else Int8WeightPerTensorFloat
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    layer = qnn.QuantLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                            weight_quant=quant, weight_bit_width=4)
+                    layer.weight = child.weight  # shared Parameter: a tied head stays tied
+                    layer.bias = child.bias
+                    setattr(parent, name, layer)
+        return model
+
+    return prepare
+
+
+def _compiled(prepare):
+    return lambda model: torch.compile(prepare(model), fullgraph=True)
+
+
+def _installed(module):
+    with _quiet():
+        try:
+            __import__(module)
+        except Exception:  # noqa: BLE001 - any import failure means the peer is unavailable
+            return False
+    return True
+
+
+def variants(compile_rows):
+    rows = [Variant("fp32", lambda model: model)]
+    for bits in (4, 8):
+        for granularity, group_size, label in (("tensor", None, "tensor"), ("channel", None, "channel"),
+                                               ("group", 32, "group32")):
+            for percentile in (None, PERCENTILE):
+                suffix = f" p{PERCENTILE:g}" if percentile else ""
+                rows.append(Variant(f"mixle int{bits} {label}{suffix}", _mixle(bits, granularity, group_size, percentile)))
+    if _installed("torchao"):
+        rows.append(Variant("torchao int4 group32", _torchao("group")))
+        rows.append(Variant("torchao int4 channel", _torchao("channel")))
+    if _installed("brevitas"):
+        rows.append(Variant("brevitas int4 tensor", _brevitas(per_channel=False)))
+        rows.append(Variant("brevitas int4 channel", _brevitas(per_channel=True)))
+    if compile_rows:
+        rows.append(Variant("fp32 compiled", _compiled(lambda model: model), compiled=True))
+        rows.append(Variant("mixle int4 channel compiled", _compiled(_mixle(4, "channel")), compiled=True))
+        rows.append(Variant("mixle int4 group32 compiled", _compiled(_mixle(4, "group", 32)), compiled=True))
+    return rows
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the peers' import-time chatter (torchao's CUDA-extension notices)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+def _trainer(shape, variant, base, data):
+    model = variant.prepare(copy.deepcopy(base))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs, targets = data
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        shape.loss(model, inputs, targets).backward()
+        optimizer.step()
+
+    return step
+
+
+def time_steps(shape, rows, steps, warmup):
+    """Median seconds per step of each variant, steps interleaved round by round."""
+    from tqdm import tqdm
+
+    base, data = shape.build(), shape.batch()
+    with _quiet():
+        trainers = [_trainer(shape, row, base, data) for row in rows]
+    times = [[] for _ in rows]
+    for r in tqdm(range(warmup + steps), desc=f"{shape.name}: rounds", file=sys.stderr):
+        order = list(range(len(rows)))
+        order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
+        for i in order:
+            start = time.perf_counter()
+            trainers[i]()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[i].append(elapsed)
+    return [(statistics.median(t), _iqr(t)) for t in times]
+
+
+def _iqr(values):
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def peak_memory(shape, variant, steps=3):
+    """Peak bytes of live torch CPU allocations from building the model through ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = _trainer(shape, variant, shape.build(), shape.batch())
+        for _ in range(steps):
+            step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def report(shape, rows, timing, memory):
+    fp32_time = timing[0][0]
+    compiled_fp32 = next((t for row, (t, _) in zip(rows, timing) if row.name == "fp32 compiled"), None)
+    lines = [f"\n== {shape.name}: {shape.description}",
+             f"{'variant':<30} {'step ms':>8} {'IQR':>6} {'x fp32':>7} {'peak MB':>8} {'x fp32':>7}  note"]
+    for i, (row, (median, iqr)) in enumerate(zip(rows, timing)):
+        mem = memory.get(row.name)
+        mem_cols = f"{mem / 2**20:>8.1f} {mem / memory['fp32']:>7.3f}" if mem else f"{'-':>8} {'-':>7}"
+        note = ""
+        if row.compiled and compiled_fp32 and row.name != "fp32 compiled":
+            note = f"{median / compiled_fp32:.3f}x fp32 compiled"
+        lines.append(f"{row.name:<30} {median * 1e3:>8.2f} {iqr * 1e3:>6.2f} {median / fp32_time:>7.3f} {mem_cols}  {note}")
+    print("\n".join(lines), flush=True)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 7), squeeze=False)
+    for ax, (shape, rows, timing) in zip(axes[0], results):
+        names = [row.name for row in rows][::-1]
+        ratios = [t / timing[0][0] for t, _ in timing][::-1]
+        colors = ["tab:blue" if n.startswith("mixle") else "tab:gray" if n.startswith("fp32") else "tab:orange"
+                  for n in names]
+        ax.barh(names, ratios, color=colors)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.axvline(1.1, color="tab:green", lw=0.8, ls="--")
+        ax.set_xlabel("training-step time / fp32 step time (median)")
+        ax.set_title(shape.description, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (median of these)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
+    parser.add_argument("--shapes", default="mlp,transformer", help="comma list of: " + ", ".join(SHAPES))
+    parser.add_argument("--only", default=None, help="regex: keep variants whose name matches (fp32 always kept)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    parser.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG")
+    args = parser.parse_args(argv)
+    if args.steps < 20:
+        parser.error(f"--steps={args.steps}: use at least 20 so the medians mean something")
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}: choose from {list(SHAPES)}")
+
+    torch.set_num_threads(args.threads)
+    rows = variants(compile_rows=not args.no_compile)
+    if args.only:
+        rows = [r for r in rows if r.name == "fp32" or re.search(args.only, r.name)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"median of {args.steps} steps after {args.warmup} warm-up, variants interleaved; "
+          f"clipping percentile {PERCENTILE}; load average {os.getloadavg()[0]:.2f} at start")
+    print("peak MB: highest live torch CPU allocations (torch.profiler memory events) from model "
+          "build through 3 steps")
+    results = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        timing = time_steps(shape, rows, args.steps, args.warmup)
+        memory = {}
+        if not args.no_memory:
+            for row in rows:
+                if not row.compiled:
+                    memory[row.name] = peak_memory(shape, row)
+        report(shape, rows, timing, memory)
+        results.append((shape, rows, timing))
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()

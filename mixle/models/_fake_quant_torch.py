@@ -1,0 +1,253 @@
+"""The torch straight-through fake-quant op, its per-Parameter cache and memory-light saving.
+
+The numerics are ``mixle.task.quantize``'s (block view, scales, rounding, dequantize); this
+module only decides when they run. A weight is quantized once per version: the entry is keyed on
+the Parameter's in-place version counter, its storage, dtype, shape, the spec and a generation
+counter bumped by every optimizer step and every ``load_state_dict`` into a QAT layer, so
+gradient-accumulation micro-batches, eval forwards and a tied embedding reuse it, while any
+optimizer step or checkpoint load makes the next forward quantize afresh.
+
+Memory: the entry keeps only the per-block scales until the same version is used a second time,
+then its int8 codes (a quarter of a float32 weight). ``F.linear`` would save the fake-quantized
+float weight for its backward, a second copy of every weight alive from forward to backward;
+``linear`` instead rebuilds that weight in the backward, just for the input gradient.
+
+Limitation: in-place edits that bypass the version counter (``param.data.add_(...)`` by hand)
+are seen only at the next optimizer step or ``load_state_dict``; call ``invalidate_caches()``
+after such edits.
+"""
+
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from mixle.task.quantize import (
+    QuantizedArray,
+    _block_stats,
+    _not_finite_error,
+    _ops,
+    _round_codes,
+    block_shape,
+    check_array,
+    check_block_max,
+    dequantize_array,
+)
+
+# Bumped by every optimizer step and QAT-layer load_state_dict in this process. FSDP2 refills
+# its gathered parameters in place while preserving their version counters (and loads into the
+# sharded copies), so a version alone does not prove that a weight is unchanged.
+_generation = 0
+
+
+def invalidate_caches(*_):
+    """Make every cached fake-quantized weight stale (e.g. after editing weights via ``.data``).
+
+    >>> invalidate_caches()
+    """
+    global _generation
+    _generation += 1
+
+
+register_optimizer_step_post_hook(invalidate_caches)
+
+
+def _check_finite(block_max, x):
+    if torch.compiler.is_compiling():
+        # A compiled graph cannot raise ValueError: the same test runs as an op, same words.
+        torch._assert_async(torch.isfinite(block_max).all(), str(_not_finite_error(x, "weight")))
+    else:
+        check_block_max(block_max, x, "weight")
+
+
+class _Entry:
+    """One version of one weight, quantized: scales, clip thresholds (for clip_gradient) and the
+    int8 codes once the version is reused."""
+
+    __slots__ = ("key", "spec", "scale", "threshold", "codes")
+
+    def __init__(self, key, spec, scale, threshold, codes):
+        self.key, self.spec, self.scale, self.threshold, self.codes = key, spec, scale, threshold, codes
+
+
+def _blocks(x, spec):
+    return _ops(x), x.reshape(block_shape(x.shape, spec))
+
+
+def _quantize(x, spec, key=None, keep_codes=False):
+    """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima."""
+    ops, blocks = _blocks(x, spec)
+    scale, threshold, block_max = _block_stats(ops, blocks, spec, with_max=True)
+    _check_finite(block_max, x)
+    codes = _round_codes(ops, blocks, scale, spec)
+    codes_kept = ops.to_int8(codes).reshape(x.shape) if keep_codes else None
+    entry = _Entry(key, spec, scale, threshold if spec.clip_gradient else None, codes_kept)
+    return codes.mul_(scale).reshape(x.shape), entry
+
+
+def _rebuild(entry, x, keep_codes=False):
+    """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales."""
+    if entry.codes is not None:
+        return dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
+    ops, blocks = _blocks(x, entry.spec)
+    codes = _round_codes(ops, blocks, entry.scale, entry.spec)
+    if keep_codes:
+        entry.codes = ops.to_int8(codes).reshape(x.shape)
+    return codes.mul_(entry.scale).reshape(x.shape)
+
+
+def _clip_mask(x, spec, threshold):
+    """Where the clip_gradient STE passes the gradient: ``|w| <= threshold`` per block."""
+    _, blocks = _blocks(x, spec)
+    return (abs(blocks) <= threshold).reshape(x.shape)
+
+
+class _WeightCache:
+    """The fake-quantized state of one Parameter, shared by every QAT layer that uses it."""
+
+    __slots__ = ("param", "entry", "uses", "__weakref__")
+
+    def __init__(self, param):
+        self.param = weakref.ref(param, functools.partial(_forget, id(param)))
+        self.entry, self.uses = None, 0
+
+    def lookup(self, x, spec, shared):
+        """``(fake-quantized x, entry)``, reusing the entry while x is unchanged.
+
+        The int8 codes are kept only once a version is used twice (or the weight is ``shared``
+        by several layers, or the previous version was reused), so a plain training loop, which
+        uses each version once, holds nothing but the scales.
+        """
+        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, spec)
+        entry = self.entry
+        if entry is not None and entry.key == key:
+            self.uses += 1
+            return _rebuild(entry, x, keep_codes=True), entry
+        keep = shared or self.uses > 1
+        self.entry = None  # free a stale entry's codes before quantizing again
+        deq, self.entry = _quantize(x, spec, key, keep)
+        self.uses = 1
+        return deq, self.entry
+
+
+_CACHES = {}  # id(Parameter) -> _WeightCache; dropped with the Parameter
+
+
+def _forget(ident, ref):
+    cache = _CACHES.get(ident)
+    if cache is not None and cache.param is ref:
+        del _CACHES[ident]
+
+
+def _cache_of(param):
+    cache = _CACHES.get(id(param))
+    if cache is None or cache.param() is not param:
+        cache = _CACHES[id(param)] = _WeightCache(param)
+    return cache
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
+
+    @staticmethod
+    def forward(ctx, x, spec, cache=None, shared=False):
+        if cache is None:
+            deq, entry = _quantize(x, spec)
+        else:
+            deq, entry = cache.lookup(x, spec, shared)
+        ctx.spec = spec
+        if spec.clip_gradient:
+            # The mask is recomputed in backward from x (saved, no copy) and the tiny thresholds.
+            ctx.save_for_backward(x)
+            ctx.threshold = entry.threshold
+        return deq
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.spec.clip_gradient:
+            (x,) = ctx.saved_tensors
+            grad = grad * _clip_mask(x, ctx.spec, ctx.threshold)
+        return grad, None, None, None
+
+
+def fake_quantize_tensor(x, spec):
+    """Fake-quantize a torch tensor with the straight-through estimator.
+
+    >>> from mixle.task.spec import QuantSpec
+    >>> fake_quantize_tensor(torch.tensor([0.7, 0.1]), QuantSpec(bits=4)).tolist()
+    [0.699999988079071, 0.10000000149011612]
+    """
+    check_array(x, finite=False)  # type and size; finiteness is read from the block maxima
+    return _FakeQuantSTE.apply(x, spec)
+
+
+def fake_quantized_weight(param, spec, *, shared=False):
+    """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
+
+    Under ``torch.compile`` the cache is bypassed: the compiled graph recomputes (and fuses) it.
+    """
+    check_array(param, "weight", finite=False)
+    if torch.compiler.is_compiling():
+        return _FakeQuantSTE.apply(param, spec), None
+    cache = _cache_of(param)
+    return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
+
+
+class _WeightToken:
+    """What the QAT linear keeps of its fake-quantized weight for backward: the Parameter and entry."""
+
+    def __init__(self, weight, entry):
+        self.weight, self.version, self.entry = weight, weight._version, entry
+
+    def rebuild(self):
+        if self.weight._version != self.version:
+            raise RuntimeError(
+                "a QAT layer's weight was modified in place between its forward and backward "
+                "(one of the variables needed for gradient computation has been modified by an "
+                "inplace operation): run backward before changing the weight"
+            )
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep the weight's graph
+            return _FakeQuantSTE.apply(self.weight, self.entry.spec)
+        return _rebuild(self.entry, self.weight.detach())
+
+
+class _LinearRebuildingWeight(torch.autograd.Function):
+    """``F.linear(x, deq, bias)`` that saves only x: backward rebuilds ``deq`` and frees it
+    before the weight gradient is allocated, so the step's peak memory stays that of fp32."""
+
+    @staticmethod
+    def forward(ctx, x, deq, bias, token):
+        ctx.token = token
+        if ctx.needs_input_grad[1]:
+            ctx.save_for_backward(x)
+        return F.linear(x, deq, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(ctx.token.rebuild())
+        flat = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            (x,) = ctx.saved_tensors
+            grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.needs_input_grad[2]:
+            grad_b = flat.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x, weight, bias, spec):
+    """``F.linear`` with a fake-quantized ``weight``, keeping no float copy of it for backward.
+
+    The quantized weight comes from the per-version cache. ``F.linear`` would save it (a second
+    copy of every weight, alive from forward to backward); here backward rebuilds it from the
+    int8 codes when kept, else from the weight and scales. Under autocast, torch.compile or
+    mixed dtypes the stock ``F.linear`` runs on the same fake-quantized weight.
+    """
+    deq, entry = fake_quantized_weight(weight, spec)
+    if (entry is None or not torch.is_grad_enabled() or x.dtype != deq.dtype
+            or torch.is_autocast_enabled(x.device.type)):
+        return F.linear(x, deq, bias)
+    return _LinearRebuildingWeight.apply(x, deq, bias, _WeightToken(weight, entry))
