@@ -8,6 +8,11 @@ and a plain subclass of the user's class: off, the model runs the user's own cod
 
 Linen: ``apply_qat`` returns a new module (Qwix's subclass); params stay outside and are shared
 by the float and the QAT module.
+
+``bwd_stochastic_rounding`` draws from an ``nnx.Rngs(stochastic_rounding=0)`` that NNX models get
+as ``qwix_rngs`` (part of their state then; reseed with
+``model.set_attributes(qwix_rngs=nnx.Rngs(stochastic_rounding=seed))``); Linen users pass
+``rngs={"stochastic_rounding": key}`` to ``apply``.
 """
 
 import dataclasses
