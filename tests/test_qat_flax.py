@@ -153,6 +153,12 @@ def test_textbook_straight_through_estimator(granularity, group_size):
         _, dx_stock = _input_and_kernel_grads(stock, x, r)
         np.testing.assert_allclose(dx_stock, np.asarray(r) @ W1, rtol=1e-5, atol=1e-5)
         assert np.abs(np.asarray(dx_stock) - np.asarray(dx)).max() > 1e-2
+    else:
+        # Qwix falls back to the float weight for tiled residuals even with use_original_residuals
+        # False; that is why mixle fake-quantizes group-wise weights before the matmul.
+        stock = qwix.quantize_model(Single(W1), qwix.QtProvider(qwix_rules(spec), disable_jit=True), x)
+        _, dx_stock = _input_and_kernel_grads(stock, x, r)
+        np.testing.assert_allclose(dx_stock, np.asarray(r) @ W1, rtol=1e-5, atol=1e-5)
 
 
 def test_percentile_clip_gradient_masks_clipped_weights_from_the_live_weight():
@@ -434,6 +440,10 @@ def test_user_matmul_after_apply_qat_stays_float():
 def test_activation_shaped_like_the_kernel_is_not_taken_for_the_weight():
     """Batch 16 into Linear(16, 16): Qwix's shape fallback would see two weights and assert."""
     x = jnp.asarray(RNG.standard_normal((16, 16)), jnp.float32)
+    stock = qwix.quantize_model(nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0))),
+                                qwix.QtProvider(qwix_rules(bits=4), disable_jit=True), x[:5])
+    with pytest.raises(AssertionError, match="lhs and rhs cannot be both weights"):
+        stock(x)
     for dtype, note in ((jnp.float32, ""), (jnp.bfloat16, "by position")):
         model = nnx.Sequential(nnx.Linear(16, 16, dtype=dtype, rngs=nnx.Rngs(0)))
         apply_qat(model, bits=4, example_inputs=(x,))
