@@ -485,9 +485,10 @@ def test_qwix_options_pass_through_to_qwix(fields):
     stock = qwix.quantize_model(Stack(), qwix.QtProvider(qwix_rules(**fields), disable_jit=True), x)
     np.testing.assert_array_equal(ours(x), stock(x))
     assert not np.allclose(ours(x), Stack()(x), atol=1e-4)
-    g_ours, g_stock = (nnx.grad(lambda m: jnp.sum(m(x) * r))(m) for m in (ours, stock))
-    for a, b in zip(jax.tree.leaves(nnx.state(g_ours)), jax.tree.leaves(nnx.state(g_stock))):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    if "act_bits" in fields or "bwd_bits" in fields:  # options that change the backward pass
+        g_ours, g_stock = (nnx.grad(lambda m: jnp.sum(m(x) * r))(m) for m in (ours, stock))
+        for a, b in zip(jax.tree.leaves(nnx.state(g_ours)), jax.tree.leaves(nnx.state(g_stock))):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_stochastic_rounding_of_gradients_draws_from_its_rng_stream():

@@ -133,7 +133,7 @@ def test_transformer_with_tied_head_trains_with_qat(corpus):
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
     before = float(evaluate(model, held_x, held_y))
     losses = []
-    for step, (x, y) in enumerate(windows(train, 40, 16, seed=0)):
+    for step, (x, y) in enumerate(windows(train, 30, 16, seed=0)):
         loss, grads = train_step(model, optimizer, x, y)
         losses.append(float(loss))
         if step == 0:
