@@ -280,7 +280,8 @@ def test_linen_toggle_report_and_same_params():
     np.testing.assert_array_equal(qat.apply(params, x), module.apply(params, x))
     set_fake_quant_enabled(qat, True)
     np.testing.assert_array_equal(qat.apply(params, x), out)
-    np.testing.assert_array_equal(jax.jit(qat.apply)(params, x), jax.jit(apply_qat(module, spec=spec, example_inputs=(x,)).apply)(params, x))
+    fresh = apply_qat(module, spec=spec, example_inputs=(x,))
+    np.testing.assert_array_equal(jax.jit(qat.apply)(params, x), jax.jit(fresh.apply)(params, x))
 
 
 # ------------------------------------------------------------------------------- report / pitfalls
@@ -451,7 +452,8 @@ def test_activation_shaped_like_the_kernel_is_not_taken_for_the_weight():
         assert decision.action == "wrapped" and note in decision.note
         if dtype == jnp.float32:
             w = np.asarray(model.layers[0].kernel[...]).T
-            expected = np.asarray(x) @ reference_codes_scales(w, 4, "channel")[2].T + np.asarray(model.layers[0].bias[...])
+            bias = np.asarray(model.layers[0].bias[...])
+            expected = np.asarray(x) @ reference_codes_scales(w, 4, "channel")[2].T + bias
             np.testing.assert_allclose(model(x), expected, atol=1e-5, rtol=1e-5)
         else:
             # bf16 scales: compare with the same layer fed 5 rows, where the kernel is unambiguous.
@@ -503,7 +505,8 @@ def test_stochastic_rounding_of_gradients_draws_from_its_rng_stream():
     np.testing.assert_array_equal(model(x), plain(x))  # forward unchanged; only gradients are noisy
 
 
-@pytest.mark.parametrize("fields", [dict(bits=4, act_bits=4), dict(bits=4, bwd_bits=4), dict(bits=8, act_bits=4, bwd_bits=4)])
+@pytest.mark.parametrize("fields", [dict(bits=4, act_bits=4), dict(bits=4, bwd_bits=4),
+                                    dict(bits=8, act_bits=4, bwd_bits=4)])
 def test_int4_by_int4_products_are_refused_off_tpu(fields):
     if jax.default_backend() == "tpu":
         pytest.skip("TPUs run int4 x int4 matmuls")
@@ -533,8 +536,8 @@ def test_fake_quantize_on_jax_arrays_matches_numpy_and_passes_gradients_straight
             got_codes = np.rint(np.asarray(got).reshape(blocks.shape) / scale)
             np.testing.assert_array_equal(got_codes[~tie], codes.reshape(blocks.shape)[~tie])
             assert set(got_codes[tie].tolist()) <= {-spec.qmax - 1.0, -spec.qmax, spec.qmax}
-            np.testing.assert_allclose(np.asarray(got).reshape(blocks.shape)[~tie], expected.reshape(blocks.shape)[~tie],
-                                       rtol=0, atol=3e-7 * np.abs(W1).max())
+            np.testing.assert_allclose(np.asarray(got).reshape(blocks.shape)[~tie],
+                                       expected.reshape(blocks.shape)[~tie], rtol=0, atol=3e-7 * np.abs(W1).max())
     spec = QuantSpec(bits=4, clip_percentile=90.0)
     np.testing.assert_array_equal(jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec) * 3))(w), np.full(W1.shape, 3))
     masked = jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec.replace(clip_gradient=True))))(w)

@@ -171,7 +171,9 @@ class QuantSpec:
         try:
             args = [float(a) for a in raw]
         except ValueError:
-            raise ValueError(f"calibration={text!r} has a non-numeric argument: e.g. 'absmax,0.9' or 'fixed,-2,2'") from None
+            raise ValueError(
+                f"calibration={text!r} has a non-numeric argument: e.g. 'absmax,0.9' or 'fixed,-2,2'"
+            ) from None
         if not all(math.isfinite(a) for a in args):
             raise ValueError(f"calibration={text!r} has a non-finite argument")
         if method in ("absmax", "minmax") and (len(args) > 1 or (args and args[0] <= 0)):
