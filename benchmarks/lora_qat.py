@@ -2,8 +2,10 @@
 
 Trains the default ``build_causal_lm`` in fp32 on the embedded corpus (or ``--corpus``), then from
 that checkpoint: PTQ int4 (``quantize_model``); full QAT int4 (every parameter trains on the
-fake-quantized model); LoRA+QAT int4 (frozen fake-quantized base, rank-r adapters train, then
-``merge_lora`` + ``convert``). Every int4 row is scored as real converted int4 weights. Prints
+fake-quantized model); LoRA+QAT int4 (frozen fake-quantized base, rank-r float adapters train,
+then ``merge_lora`` + ``convert`` requantize the merged weights); and LoRA+QAT with
+``quantize_merged=True`` (the merged weight ``W + alpha/rank B A`` is what is fake-quantized
+while training, so nothing is lost at the merge). Every int4 row is scored as real converted int4 weights. Prints
 held-out loss, recovered % of the PTQ gap, trainable parameters, median step time and peak step
 memory side by side, and writes a PNG.
 
@@ -187,11 +189,14 @@ def main(argv=None):
 
     full = apply_qat(copy.deepcopy(fp32), bits=4)
     lora = apply_lora(apply_qat(copy.deepcopy(fp32), bits=4), rank=args.rank, alpha=args.alpha)
+    merged_fq = apply_lora(apply_qat(copy.deepcopy(fp32), bits=4), rank=args.rank, alpha=args.alpha,
+                           quantize_merged=True)
     cont = copy.deepcopy(fp32)
     steps = {
         "fp32 (continued)": make_step(cont, cont.parameters(), args.qat_lr, args.qat_steps),
         "QAT int4 (full)": make_step(full, full.parameters(), args.qat_lr, args.qat_steps),
         "LoRA+QAT int4": make_step(lora, lora_parameters(lora), args.lora_lr, args.qat_steps),
+        "LoRA+QAT int4 merged-fq": make_step(merged_fq, lora_parameters(merged_fq), args.lora_lr, args.qat_steps),
     }
     trainable = {name: sum(p.numel() for p in step.params) for name, step in steps.items()}
     for name, step in steps.items():
@@ -200,7 +205,9 @@ def main(argv=None):
     # Score every int4 row as real int4 weights; the LoRA model is merged in a copy, so the
     # timing below can still run the adapters.
     int4 = {"PTQ int4": quantize_model(fp32, bits=4), "QAT int4 (full)": convert(full),
-            "LoRA+QAT int4": convert(merge_lora(copy.deepcopy(lora)))}
+            "LoRA+QAT int4": convert(merge_lora(copy.deepcopy(lora))),
+            "LoRA+QAT int4 merged-fq": convert(merge_lora(copy.deepcopy(merged_fq)))}
+    unmerged = held_out_loss(lora, held)  # q(W) + float adapter, before the merge requantizes
     scored = {"fp32 checkpoint": fp32, "fp32 (continued)": cont, **int4}
     losses = {name: held_out_loss(model, held) for name, model in scored.items()}
     nbytes = {name: model_nbytes(model).total for name, model in scored.items()}
@@ -212,24 +219,27 @@ def main(argv=None):
     gap = losses["PTQ int4"] - losses["fp32 checkpoint"]
 
     print()
-    header = (f"{'method':18} {'held-out loss':>13} {'recovered':>9} {'trainable':>10} {'step ms':>8} "
+    header = (f"{'method':23} {'held-out loss':>13} {'recovered':>9} {'trainable':>10} {'step ms':>8} "
               f"{'vs fp32':>7} {'peak MB':>8} {'vs fp32':>7} {'model bytes':>11}")
     print(header)
     print("-" * len(header))
     base_t, base_m = timing["fp32 (continued)"], peaks["fp32 (continued)"]
     for name, loss in losses.items():
-        recovered = f"{100 * (losses['PTQ int4'] - loss) / gap:8.1f}%" if "int4" in name and gap > 0 else f"{'-':>9}"
+        recovered = f"{100 * (losses['PTQ int4'] - loss) / gap:8.1f}%" if name in int4 and gap > 0 else f"{'-':>9}"
         if name in steps:
             cols = (f"{trainable[name]:>10} {1e3 * timing[name]:8.1f} {timing[name] / base_t:6.2f}x "
                     f"{peaks[name] / 2**20:8.2f} {peaks[name] / base_m:6.2f}x")
         else:
             cols = f"{'-':>10} {'-':>8} {'-':>7} {'-':>8} {'-':>7}"
-        print(f"{name:18} {loss:13.4f} {recovered} {cols} {nbytes[name]:>11}")
+        print(f"{name:23} {loss:13.4f} {recovered} {cols} {nbytes[name]:>11}")
     print(f"\nrecovered = (PTQ loss - loss) / (PTQ loss - fp32 checkpoint loss); PTQ gap {gap:.4f} nats. "
           f"Full QAT and LoRA+QAT trained {args.qat_steps} steps each from the checkpoint (peak lr {args.qat_lr:g} / "
           f"{args.lora_lr:g}, cosine to 1/10); 'fp32 (continued)' is the same extra training without quantization. "
+          f"LoRA+QAT int4 before its merge (int4 base + float adapter, not storable as int4): {unmerged:.4f}; "
+          f"merged-fq trains the merged weight's int4 grid directly, so it has no merge loss. "
           f"Step time: median of {args.timing_rounds}x{args.timing_steps} steps, methods interleaved. "
-          f"Peak: torch CPU tensor bytes of one step (params, grads, optimizer state, activations; profiler).")
+          f"Peak: torch CPU tensor bytes of one step (params, grads, optimizer state, activations; profiler). "
+          f"One seed; held-out losses are single runs.")
     plot(losses, timing, peaks, trainable, args)
     return losses, timing, peaks, trainable
 
@@ -240,15 +250,15 @@ def plot(losses, timing, peaks, trainable, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     names = list(losses)
-    axes[0].barh(names, [losses[n] for n in names], color=["0.6", "0.75", "tab:red", "tab:blue", "tab:green"])
+    axes[0].barh(names, [losses[n] for n in names], color=["0.6", "0.75", "tab:red", "tab:blue", "tab:green", "tab:olive"])
     axes[0].set_xlim(min(losses.values()) - 0.05, max(losses.values()) + 0.02)
     axes[0].set_xlabel("held-out loss (nats/char)")
     trained = list(timing)
-    axes[1].bar(trained, [1e3 * timing[n] for n in trained], color=["0.75", "tab:blue", "tab:green"])
+    axes[1].bar(trained, [1e3 * timing[n] for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
     axes[1].set_ylabel("median step (ms)")
-    axes[2].bar(trained, [peaks[n] / 2**20 for n in trained], color=["0.75", "tab:blue", "tab:green"])
+    axes[2].bar(trained, [peaks[n] / 2**20 for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
     axes[2].set_ylabel("peak step memory (MiB)")
     for ax in axes[1:]:
         ax.tick_params(axis="x", labelrotation=15)

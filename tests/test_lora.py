@@ -175,6 +175,8 @@ def test_hooks_survive_and_root_linear_is_replaced():
         (dict(rank=2, alpha=float("nan")), ValueError, r"alpha=nan must be a finite number > 0"),
         (dict(rank=2, alpha=1, dropout=1.0), ValueError, r"dropout=1.0 must be in \[0, 1\)"),
         (dict(rank=2, alpha=1, train_base="no"), TypeError, r"train_base must be True or False"),
+        (dict(rank=2, alpha=1, quantize_merged=1), TypeError, r"quantize_merged must be True or False"),
+        (dict(rank=2, alpha=1, dropout=0.1, quantize_merged=True), ValueError, r"no place for dropout=0.1"),
         (dict(rank=2, alpha=1, adapter_spec="int8"), TypeError, r"adapter_spec must be a mixle QuantSpec"),
         (dict(rank=2, alpha=1, adapter_spec=QuantSpec(group_size=3)), ValueError, r"adapter_spec does not fit 'body.0'.lora_A"),
         (dict(rank=2, alpha=1, patterns=("bdy.0",)), ValueError, r"patterns entry 'bdy.0' matches no nn.Linear"),
@@ -258,6 +260,30 @@ def test_adapter_spec_fake_quantizes_adapters_while_enabled():
     assert layer.lora_A.grad.abs().sum() > 0 and layer.weight.grad is None
     set_fake_quant_enabled(model, False)
     assert all(torch.equal(t, r) for t, r in zip(layer.adapter_weights(), (layer.lora_A, layer.lora_B)))
+
+
+def test_quantize_merged_trains_the_weights_convert_will_store():
+    plain_qat = apply_qat(make_lm(), bits=4)
+    model = qat_then_lora(quantize_merged=True)
+    model.load_state_dict(plain_qat.state_dict(), strict=False)
+    assert torch.equal(model(ids()), plain_qat(ids()))  # B = 0: q(W + 0) is q(W), bit for bit
+    randomize_adapters(model)
+    layer, x = model.body[0], torch.randn(5, 16)
+    w, b, a, bb = (t.detach().numpy() for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    expected = np_linear(x.numpy(), q4(w + (bb @ a) * np.float32(2.0)), b)
+    np.testing.assert_allclose(layer(x).detach().numpy(), expected, rtol=1e-5, atol=1e-5)
+    layer(x).square().sum().backward()
+    assert layer.lora_A.grad.abs().sum() > 0 and layer.lora_B.grad.abs().sum() > 0 and layer.weight.grad is None
+
+    from mixle.task.quantize import convert
+
+    out = model(ids()).detach()
+    set_fake_quant_enabled(model, False)
+    float_twin = apply_lora(make_lm(), rank=2, alpha=4)
+    float_twin.load_state_dict(model.state_dict())
+    assert torch.equal(model(ids()), float_twin(ids()))
+    set_fake_quant_enabled(model, True)
+    assert torch.equal(convert(merge_lora(model))(ids()), out)  # no requantization loss at all
 
 
 def test_optimizer_built_after_lora_keeps_training_after_qat():

@@ -95,10 +95,13 @@ class LoRALinear(nn.Linear):
     def merged_weight(self):
         """``W + (B @ A) * alpha/rank`` in W's dtype (summed in at least float32), no gradient."""
         with torch.no_grad():
-            a, b = self.adapter_weights()
-            dtype = torch.promote_types(self.weight.dtype, torch.float32)
-            delta = (b.to(dtype) @ a.to(dtype)) * self.lora_spec.scaling
-            return (self.weight.to(dtype) + delta).to(self.weight.dtype)
+            return self._merge(*self.adapter_weights())
+
+    def _merge(self, a, b):
+        # The one formula for the merged weight: merge_lora and the quantize_merged forward.
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        delta = (b.to(dtype) @ a.to(dtype)) * self.lora_spec.scaling
+        return (self.weight.to(dtype) + delta).to(self.weight.dtype)
 
     def base_layer(self):
         """The adapter-free layer sharing this one's Parameters: ``nn.Linear`` (or ``QATWrapper``)."""
@@ -118,7 +121,8 @@ class QATLoRALinear(LoRALinear, QATWrapper):
 
     ``apply_qat`` then ``apply_lora`` and the reverse order both give this layer.
     ``set_fake_quant_enabled`` toggles the base (and the adapters, with ``adapter_spec``);
-    off, it computes exactly what ``LoRALinear`` computes.
+    off, it computes exactly what ``LoRALinear`` computes. With ``quantize_merged`` the
+    forward fake-quantizes ``W + alpha/rank * B @ A`` as one weight instead.
 
     >>> from mixle.experimental.program.lora import LoRASpec, QuantSpec
     >>> layer = QATLoRALinear(nn.Linear(6, 4), LoRASpec(rank=2, alpha=2), QuantSpec(bits=4))
@@ -132,6 +136,12 @@ class QATLoRALinear(LoRALinear, QATWrapper):
         QATWrapper.__init__(self, linear, spec, enabled=enabled)
         _copy_marks(linear, self)
         self._set_adapters(lora, adapters)
+
+    def forward(self, x):
+        if self.enabled and self.lora_spec.quantize_merged:
+            merged = self._merge(self.lora_A, self.lora_B)
+            return F.linear(x, fake_quantize_tensor(merged, self.spec), self.bias)
+        return super().forward(x)
 
     def adapter_weights(self):
         spec = self.lora_spec.adapter_spec

@@ -36,6 +36,12 @@ class LoRASpec:
         adapter_spec: a QuantSpec to fake-quantize ``A`` and ``B`` with (straight-through
             gradient) wherever the base weight is fake-quantized, toggled with it by
             ``set_fake_quant_enabled``; None (default) keeps the adapter path in float.
+        quantize_merged: on a fake-quantized base, fake-quantize the merged weight
+            ``W + alpha/rank * B @ A`` as one weight instead of adding a float adapter to the
+            quantized ``W``. Training then sees exactly the int weights ``merge_lora`` +
+            ``convert`` will store (a float adapter's small correction is largely rounded away
+            when the merged weight is requantized), at the cost of a weight-sized gradient per
+            layer, as in full QAT. Needs ``dropout=0`` and no ``adapter_spec``.
 
     >>> LoRASpec(rank=8, alpha=16).scaling
     2.0
@@ -45,6 +51,7 @@ class LoRASpec:
     alpha: float
     dropout: float = 0.0
     adapter_spec: QuantSpec | None = None
+    quantize_merged: bool = False
 
     def __post_init__(self):
         rank, alpha, dropout = self.rank, self.alpha, self.dropout
@@ -66,6 +73,14 @@ class LoRASpec:
                 f"adapter_spec must be a mixle QuantSpec or None, got {type(self.adapter_spec).__name__}: "
                 f"e.g. adapter_spec=QuantSpec(bits=8)"
             )
+        if not isinstance(self.quantize_merged, bool):
+            raise TypeError(f"quantize_merged must be True or False, got {self.quantize_merged!r}")
+        if self.quantize_merged and (dropout or self.adapter_spec is not None):
+            raise ValueError(
+                f"quantize_merged=True fake-quantizes W + alpha/rank * B @ A as one weight, which has no "
+                f"place for dropout={dropout!r} or adapter_spec={self.adapter_spec!r}: set dropout=0 "
+                f"and adapter_spec=None, or quantize_merged=False"
+            )
 
     @property
     def scaling(self):
@@ -83,6 +98,8 @@ class LoRASpec:
             text += f" drop{self.dropout:g}"
         if self.adapter_spec is not None:
             text += f" +{self.adapter_spec.short()} adapters"
+        if self.quantize_merged:
+            text += " merged-fq"
         return text
 
 
@@ -101,7 +118,7 @@ def _torch_backend(model, purpose):
 
 
 def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(), train_base=False,
-               adapter_spec=None):
+               adapter_spec=None, quantize_merged=False):
     """Add a trainable low-rank adapter to each selected ``nn.Linear``, in place.
 
     Each selected layer becomes a ``LoRALinear`` (or a ``QATLoRALinear`` if ``apply_qat``
@@ -125,6 +142,8 @@ def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(),
         train_base: False (default) sets ``requires_grad=False`` on every parameter of the
             model except the adapters; True leaves every ``requires_grad`` flag as it is.
         adapter_spec: QuantSpec to fake-quantize the adapters too (see ``LoRASpec``).
+        quantize_merged: fake-quantize ``W + alpha/rank * B @ A`` as one weight, so training
+            sees exactly what merge + convert store (see ``LoRASpec``).
 
     Returns:
         The model (the replacement if the root itself is an ``nn.Linear``); what was adapted or
@@ -140,7 +159,8 @@ def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(),
     >>> get_lora_report(net).wrapped, [n for n, p in net.named_parameters() if p.requires_grad]
     (['0', '2'], ['0.lora_A', '0.lora_B', '2.lora_A', '2.lora_B'])
     """
-    lora = LoRASpec(rank=rank, alpha=alpha, dropout=dropout, adapter_spec=adapter_spec)
+    lora = LoRASpec(rank=rank, alpha=alpha, dropout=dropout, adapter_spec=adapter_spec,
+                    quantize_merged=quantize_merged)
     if not isinstance(train_base, bool):
         raise TypeError(f"train_base must be True or False, got {train_base!r}")
     backend = _torch_backend(model, "apply_lora")
