@@ -4,15 +4,18 @@ Qwix intercepts ``dot_general`` / ``einsum`` / ``conv`` inside the model call an
 which operand is a weight. This subclass keeps Qwix's numerics (calibration, ``qarray``
 quantize, ``dot_general_qt``) and changes only what the measured pitfalls require:
 
-* weights are found by identity / jit lineage first and by shape only as a fallback, so an
-  activation with the shape of a kernel is not taken for a weight (Qwix would assert);
+* a weight is the Param itself (identity) or, failing that, the one Param of its shape (a cast
+  weight); Qwix's jit-only tracer lineage is not used, so a weight is quantized alike eagerly,
+  under ``jit`` and under ``grad``, and an activation shaped like a kernel is not taken for a
+  second weight (Qwix asserts there);
 * ``clip_percentile`` clips each weight to the percentile of its live (traced) value before
   Qwix's absmax calibration, with a straight-through gradient;
 * ``granularity='tensor'`` is per tensor on the weight side only (activations stay per token);
 * group-wise (tiled) weights are fake-quantized with Qwix's quantizer before the matmul,
   because Qwix's tiled ``dot_general_qt`` keeps the float weight for the input gradient;
-* ``nnx.Embed.attend`` (tied heads, a transposed weight Qwix misses under grad) is quantized
-  explicitly, and the lookups of such a tied embedding use the same quantized table;
+* ``Embed.attend`` (NNX and Linen tied heads: a transposed weight Qwix misses under grad) is
+  quantized explicitly, and the lookups of such a tied embedding use the same quantized table;
+* a Param used by another module than its owner (where Qwix leaves it float) is noted;
 * every weight the provider quantized or had to leave in float is recorded for the report.
 """
 
@@ -33,7 +36,7 @@ QUANTIZED = "quantized"
 FLOAT = "float"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=())
+@jax.custom_vjp
 def _straight_through(w, value):
     """``value`` forward; the gradient goes to ``w`` unchanged (value carries none)."""
     return value
@@ -185,7 +188,7 @@ class QATProvider(qt.QtProvider):
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     *, out_sharding=None):
-        rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        rule, _ = self._get_current_rule_and_op_id("dot_general")
         plain = functools.partial(jax.lax.dot_general, lhs, rhs, dimension_numbers, precision=precision,
                                   preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None:
@@ -195,7 +198,7 @@ class QATProvider(qt.QtProvider):
 
     def einsum(self, einsum_str, *operands, precision=None, preferred_element_type=None,
                _dot_general=jax.lax.dot_general, out_sharding=None):
-        rule, op_id = self._get_current_rule_and_op_id("einsum")
+        rule, _ = self._get_current_rule_and_op_id("einsum")
         kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None or len(operands) != 2:
             self._note_foreign(*operands)
