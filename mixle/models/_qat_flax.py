@@ -130,7 +130,7 @@ def _check_patterns_ran(plan, provider, rules):
             )
 
 
-def _decisions(plan, provider, previous, reconfigure):
+def _decisions(plan, provider, previous):
     decisions = []
     for path, shape in plan.kernels:
         owner, name = _dotted(path[:-1]), str(path[-1])
@@ -259,7 +259,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
         _probe_nnx(model, inputs)
         _check_patterns_ran(plan, provider, rules)
         previous = state.specs if state else {}
-        report = QATReport(_decisions(plan, provider, previous, reconfigure))
+        report = QATReport(_decisions(plan, provider, previous))
     except BaseException:
         object.__setattr__(model, "__class__", saved_class)
         for path, module in modules.items():
@@ -349,7 +349,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     # The probe records what was quantized on the traced (grad) path; it leaves nothing behind.
     _probe_linen(float_module, qat_module, inputs)
     _check_patterns_ran(plan, provider, rules)
-    report = QATReport(_decisions(plan, provider, state.specs if state else {}, reconfigure))
+    report = QATReport(_decisions(plan, provider, state.specs if state else {}))
     new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs))
     setattr(qat_class, STATE_ATTRIBUTE, new_state)
     setattr(off_class, STATE_ATTRIBUTE, new_state)
