@@ -112,35 +112,45 @@ class _TorchOps:
         return a.amax(dim=-1, keepdim=True)
 
     def order_stats_last(self, a, ks):
-        # Exact order statistics of rows of magnitudes. Clipping asks for ranks near the top of
-        # a row, so select only the few largest values: kthvalue or a sort per rank pays a large
-        # constant per row on CPU, which made percentile-clipped QAT steps several times slower.
+        # Exact order statistics of rows of magnitudes; `a` is a temporary and may be
+        # overwritten. Clipping asks for ranks near the top of a row, so select only the few
+        # largest values: kthvalue or a sort per rank pays a large constant per row on CPU,
+        # which made percentile-clipped QAT steps several times slower.
         count = a.shape[-1]
         top = count - min(ks)
         if top <= 2 and count >= 2 and count & (count - 1) == 0:
-            first, second = self._two_largest(a)
-            return [first if k == count - 1 else second for k in ks]
-        if top <= max(ks) + 1:
+            first, second = self._two_largest_(a)
+            values = [first if k == count - 1 else second for k in ks]
+        elif top <= max(ks) + 1:
             descending = a.topk(top, dim=-1, sorted=True).values
-            return [descending[..., count - 1 - k : count - k] for k in ks]
-        ascending = a.topk(max(ks) + 1, dim=-1, largest=False, sorted=True).values
-        return [ascending[..., k : k + 1] for k in ks]
+            values = [descending[..., count - 1 - k : count - k] for k in ks]
+        else:
+            ascending = a.topk(max(ks) + 1, dim=-1, largest=False, sorted=True).values
+            values = [ascending[..., k : k + 1] for k in ks]
+        # Own copies: a view would keep the whole row buffer alive with the (cached) threshold.
+        return [v.clone(memory_format=self.torch.contiguous_format) for v in values]
 
-    def _two_largest(self, a):
+    def _two_largest_(self, a):
         """Largest and second largest of each row (repeats count), for a power-of-two row length.
 
         A pairwise tournament vectorised across rows: merging two halves, the maximum is the
         larger maximum and the runner-up the larger of the smaller maximum and both runners-up.
+        Works in place in ``a`` (plus half its size), to keep the step's peak memory low.
         """
-        maximum, minimum = self.torch.maximum, self.torch.minimum
+        # clamp_min_(t) is an in-place maximum that torch.compile can trace.
+        minimum = self.torch.minimum
         half = a.shape[-1] // 2
-        first = maximum(a[..., :half], a[..., half:])
-        second = minimum(a[..., :half], a[..., half:])
+        first, right = a[..., :half], a[..., half:]
+        second = minimum(first, right)
+        first.clamp_min_(right)
         while half > 1:
             half //= 2
             left, right = first[..., :half], first[..., half:]
-            second = maximum(minimum(left, right), maximum(second[..., :half], second[..., half:]))
-            first = maximum(left, right)
+            runner_up = second[..., :half]
+            runner_up.clamp_min_(second[..., half:])
+            runner_up.clamp_min_(minimum(left, right))
+            left.clamp_min_(right)
+            first, second = left, runner_up
         return first, second
 
     def scalar(self, value, like):
@@ -164,6 +174,9 @@ class _TorchOps:
 
 
 def _ops(x):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):  # also traceable by torch.compile
+        return _TorchOps()
     kind = array_kind(x)
     if kind == "torch":
         return _TorchOps()
@@ -291,7 +304,7 @@ def percentile_positions(count, percentile):
 
 
 def _block_threshold(ops, magnitude, spec):
-    """Per-block clipping threshold: the max of |w|, or its clip_percentile."""
+    """Per-block clipping threshold: the max of |w|, or its clip_percentile (may overwrite magnitude)."""
     p = spec.clip_percentile
     if p is None or p == 100.0:
         return ops.amax_last(magnitude)
@@ -315,11 +328,12 @@ def _block_stats(ops, blocks, spec, with_max=False):
     set; it is what ``check_block_max`` reads.
     """
     magnitude = abs(blocks)
-    threshold = _block_threshold(ops, magnitude, spec)
-    block_max = None
-    if with_max:
-        p = spec.clip_percentile
-        block_max = threshold if p is None or p == 100.0 else ops.amax_last(magnitude)
+    p = spec.clip_percentile
+    clipped = p is not None and p != 100.0
+    block_max = ops.amax_last(magnitude) if with_max and clipped else None
+    threshold = _block_threshold(ops, magnitude, spec)  # may overwrite magnitude
+    if with_max and not clipped:
+        block_max = threshold
     return _block_scale(ops, threshold, spec), threshold, block_max
 
 

@@ -1,0 +1,78 @@
+"""torch.compile(fullgraph=True) on QAT-wrapped models: one graph, same numbers as eager."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mixle.models.qat import QuantSpec, apply_qat, fake_quantize
+from tests.test_numerics import reference_codes_scales
+from tests.test_qat_torch import ids, make_lm
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp(spec):
+    torch.manual_seed(0)
+    return apply_qat(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)), spec=spec)
+
+
+def step(model, x):
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("spec", [
+    QuantSpec(bits=4),
+    QuantSpec(bits=4, group_size=32, clip_percentile=99.0, clip_gradient=True),
+    QuantSpec(bits=8, granularity="tensor", grid="qwix"),
+])
+def test_fullgraph_forward_and_backward_equal_eager(spec):
+    # aot_eager runs dynamo's single graph and AOT autograd's forward/backward split without
+    # inductor's code generation, so the numbers must be those of eager exactly.
+    model, x = mlp(spec), torch.randn(8, 64)
+    eager_out, eager_grads = step(model, x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out, grads = step(compiled, x)
+    assert torch.equal(out, eager_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+def test_fullgraph_tied_embedding_model_equals_eager():
+    model = apply_qat(make_lm(), bits=4, group_size=8)
+    eager = model(ids())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(ids()), eager)
+
+
+def test_inductor_step_matches_eager_and_fake_quant_is_bit_exact():
+    spec = QuantSpec(bits=4, group_size=32, clip_percentile=99.0)
+    model, x = mlp(spec), torch.randn(8, 64)
+    eager_out, eager_grads = step(model, x)
+    compiled = torch.compile(model, fullgraph=True)
+    out, grads = step(compiled, x)
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The generated kernel for the fake-quant itself lands on the shared grid bit for bit.
+    w = model[0].weight.detach()
+    compiled_fq = torch.compile(lambda t: fake_quantize(t, spec=spec), fullgraph=True)
+    expected = reference_codes_scales(w.numpy(), 4, "group", 32, 99.0)[2]
+    np.testing.assert_array_equal(compiled_fq(w).numpy(), expected)
+
+
+def test_non_finite_weight_is_refused_inside_the_compiled_graph():
+    model = mlp(QuantSpec(bits=4))
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="NaN or infinity"):
+        compiled(torch.randn(2, 64))
