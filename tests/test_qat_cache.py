@@ -168,6 +168,20 @@ def test_reenabling_after_weight_changes_uses_the_new_weights():
     assert torch.equal(model(x), reference_forward(model, x))
 
 
+def test_inference_mode_forwards_and_inference_tensor_weights():
+    model = apply_qat(mlp(), bits=4)
+    x = batches(1)[0]
+    with torch.inference_mode():
+        first, second = model(x), model(x)  # the second is served by codes made in inference mode
+    assert torch.equal(first, reference_forward(model, x)) and torch.equal(second, first)
+    out = model(x)  # and those codes serve a training forward too
+    assert torch.equal(out, first)
+    out.sum().backward()
+    with torch.inference_mode():
+        frozen = apply_qat(mlp(seed=2), bits=4)  # its Parameters are inference tensors
+        assert torch.equal(frozen(x), reference_forward(frozen, x))
+
+
 # ------------------------------------------------------------------------------- gradients
 
 

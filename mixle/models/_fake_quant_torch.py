@@ -186,10 +186,11 @@ def fake_quantize_tensor(x, spec):
 def fake_quantized_weight(param, spec, *, shared=False):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
-    Under ``torch.compile`` the cache is bypassed: the compiled graph recomputes (and fuses) it.
+    Under ``torch.compile`` the cache is bypassed (the compiled graph recomputes and fuses it),
+    and for inference tensors, which have no version counter.
     """
     check_array(param, "weight", finite=False)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
         return _FakeQuantSTE.apply(param, spec), None
     cache = _cache_of(param)
     return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
