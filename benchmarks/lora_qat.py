@@ -18,6 +18,7 @@ import copy
 import math
 import os
 import statistics
+import textwrap
 import time
 
 import numpy as np
@@ -256,14 +257,13 @@ def plot(losses, timing, peaks, trainable, args):
     axes[0].set_xlim(min(losses.values()) - 0.05, max(losses.values()) + 0.02)
     axes[0].set_xlabel("held-out loss (nats/char)")
     trained = list(timing)
-    axes[1].bar(trained, [1e3 * timing[n] for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
+    labels = [f"{textwrap.fill(n, 16)}\n{trainable[n]:,} trainable" for n in trained]
+    axes[1].bar(labels, [1e3 * timing[n] for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
     axes[1].set_ylabel("median step (ms)")
-    axes[2].bar(trained, [peaks[n] / 2**20 for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
+    axes[2].bar(labels, [peaks[n] / 2**20 for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
     axes[2].set_ylabel("peak step memory (MiB)")
     for ax in axes[1:]:
-        ax.tick_params(axis="x", labelrotation=15)
-        for i, n in enumerate(trained):
-            ax.annotate(f"{trainable[n]:,} trainable", (i, 0), ha="center", va="bottom", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"int4 from one fp32 checkpoint: PTQ vs full QAT vs LoRA+QAT (r={args.rank})")
     fig.tight_layout()
     os.makedirs(args.out_dir, exist_ok=True)

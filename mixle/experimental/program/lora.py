@@ -129,6 +129,9 @@ def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(),
     before or after gives the same layers: the base weight is fake-quantized, the adapter is not
     (unless ``adapter_spec``). Layers whose weight is shared with another module (a head tied to
     an embedding) are skipped, because merging would change the other user of the weight too.
+    When the goal is a merged int model, pass ``quantize_merged=True``: requantizing
+    ``W + alpha/rank * B @ A`` rounds much of a float adapter's correction away
+    (``benchmarks/lora_qat.py`` measures both).
 
     Args:
         model: a ``torch.nn.Module``.
