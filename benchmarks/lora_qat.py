@@ -1,166 +1,135 @@
 """LoRA+QAT vs full QAT vs PTQ at int4 on the main job's model and corpus, from one fp32 checkpoint.
 
-Trains the default ``build_causal_lm`` in fp32 on the embedded corpus (or ``--corpus``), then from
-that checkpoint: PTQ int4 (``quantize_model``); full QAT int4 (every parameter trains on the
-fake-quantized model); LoRA+QAT int4 (frozen fake-quantized base, rank-r float adapters train,
-then ``merge_lora`` + ``convert`` requantize the merged weights); and LoRA+QAT with
-``quantize_merged=True`` (the merged weight ``W + alpha/rank B A`` is what is fake-quantized
-while training, so nothing is lost at the merge). Every int4 row is scored as real converted int4 weights. Prints
-held-out loss, recovered % of the PTQ gap, trainable parameters, median step time and peak step
-memory side by side, and writes a PNG.
+The main job (``mixle.compare.run_compare``) trains the default ``build_causal_lm`` in fp32 on the
+embedded corpus, then PTQ, an fp32 fine-tune (+ PTQ) and full QAT at int4. Two LoRA+QAT runs join
+it as extra methods, trained by the same loop on the same batches with the same learning rate:
 
-    python benchmarks/lora_qat.py            # about 10 minutes on one busy CPU thread
-    python benchmarks/lora_qat.py --quick    # a smoke run in well under a minute
+* ``LoRA+QAT``: frozen fake-quantized base, float rank-r adapters; then ``merge_lora`` and real
+  int4 weights of the merged model (its loss before the merge is the "fake-quant" column).
+* ``LoRA+QAT merged-fq``: ``quantize_merged=True``, the merged weight ``W + alpha/r B A`` is
+  what is fake-quantized while training, so merging loses nothing.
+
+Every int4 row is evaluated as real int4 weights. Step time (median, methods interleaved) and the
+peak memory of training steps are measured on the same loop (``GradLeaf``) afterwards.
+
+    python benchmarks/lora_qat.py            # about 15 minutes on one busy CPU thread
+    python benchmarks/lora_qat.py --quick    # the main job's smoke preset, well under a minute
 """
 
 import argparse
 import copy
-import math
 import os
 import statistics
 import textwrap
 import time
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from mixle.data import load_splits
-from mixle.experimental.program.lora import apply_lora, lora_parameters, merge_lora
+from mixle.compare import PRESETS, ExternalQAT, _window_density, prepare_data, run_compare, write_outputs
+from mixle.experimental.program.lora import apply_lora, merge_lora
+from mixle.models.grad_leaf import GradLeaf
 from mixle.models.qat import apply_qat
 from mixle.models.transformer import build_causal_lm
-from mixle.task.quantize import convert, model_nbytes, quantize_model
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", default=None, help="UTF-8 text file (default: the embedded corpus)")
-    p.add_argument("--fp32-steps", type=int, default=2000, help="steps to train the fp32 checkpoint")
-    p.add_argument("--qat-steps", type=int, default=300, help="steps for full QAT and for LoRA+QAT each")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--fp32-lr", type=float, default=3e-3)
-    p.add_argument("--qat-lr", type=float, default=3e-4, help="full-QAT learning rate (all parameters)")
-    p.add_argument("--lora-lr", type=float, default=3e-3, help="LoRA+QAT learning rate (adapters)")
+    p.add_argument("--steps", type=int, default=None, help="fp32 steps (default: the main job's)")
+    p.add_argument("--finetune-steps", type=int, default=None, help="steps of each fine-tune/QAT run")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows of block+1 tokens")
     p.add_argument("--timing-rounds", type=int, default=5, help="interleaved rounds of step timing")
     p.add_argument("--timing-steps", type=int, default=10, help="timed steps per method per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one is steadiest on a shared machine)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="mixle_runs", help="where the PNG goes")
-    p.add_argument("--quick", action="store_true", help="tiny step counts: checks the script runs")
+    p.add_argument("--out-dir", default=os.path.join("mixle_runs", "lora_qat"))
+    p.add_argument("--quick", action="store_true", help="the main job's smoke preset: checks the script runs")
     args = p.parse_args(argv)
+    config = PRESETS["smoke" if args.quick else "default"].replace(bits=(4,), threads=args.threads)
+    changes = {"corpus": args.corpus, "steps": args.steps, "finetune_steps": args.finetune_steps}
+    config = config.replace(**{k: v for k, v in changes.items() if v is not None})
     if args.quick:
-        args.fp32_steps, args.qat_steps, args.eval_windows = 60, 20, 32
         args.timing_rounds, args.timing_steps = 2, 3
-    return args
+    return args, config
 
 
-# ------------------------------------------------------------------------------ data and loss
+def lora_method(name, config, vocab, rank, alpha, quantize_merged):
+    """An ``ExternalQAT`` entry: LoRA on a fake-quantized copy; merged back to float for real int4."""
+    spec = config.spec(4)
+
+    def prepare(model):
+        return apply_lora(apply_qat(model, spec=spec), rank=rank, alpha=alpha, quantize_merged=quantize_merged)
+
+    def to_float(trained):
+        # After the merge the state_dict has exactly the base model's keys; quantize_model(., spec)
+        # of this float copy gives the same int4 codes as convert() of the merged QAT model.
+        merged = merge_lora(copy.deepcopy(trained))
+        float_lm = build_causal_lm(vocab, config.d_model, config.n_layer, config.n_head, config.block)
+        float_lm.load_state_dict(merged.state_dict())
+        return float_lm
+
+    return ExternalQAT(name=name, bits=4, prepare=prepare, to_float=to_float, spec=spec)
 
 
-class Batches:
-    """Random training windows from one seeded generator, so every method sees the same stream."""
-
-    def __init__(self, ids, block, batch, seed):
-        self.ids, self.block, self.batch = ids, block, batch
-        self.rng = np.random.default_rng(seed)
-
-    def __next__(self):
-        starts = self.rng.integers(0, len(self.ids) - self.block - 1, self.batch)
-        return torch.as_tensor(np.stack([self.ids[s : s + self.block + 1] for s in starts]))
+# ---------------------------------------------------------------------------- step time, memory
 
 
-def lm_loss(model, windows):
-    logits = model(windows[:, :-1], all_positions=True)
-    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+def cost_models(config, vocab, rank, alpha):
+    """Each method's trainable model, on fresh weights (step cost does not depend on their values)."""
+    torch.manual_seed(config.seed)
+    lm = build_causal_lm(vocab, config.d_model, config.n_layer, config.n_head, config.block)
+    spec = config.spec(4)
+    return {
+        "fp32 fine-tune": copy.deepcopy(lm),
+        "QAT": apply_qat(copy.deepcopy(lm), spec=spec),
+        "LoRA+QAT": apply_lora(apply_qat(copy.deepcopy(lm), spec=spec), rank=rank, alpha=alpha),
+        "LoRA+QAT merged-fq": apply_lora(apply_qat(copy.deepcopy(lm), spec=spec), rank=rank, alpha=alpha,
+                                         quantize_merged=True),
+    }
 
 
-def held_out_windows(ids, block, count):
-    count = min(count, (len(ids) - 1) // block)
-    return torch.as_tensor(np.stack([ids[i * block : i * block + block + 1] for i in range(count)]))
+def _leaf(model, data, config, steps, callback):
+    # The main job's training settings (mixle.compare), one GradLeaf per method.
+    return GradLeaf(_window_density(model, data.train_ids), m_steps=steps, lr=config.finetune_lr,
+                    batch_size=config.batch_size, optimizer=torch.optim.AdamW, grad_clip=float(config.block),
+                    seed=config.seed + 2, callback=callback)
 
 
-def held_out_loss(model, windows, batch=64):
-    model.eval()
-    with torch.no_grad():
-        total = sum(lm_loss(model, windows[i : i + batch]).item() * len(windows[i : i + batch])
-                    for i in range(0, len(windows), batch))
-    model.train()
-    return total / len(windows)
+def median_step_seconds(leaves, stamps, data, rounds):
+    """Median seconds between consecutive steps of each method's loop, methods interleaved by round."""
+    from tqdm import tqdm
 
-
-# ------------------------------------------------------------------------------------ training
-
-
-def make_step(model, params, lr, steps):
-    """One AdamW training step; the learning rate follows a cosine from lr to lr/10 over ``steps``."""
-    params = list(params)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    done = [0]
-
-    def step(windows):
-        progress = min(done[0], steps) / max(steps, 1)
-        done[0] += 1
-        for group in opt.param_groups:
-            group["lr"] = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-        opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model, windows)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    step.optimizer, step.params = opt, params
-    return step
-
-
-def train(step, batches, steps, desc):
-    bar = tqdm(range(steps), desc=desc, unit="step", leave=False)
-    for _ in bar:
-        loss = step(next(batches))
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-
-
-def median_step_seconds(steps, batches, rounds, per_round):
-    """Median wall time of one training step per method, the methods interleaved round by round."""
-    times = {name: [] for name in steps}
+    times = {name: [] for name in leaves}
     for _ in tqdm(range(rounds), desc="timing steps", leave=False):
-        for name, step in steps.items():
-            step(next(batches))  # warm-up after switching method
-            for _ in range(per_round):
-                start = time.perf_counter()
-                step(next(batches))
-                times[name].append(time.perf_counter() - start)
+        for name, leaf in leaves.items():
+            stamps[name].clear()
+            leaf.fit(data.train_starts)
+            times[name] += [b - a for a, b in zip(stamps[name], stamps[name][1:])]  # first step: warm-up
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _storage_bytes(tensors):
     seen, total = set(), 0
     for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
     return total
 
 
-def peak_step_bytes(step, windows):
-    """Peak bytes of torch CPU tensors during one step: what lives before it plus the transient peak.
+def peak_training_bytes(leaf, data):
+    """Peak bytes of torch CPU tensors while the loop trains: what lives before plus the transient peak.
 
-    Live before: parameters and optimizer state (counted once per storage; gradients are
-    dropped first, since the profiler cannot see frees of blocks allocated before it started).
-    Transient: the running sum of the CPU allocator's alloc/free events during the step.
+    Before: parameters, buffers and optimizer state, once per storage (gradients are dropped
+    first: the profiler does not see frees of blocks allocated before it started). Transient:
+    the running sum of the CPU allocator's alloc/free events during ``leaf.fit``.
     """
-    step.optimizer.zero_grad(set_to_none=True)
-    state = [t for s in step.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    before = _storage_bytes(list(step.params) + state)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        step(windows)
+    leaf.optimizer.zero_grad(set_to_none=True)
+    module = leaf.module
+    state = [t for s in leaf.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    before = _storage_bytes(list(module.parameters()) + list(module.buffers()) + state)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        leaf.fit(data.train_starts)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     running = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
@@ -169,107 +138,105 @@ def peak_step_bytes(step, windows):
     return before + peak
 
 
-# ---------------------------------------------------------------------------------------- main
+def measure_costs(config, data, args):
+    models = cost_models(config, data.tokenizer.vocab_size, args.rank, args.alpha)
+    trainable = {name: sum(p.numel() for p in m.parameters() if p.requires_grad) for name, m in models.items()}
+    stamps = {name: [] for name in models}
+    leaves = {name: _leaf(m, data, config, args.timing_steps + 1,
+                          lambda step, loss, s=stamps[name]: s.append(time.perf_counter()))
+              for name, m in models.items()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(config.threads or previous)
+    try:
+        seconds = median_step_seconds(leaves, stamps, data, args.timing_rounds)
+        peaks = {name: peak_training_bytes(leaf, data) for name, leaf in leaves.items()}
+    finally:
+        torch.set_num_threads(previous)
+    return trainable, seconds, peaks
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    train_ids, held_ids, tok = load_splits(args.corpus)
-    fp32 = build_causal_lm(tok.vocab_size)
-    block = fp32.block
-    held = held_out_windows(held_ids, block, args.eval_windows)
-    print(f"corpus: {len(train_ids)} train / {len(held_ids)} held-out tokens, vocab {tok.vocab_size}; "
-          f"model d_model=128 n_layer=3 n_head=4 block={block} ({sum(p.numel() for p in fp32.parameters())} "
-          f"parameters, head tied); batch {args.batch}x{block} tokens; torch threads {torch.get_num_threads()}; "
-          f"int4 per-channel symmetric; LoRA r={args.rank} alpha={args.alpha:g}")
+# ---------------------------------------------------------------------------------------- report
 
-    train(make_step(fp32, fp32.parameters(), args.fp32_lr, args.fp32_steps),
-          Batches(train_ids, block, args.batch, args.seed), args.fp32_steps, "fp32 checkpoint")
 
-    full = apply_qat(copy.deepcopy(fp32), bits=4)
-    lora = apply_lora(apply_qat(copy.deepcopy(fp32), bits=4), rank=args.rank, alpha=args.alpha)
-    merged_fq = apply_lora(apply_qat(copy.deepcopy(fp32), bits=4), rank=args.rank, alpha=args.alpha,
-                           quantize_merged=True)
-    cont = copy.deepcopy(fp32)
-    steps = {
-        "fp32 (continued)": make_step(cont, cont.parameters(), args.qat_lr, args.qat_steps),
-        "QAT int4 (full)": make_step(full, full.parameters(), args.qat_lr, args.qat_steps),
-        "LoRA+QAT int4": make_step(lora, lora_parameters(lora), args.lora_lr, args.qat_steps),
-        "LoRA+QAT int4 merged-fq": make_step(merged_fq, lora_parameters(merged_fq), args.lora_lr, args.qat_steps),
-    }
-    trainable = {name: sum(p.numel() for p in step.params) for name, step in steps.items()}
-    for name, step in steps.items():
-        train(step, Batches(train_ids, block, args.batch, args.seed + 1), args.qat_steps, name)
-
-    # Score every int4 row as real int4 weights; the LoRA model is merged in a copy, so the
-    # timing below can still run the adapters.
-    int4 = {"PTQ int4": quantize_model(fp32, bits=4), "QAT int4 (full)": convert(full),
-            "LoRA+QAT int4": convert(merge_lora(copy.deepcopy(lora))),
-            "LoRA+QAT int4 merged-fq": convert(merge_lora(copy.deepcopy(merged_fq)))}
-    unmerged = held_out_loss(lora, held)  # q(W) + float adapter, before the merge requantizes
-    scored = {"fp32 checkpoint": fp32, "fp32 (continued)": cont, **int4}
-    losses = {name: held_out_loss(model, held) for name, model in scored.items()}
-    nbytes = {name: model_nbytes(model).total for name, model in scored.items()}
-
-    timing = median_step_seconds(steps, Batches(train_ids, block, args.batch, args.seed + 2),
-                                 args.timing_rounds, args.timing_steps)
-    probe = next(Batches(train_ids, block, args.batch, args.seed + 3))
-    peaks = {name: peak_step_bytes(step, probe) for name, step in steps.items()}
-    gap = losses["PTQ int4"] - losses["fp32 checkpoint"]
-
-    print()
-    header = (f"{'method':23} {'held-out loss':>13} {'recovered':>9} {'trainable':>10} {'step ms':>8} "
-              f"{'vs fp32':>7} {'peak MB':>8} {'vs fp32':>7} {'model bytes':>11}")
-    print(header)
-    print("-" * len(header))
-    base_t, base_m = timing["fp32 (continued)"], peaks["fp32 (continued)"]
-    for name, loss in losses.items():
-        recovered = f"{100 * (losses['PTQ int4'] - loss) / gap:8.1f}%" if name in int4 and gap > 0 else f"{'-':>9}"
-        if name in steps:
-            cols = (f"{trainable[name]:>10} {1e3 * timing[name]:8.1f} {timing[name] / base_t:6.2f}x "
-                    f"{peaks[name] / 2**20:8.2f} {peaks[name] / base_m:6.2f}x")
+def report(results, trainable, seconds, peaks, config, args):
+    rows = results["rows"]
+    summary = results["summary"]["int4"]
+    checkpoint_ptq = next(r["loss"] for r in rows if r["method"] == "PTQ" and r["bits"] == 4)
+    base_t, base_m = seconds["fp32 fine-tune"], peaks["fp32 fine-tune"]
+    header = (f"{'method':19} {'bits':>4} {'held-out':>9} {'fake-q':>7} {'recovered':>9} {'trainable':>10} "
+              f"{'step ms':>8} {'vs fp32':>7} {'peak MiB':>8} {'vs fp32':>7} {'bytes':>9}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        name = row["method"]
+        recovered = (summary.get(name) or {}).get("recovered_percent")
+        cells = [f"{name:19}", f"{'fp32' if row['bits'] == 32 else 'int' + str(row['bits']):>4}", f"{row['loss']:9.4f}",
+                 f"{row['fake_quant_loss']:7.4f}" if "fake_quant_loss" in row else f"{'-':>7}",
+                 f"{recovered:8.1f}%" if recovered is not None else f"{'-':>9}"]
+        if name in seconds:
+            cells += [f"{trainable[name]:>10,}", f"{1e3 * seconds[name]:8.1f}", f"{seconds[name] / base_t:6.2f}x",
+                      f"{peaks[name] / 2**20:8.2f}", f"{peaks[name] / base_m:6.2f}x"]
         else:
-            cols = f"{'-':>10} {'-':>8} {'-':>7} {'-':>8} {'-':>7}"
-        print(f"{name:23} {loss:13.4f} {recovered} {cols} {nbytes[name]:>11}")
-    print(f"\nrecovered = (PTQ loss - loss) / (PTQ loss - fp32 checkpoint loss); PTQ gap {gap:.4f} nats. "
-          f"Full QAT and LoRA+QAT trained {args.qat_steps} steps each from the checkpoint (peak lr {args.qat_lr:g} / "
-          f"{args.lora_lr:g}, cosine to 1/10); 'fp32 (continued)' is the same extra training without quantization. "
-          f"LoRA+QAT int4 before its merge (int4 base + float adapter, not storable as int4): {unmerged:.4f}; "
-          f"merged-fq trains the merged weight's int4 grid directly, so it has no merge loss. "
-          f"Step time: median of {args.timing_rounds}x{args.timing_steps} steps, methods interleaved. "
-          f"Peak: torch CPU tensor bytes of one step (params, grads, optimizer state, activations; profiler). "
-          f"One seed; held-out losses are single runs.")
-    plot(losses, timing, peaks, trainable, args)
-    return losses, timing, peaks, trainable
+            cells += [f"{'-':>10}", f"{'-':>8}", f"{'-':>7}", f"{'-':>8}", f"{'-':>7}"]
+        lines.append(" ".join(cells + [f"{row['bytes']:>9,}"]))
+    env, data = results["environment"], results["data"]
+    lines += [
+        "",
+        *[f"int4: {v['note']}" for v in summary.values() if isinstance(v, dict)],
+        f"held-out loss below PTQ of the fp32 checkpoint ({checkpoint_ptq:.4f}): "
+        + ", ".join(f"{r['method']} {checkpoint_ptq - r['loss']:+.4f} nats"
+                    for r in rows if r["method"] in ("QAT", "LoRA+QAT", "LoRA+QAT merged-fq")),
+        f"recovered = (fine-tune+PTQ loss - loss) / (fine-tune+PTQ loss - fp32 fine-tune loss), as in the main job. "
+        f"fake-q: held-out loss of the trained QAT model before merge/convert. LoRA rank {args.rank}, alpha "
+        f"{args.alpha:g}, adapters on every block Linear (the head is tied to the embedding, so it has none).",
+        f"{config.steps} fp32 steps, then {config.finetune_steps} steps per fine-tune (lr {config.finetune_lr:g}, "
+        f"batch {config.batch_size}x{config.block}); model d_model={config.d_model} n_layer={config.n_layer} "
+        f"n_head={config.n_head}, {results['model']['parameters']:,} parameters; {data['predicted_tokens']:,} held-out "
+        f"tokens; torch {env['torch']}, {env['threads']} thread(s); one seed.",
+        f"step: median over {args.timing_rounds}x{args.timing_steps} steps of the main job's loop (GradLeaf, which "
+        f"snapshots all parameters each step), methods interleaved; peak: torch CPU tensor bytes while training "
+        f"(parameters, gradients, optimizer state, activations, loop snapshot), from profiler alloc/free events.",
+    ]
+    return "\n".join(lines)
 
 
-def plot(losses, timing, peaks, trainable, args):
+def plot_costs(trainable, seconds, peaks, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    names = list(losses)
-    axes[0].barh(names, [losses[n] for n in names], color=["0.6", "0.75", "tab:red", "tab:blue", "tab:green", "tab:olive"])
-    axes[0].set_xlim(min(losses.values()) - 0.05, max(losses.values()) + 0.02)
-    axes[0].set_xlabel("held-out loss (nats/char)")
-    trained = list(timing)
-    labels = [f"{textwrap.fill(n, 16)}\n{trainable[n]:,} trainable" for n in trained]
-    axes[1].bar(labels, [1e3 * timing[n] for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
-    axes[1].set_ylabel("median step (ms)")
-    axes[2].bar(labels, [peaks[n] / 2**20 for n in trained], color=["0.75", "tab:blue", "tab:green", "tab:olive"])
-    axes[2].set_ylabel("peak step memory (MiB)")
-    for ax in axes[1:]:
+    names = list(seconds)
+    labels = [f"{textwrap.fill(n, 16)}\n{trainable[n]:,} trainable" for n in names]
+    colors = ["0.7", "tab:blue", "tab:green", "tab:olive"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].bar(labels, [1e3 * seconds[n] for n in names], color=colors)
+    axes[0].set_ylabel("median training step (ms)")
+    axes[1].bar(labels, [peaks[n] / 2**20 for n in names], color=colors)
+    axes[1].set_ylabel("peak training memory (MiB)")
+    for ax in axes:
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"int4 from one fp32 checkpoint: PTQ vs full QAT vs LoRA+QAT (r={args.rank})")
+    fig.suptitle("cost of a training step: fp32 vs full QAT vs LoRA+QAT (int4)")
     fig.tight_layout()
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "lora_qat.png")
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    return path
+
+
+def main(argv=None):
+    args, config = parse_args(argv)
+    data = prepare_data(config)
+    vocab = data.tokenizer.vocab_size
+    external = [lora_method("LoRA+QAT", config, vocab, args.rank, args.alpha, False),
+                lora_method("LoRA+QAT merged-fq", config, vocab, args.rank, args.alpha, True)]
+    results = run_compare(config, data=data, external=external)
+    trainable, seconds, peaks = measure_costs(config, data, args)
+    text = report(results, trainable, seconds, peaks, config, args)
+    print("\n" + text)
+    paths = write_outputs(results, args.out_dir)  # results.json, table.txt, compare.png (losses, curves)
+    with open(os.path.join(args.out_dir, "lora_qat.txt"), "w") as handle:
+        handle.write(text + "\n")
+    cost_png = plot_costs(trainable, seconds, peaks, os.path.join(args.out_dir, "lora_qat_cost.png"))
+    print(f"\nwrote {', '.join(sorted(paths.values()))}, {cost_png} and lora_qat.txt in {args.out_dir}")
+    return results, trainable, seconds, peaks
 
 
 if __name__ == "__main__":
