@@ -27,6 +27,7 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from dataclasses import dataclass
@@ -222,12 +223,7 @@ def time_steps(shape, rows, steps, warmup):
             elapsed = time.perf_counter() - start
             if r >= warmup:
                 times[i].append(elapsed)
-    return [(statistics.median(t), _iqr(t)) for t in times]
-
-
-def _iqr(values):
-    q = statistics.quantiles(values, n=4)
-    return q[2] - q[0]
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -235,8 +231,11 @@ def _iqr(values):
 
 def peak_memory(shape, variant, steps=3):
     """Peak bytes of live torch CPU allocations from building the model through ``steps`` steps."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # nothing from earlier variants may be freed (a negative event) while profiling
     with _quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step = _trainer(shape, variant, shape.build(), shape.batch())
         for _ in range(steps):
@@ -254,17 +253,20 @@ def peak_memory(shape, variant, steps=3):
 
 
 def report(shape, rows, timing, memory):
-    fp32_time = timing[0][0]
+    """Median step time and its ratio to fp32 (the measure); the fastest step as a load check."""
+    fp32_median, fp32_min = timing[0]
     compiled_fp32 = next((t for row, (t, _) in zip(rows, timing) if row.name == "fp32 compiled"), None)
     lines = [f"\n== {shape.name}: {shape.description}",
-             f"{'variant':<30} {'step ms':>8} {'IQR':>6} {'x fp32':>7} {'peak MB':>8} {'x fp32':>7}  note"]
-    for i, (row, (median, iqr)) in enumerate(zip(rows, timing)):
+             f"{'variant':<30} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'x fp32':>7} "
+             f"{'peak MB':>8} {'x fp32':>7}  note"]
+    for row, (median, fastest) in zip(rows, timing):
         mem = memory.get(row.name)
         mem_cols = f"{mem / 2**20:>8.1f} {mem / memory['fp32']:>7.3f}" if mem else f"{'-':>8} {'-':>7}"
         note = ""
         if row.compiled and compiled_fp32 and row.name != "fp32 compiled":
             note = f"{median / compiled_fp32:.3f}x fp32 compiled"
-        lines.append(f"{row.name:<30} {median * 1e3:>8.2f} {iqr * 1e3:>6.2f} {median / fp32_time:>7.3f} {mem_cols}  {note}")
+        lines.append(f"{row.name:<30} {median * 1e3:>9.2f} {median / fp32_median:>7.3f} {fastest * 1e3:>8.2f} "
+                     f"{fastest / fp32_min:>7.3f} {mem_cols}  {note}")
     print("\n".join(lines), flush=True)
 
 
@@ -282,9 +284,10 @@ def plot(results, path):
                   for n in names]
         ax.barh(names, ratios, color=colors)
         ax.axvline(1.0, color="black", lw=0.8)
-        ax.axvline(1.1, color="tab:green", lw=0.8, ls="--")
+        ax.axvline(1.1, color="tab:green", lw=0.8, ls="--", label="1.10x fp32")
         ax.set_xlabel("training-step time / fp32 step time (median)")
-        ax.set_title(shape.description, fontsize=9)
+        ax.set_title(textwrap.fill(shape.description, 60), fontsize=9)
+        ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
@@ -314,8 +317,9 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"median of {args.steps} steps after {args.warmup} warm-up, variants interleaved; "
           f"clipping percentile {PERCENTILE}; load average {os.getloadavg()[0]:.2f} at start")
-    print("peak MB: highest live torch CPU allocations (torch.profiler memory events) from model "
-          "build through 3 steps")
+    print("median/min ms: median and fastest of the timed steps; peak MB: highest live torch CPU "
+          "allocations (torch.profiler memory events) from model build through 3 steps; compiled "
+          "rows have no memory pass")
     results = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
