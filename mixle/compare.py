@@ -20,7 +20,7 @@ from mixle._optional import require
 from mixle.task.spec import SUPPORTED_BITS, QuantSpec
 
 __all__ = ["CompareConfig", "PRESETS", "ExternalQAT", "run_compare", "format_table", "save_plot",
-           "write_outputs", "prepare_data", "held_out_loss", "warmup_cosine", "MIN_DEGRADATION"]
+           "write_outputs", "prepare_data", "held_out_loss", "held_out_windows", "warmup_cosine", "MIN_DEGRADATION"]
 
 # Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
 MIN_DEGRADATION = 0.005
@@ -101,6 +101,11 @@ class CompareConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         self.spec(self.bits[0])  # validates group_size and clip_percentile
+        if self.group_size is not None and self.d_model % self.group_size:
+            raise ValueError(
+                f"group_size={self.group_size} does not divide d_model={self.d_model}, the input size of "
+                f"the model's layers: use a divisor of {self.d_model}, e.g. 32, or leave it out for per-channel scales"
+            )
 
     def spec(self, bits):
         """The QuantSpec shared by PTQ and QAT at ``bits``."""
