@@ -206,7 +206,7 @@ def plot_costs(trainable, seconds, peaks, path):
     import matplotlib.pyplot as plt
 
     names = list(seconds)
-    labels = [f"{textwrap.fill(n, 16)}\n{trainable[n]:,} trainable" for n in names]
+    labels = [f"{textwrap.fill(n, 16, break_on_hyphens=False)}\n{trainable[n]:,} trainable" for n in names]
     colors = ["0.7", "tab:blue", "tab:green", "tab:olive"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].bar(labels, [1e3 * seconds[n] for n in names], color=colors)
