@@ -43,7 +43,7 @@ def build_parser():
     cmp.add_argument("--eval-windows", type=_positive_int, help="evaluate on at most this many held-out windows")
     cmp.add_argument("--seed", type=int, help="seed of initialisation, split and batches")
     cmp.add_argument("--threads", type=_positive_int, help="torch CPU threads")
-    cmp.add_argument("--out-dir", default="mixle-compare", help="output directory (default: %(default)s)")
+    cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bars")
     cmp.set_defaults(subparser=cmp)
     return parser

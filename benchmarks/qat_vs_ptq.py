@@ -1,0 +1,139 @@
+"""QAT vs PTQ on real text with a larger preset, and torchao's QAT side by side in the same run.
+
+Runs ``mixle.compare.run_compare`` (fp32 training, PTQ, fine-tune + PTQ, mixle QAT) and, when
+torchao is installed, torchao's QAT (``IntxFakeQuantizeConfig(torch.int4, "per_channel")`` on the
+same Linear layers and the tied embedding, same checkpoint, steps, batches and learning rate).
+torchao's trained weights go through the same real-int4 evaluation as mixle's: mixle's
+``quantize_model`` with the grid torchao fake-quantizes on (codes -8..7, scale = absmax / 7.5,
+which is mixle's ``grid="qwix"``); its own fake-quant loss is reported next to it.
+
+With several ``--seeds`` every figure is given per seed and as the median over seeds.
+
+    python benchmarks/qat_vs_ptq.py                      # large preset, seed 0, torchao if present
+    python benchmarks/qat_vs_ptq.py --preset default --seeds 0 1 2
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from mixle._optional import is_available
+from mixle.compare import PRESETS, ExternalQAT, format_table, prepare_data, run_compare, write_outputs
+from mixle.task.spec import QuantSpec
+
+
+def torchao_qat(bits=4):
+    """An ExternalQAT entry running torchao's weight-only QAT, per-channel symmetric int4."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, IntxFakeQuantizeConfig, QATConfig
+
+    dtype = {4: torch.int4, 8: torch.int8}[bits]
+
+    def prepare(model):
+        config = QATConfig(weight_config=IntxFakeQuantizeConfig(dtype, "per_channel", is_symmetric=True),
+                           step="prepare")
+        # Every Linear, and the token embedding (tied to the head, so stored once as ints), as in mixle.
+        quantize_(model, config, filter_fn=lambda module, path: isinstance(module, nn.Linear) or path == "tok")
+        assert isinstance(model.head, FakeQuantizedLinear) and isinstance(model.tok, FakeQuantizedEmbedding)
+        assert model.head.weight is model.tok.weight, "torchao broke the tied head"
+        return model
+
+    def to_float(trained):
+        plain = copy.deepcopy(trained)
+        for module in list(plain.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, FakeQuantizedLinear):
+                    setattr(module, name, child.to_linear())
+                elif isinstance(child, FakeQuantizedEmbedding):
+                    setattr(module, name, child.to_embedding())
+        assert plain.head.weight is plain.tok.weight
+        return plain
+
+    return ExternalQAT(name="torchao QAT", bits=bits, prepare=prepare, to_float=to_float,
+                       spec=QuantSpec(bits=bits, grid="qwix"))
+
+
+def _median_summary(all_results, bits, methods):
+    lines = []
+    for method in methods:
+        key = f"int{bits}"
+        recovered = [r["summary"][key][method]["recovered_percent"] for r in all_results
+                     if method in r["summary"].get(key, {})]
+        gaps = [r["summary"][key][method]["perplexity_gap_percent"] for r in all_results
+                if method in r["summary"].get(key, {})]
+        if not gaps:
+            continue
+        rec = [x for x in recovered if x is not None]
+        rec_text = (f"recovered median {statistics.median(rec):.1f}% (per seed: {', '.join(f'{x:.1f}' for x in rec)})"
+                    if rec else "recovered: not meaningful (PTQ loses nothing measurable)")
+        lines.append(f"int{bits} {method}: {rec_text}; perplexity vs fp32 fine-tune median "
+                     f"{statistics.median(gaps):+.2f}% (per seed: {', '.join(f'{x:+.2f}' for x in gaps)})")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="large")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--finetune-steps", type=int)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's setting)")
+    parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if it is installed")
+    parser.add_argument("--out-dir", default="mixle_runs/qat_vs_ptq")
+    args = parser.parse_args(argv)
+
+    changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps),
+                                 ("threads", args.threads)) if v is not None}
+    base = PRESETS[args.preset].replace(**changes)
+    external = []
+    if not args.no_torchao:
+        if is_available("torchao"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                external.append(torchao_qat(4))
+        else:
+            print("torchao is not installed (pip install mixle[bench]): running mixle only", file=sys.stderr)
+
+    all_results = []
+    for seed in args.seeds:
+        config = base.replace(seed=seed)
+        results = run_compare(config, data=prepare_data(config), external=external)
+        out = os.path.join(args.out_dir, f"seed{seed}")
+        write_outputs(results, out)
+        print(f"\n=== preset {args.preset}, seed {seed} ({out}) ===")
+        print(format_table(results))
+        for row in results["rows"]:
+            if row["method"] != "QAT" and "fake_quant_loss" in row:
+                print(f"{row['method']}: its own fake-quant loss {row['fake_quant_loss']:.4f}, real int{row['bits']} "
+                      f"({row['spec']}) {row['loss']:.4f}")
+        seconds = results["seconds"]
+        tuned = seconds["fp32 fine-tune"]
+        print("fine-tune phase time vs fp32 fine-tune (same steps, includes curve evaluations): "
+              + ", ".join(f"{phase} {s:.0f} s ({s / tuned:.2f}x)" for phase, s in seconds.items() if phase != "fp32"))
+        all_results.append(results)
+
+    methods = ["QAT"] + [e.name for e in external]
+    lines = [line for bits in base.bits for line in _median_summary(all_results, bits, methods)]
+    first = all_results[0]
+    lines.append(f"preset {args.preset}: {first['model']['parameters']:,} parameters, d_model={base.d_model}, "
+                 f"n_layer={base.n_layer}, block={base.block}, batch {base.batch_size}, {base.steps} fp32 steps + "
+                 f"{base.finetune_steps} fine-tune steps; seeds {args.seeds}; torch {first['environment']['torch']}, "
+                 f"{first['environment']['threads']} threads")
+    print("\n" + "\n".join(lines))
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as handle:
+        json.dump({"preset": args.preset, "seeds": args.seeds, "lines": lines,
+                   "runs": [{k: r[k] for k in ("config", "environment", "data", "model", "rows", "summary", "seconds")}
+                            for r in all_results]}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
