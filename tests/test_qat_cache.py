@@ -399,3 +399,18 @@ def test_layer_quantized_weight_is_cached_and_exact():
     expected = reference_codes_scales(layer.weight.detach().numpy(), 8, "group", 16)[2]
     np.testing.assert_array_equal(first.detach().numpy(), expected)
     assert torch.equal(first, second) and first.requires_grad
+
+
+@pytest.mark.parametrize("granularity,group_size", [("tensor", None), ("channel", None), ("group", 4)])
+def test_signed_zeros_and_zero_rows_give_the_same_bits_on_numpy_and_torch(granularity, group_size):
+    w = np.array([[-0.0, 0.0, -0.0, 0.0], [0.5, -0.0, -0.25, 0.0], [-0.0] * 4], np.float32)
+    spec = QuantSpec(bits=4, granularity=granularity, group_size=group_size)
+    from mixle.task.quantize import quantize_array
+
+    for field in ("scale", "codes"):
+        a = np.asarray(getattr(quantize_array(w, spec), field))
+        b = getattr(quantize_array(torch.from_numpy(w), spec), field).numpy()
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    a = quantize_dequantize_array(w, spec)
+    b = fake_quantize(torch.from_numpy(w), spec=spec).numpy()
+    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))

@@ -70,6 +70,9 @@ class _NumpyOps:
     def amax_last(self, a):
         return a.max(axis=-1, keepdims=True)
 
+    def absmax_last(self, a):
+        return abs(a).max(axis=-1, keepdims=True)
+
     def order_stats_last(self, a, ks):
         if self.xp is np:
             part = np.partition(a, sorted(set(ks)), axis=-1)
@@ -110,6 +113,11 @@ class _TorchOps:
 
     def amax_last(self, a):
         return a.amax(dim=-1, keepdim=True)
+
+    def absmax_last(self, a):
+        # max |a| as max(max a, -min a): two reads and no |a| temporary; the same value (NaN
+        # propagates), except that an all-zero row may give -0.0, which _block_scale maps to 1.
+        return self.torch.maximum(a.amax(dim=-1, keepdim=True), a.amin(dim=-1, keepdim=True).neg_())
 
     def order_stats_last(self, a, ks):
         # Exact order statistics of rows of magnitudes; `a` is a temporary and may be
@@ -327,13 +335,13 @@ def _block_stats(ops, blocks, spec, with_max=False):
     The maximum (asked for with ``with_max``) is the threshold itself unless clip_percentile is
     set; it is what ``check_block_max`` reads.
     """
-    magnitude = abs(blocks)
     p = spec.clip_percentile
-    clipped = p is not None and p != 100.0
-    block_max = ops.amax_last(magnitude) if with_max and clipped else None
+    if p is None or p == 100.0:
+        threshold = ops.absmax_last(blocks)
+        return _block_scale(ops, threshold, spec), threshold, threshold if with_max else None
+    magnitude = abs(blocks)
+    block_max = ops.amax_last(magnitude) if with_max else None
     threshold = _block_threshold(ops, magnitude, spec)  # may overwrite magnitude
-    if with_max and not clipped:
-        block_max = threshold
     return _block_scale(ops, threshold, spec), threshold, block_max
 
 
