@@ -37,7 +37,8 @@ class CompareConfig:
         d_model, n_layer, n_head, block: the ``build_causal_lm`` size.
         batch_size: training windows per step.
         lr: peak learning rate of fp32 training (linear warm-up, cosine decay to 10%).
-        finetune_lr: peak learning rate of every fine-tune (QAT and fp32 alike), cosine to 0.
+        finetune_lr: peak learning rate of every fine-tune (QAT and fp32 alike), cosine to 0;
+            by default the rate fp32 training ends at (10% of ``lr``).
         warmup: warm-up steps of fp32 training (fine-tunes warm up over 5% of their steps).
         group_size, clip_percentile: the QuantSpec options used by PTQ and QAT alike
             (default: per-channel symmetric, no clipping).
@@ -60,7 +61,7 @@ class CompareConfig:
     block: int = 64
     batch_size: int = 32
     lr: float = 3e-3
-    finetune_lr: float = 1e-3
+    finetune_lr: float = 3e-4
     warmup: int = 100
     group_size: int | None = None
     clip_percentile: float | None = None
@@ -123,7 +124,7 @@ PRESETS = {
                            batch_size=8, warmup=10, eval_windows=32, curve_every=15, curve_windows=8, threads=1),
     # The benchmark's preset: a wider, deeper model trained longer.
     "large": CompareConfig(steps=3000, finetune_steps=600, d_model=192, n_layer=4, n_head=6, block=128,
-                           batch_size=32, lr=2e-3, finetune_lr=6e-4, warmup=200, curve_every=150),
+                           batch_size=32, lr=2e-3, finetune_lr=2e-4, warmup=200, curve_every=150),
 }
 
 
@@ -253,10 +254,10 @@ class CompareData:
 def prepare_data(config):
     """Load, split and tokenize the corpus of ``config``; raises clear errors for bad input.
 
-    >>> prepare_data(PRESETS["smoke"].replace(block=10**7))
+    >>> prepare_data(PRESETS["smoke"].replace(block=10**7))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: block=10000000 is larger than the data: the training text has 418022 tokens but one training window needs block + 1 = 10000001; use a smaller block or a longer text
+    ValueError: block=10000000 is larger than the data: the training text has ... tokens but one training window needs block + 1 = 10000001; use a smaller block or a longer text
     """
     return CompareData(config)
 
@@ -286,6 +287,8 @@ class _Run:
                 curve["eval_step"].append(start + step + 1)
                 curve["held_out_loss"].append(held_out_loss(lm, self.curve_windows))
 
+        curve["eval_step"].append(start)
+        curve["held_out_loss"].append(held_out_loss(lm, self.curve_windows))
         leaf = GradLeaf(_window_density(lm, self.train_ids), m_steps=steps, lr=lr, batch_size=config.batch_size,
                         optimizer=torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
                         seed=seed, progress=phase if self.progress else None, callback=record)
@@ -454,23 +457,27 @@ def format_table(results):
 
 
 def save_plot(results, path):
-    """Write a PNG: training curves (left) and held-out perplexity by method and bits (right)."""
+    """Write a PNG: fp32 training and fine-tune curves, and held-out perplexity by method and bits."""
     require("matplotlib", extra="bench", purpose="the comparison plot")
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves notebook backends alone
 
-    fig = Figure(figsize=(13, 4.8))
-    left, right = fig.subplots(1, 2)
-    for phase, curve in results["curves"].items():
-        steps, loss = np.asarray(curve["step"]), np.asarray(curve["train_loss"])
-        width = max(1, min(50, len(loss) // 10))
-        smooth = np.convolve(loss, np.ones(width) / width, mode="valid")
-        line, = left.plot(steps[width - 1 :], smooth, alpha=0.35, linewidth=1)
-        left.plot(curve["eval_step"], curve["held_out_loss"], marker="o", markersize=3,
-                  color=line.get_color(), label=phase)
-    left.set_xlabel("training step")
-    left.set_ylabel("loss (nats/token)")
-    left.set_title("training (faint: train loss; dots: held-out subset)")
-    left.legend(fontsize=8)
+    fig = Figure(figsize=(16, 4.8))
+    pretrain, finetune, right = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 1.25]})
+    for axis, phases, title in ((pretrain, ["fp32"], "fp32 training"),
+                                (finetune, [p for p in results["curves"] if p != "fp32"],
+                                 "fine-tunes from the fp32 checkpoint (same steps and batches)")):
+        for phase in phases:
+            curve = results["curves"][phase]
+            steps, loss = np.asarray(curve["step"]), np.asarray(curve["train_loss"])
+            width = max(1, min(50, len(loss) // 10))
+            smooth = np.convolve(loss, np.ones(width) / width, mode="valid")
+            line, = axis.plot(steps[width - 1 :], smooth, alpha=0.3, linewidth=1)
+            axis.plot(curve["eval_step"], curve["held_out_loss"], marker="o", markersize=3,
+                      color=line.get_color(), label=phase)
+        axis.set_xlabel("training step")
+        axis.set_ylabel("loss (nats/token)")
+        axis.set_title(title, fontsize=10)
+        axis.legend(fontsize=8, title="faint: train loss, dots: held-out subset", title_fontsize=7)
 
     rows = [r for r in results["rows"] if r["bits"] != 32]
     methods = list(dict.fromkeys(r["method"] for r in rows))
