@@ -12,6 +12,7 @@ from mixle.compare import (
     MIN_DEGRADATION,
     PRESETS,
     CompareConfig,
+    ExternalQAT,
     held_out_loss,
     held_out_windows,
     prepare_data,
@@ -19,6 +20,7 @@ from mixle.compare import (
     summarize,
 )
 from mixle.models.transformer import build_causal_lm
+from mixle.task.spec import QuantSpec
 
 
 def int_model_bytes(vocab, d, n_layer, block, bits):
@@ -109,6 +111,18 @@ def test_runs_are_deterministic_for_a_seed():
     assert [r["loss"] for r in a["rows"]] == [r["loss"] for r in b["rows"]]
     assert a["curves"] == b["curves"]
     assert [r["loss"] for r in a["rows"]] != [r["loss"] for r in c["rows"]]
+
+
+def test_an_external_method_trains_on_the_same_batches_and_schedule():
+    """An ExternalQAT that changes nothing is the fp32 fine-tune again, to the last bit."""
+    config = PRESETS["smoke"].replace(steps=8, finetune_steps=6, bits=(4,), eval_windows=6, curve_every=3)
+    same = ExternalQAT(name="identity", bits=4, prepare=lambda m: m, to_float=lambda m: m, spec=QuantSpec(bits=4))
+    results = run_compare(config, progress=False, external=[same])
+    rows = {r["method"]: r for r in results["rows"] if r["bits"] in (4, 32)}
+    assert rows["identity"]["loss"] == rows["fine-tune + PTQ"]["loss"]
+    assert rows["identity"]["fake_quant_loss"] == rows["fp32 fine-tune"]["loss"]
+    assert results["curves"]["identity"] == results["curves"]["fp32 fine-tune"]
+    assert "identity" in results["summary"]["int4"]
 
 
 def _cli_error(args, capsys):
