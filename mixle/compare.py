@@ -238,6 +238,7 @@ class CompareData:
         check_block(train, config.block, "the training text")
         check_block(held, config.block, "the held-out text")
         self.block = config.block
+        self.key = _data_key(config)
         self.train_ids = torch.as_tensor(train)
         self.train_starts = torch.arange(len(train) - config.block)
         self.eval_windows = held_out_windows(held, config.block, config.eval_windows)
@@ -249,6 +250,11 @@ class CompareData:
             "held_out_windows": len(self.eval_windows),
             "predicted_tokens": int(self.eval_windows.shape[0] * config.block),
         }
+
+
+def _data_key(config):
+    return tuple(getattr(config, name) for name in ("corpus", "tokenizer", "held_out_fraction", "seed", "block",
+                                                     "eval_windows", "curve_windows"))
 
 
 def prepare_data(config):
@@ -346,8 +352,9 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     try:
         if data is None:
             data = prepare_data(config)
-        elif data.block != config.block:
-            raise ValueError(f"data was prepared for block={data.block}, but config.block={config.block}")
+        elif data.key != _data_key(config):
+            raise ValueError("data was prepared for another corpus, split, seed or block: "
+                             "build it with prepare_data(config) for this config")
         run = _Run(config, data, progress)
         began = time.perf_counter()
         torch.manual_seed(config.seed)

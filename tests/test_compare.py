@@ -149,3 +149,6 @@ def test_bad_input_gets_clear_errors(tmp_path, capsys):
         prepare_data(PRESETS["smoke"].replace(corpus=str(missing)))
     with pytest.raises(TypeError, match="CompareConfig"):
         run_compare({"steps": 3})
+    smoke = PRESETS["smoke"]
+    with pytest.raises(ValueError, match="data was prepared for another corpus, split, seed or block"):
+        run_compare(smoke.replace(seed=5), data=prepare_data(smoke))
