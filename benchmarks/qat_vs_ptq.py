@@ -5,7 +5,9 @@ torchao is installed, torchao's QAT (``IntxFakeQuantizeConfig(torch.int4, "per_c
 same Linear layers and the tied embedding, same checkpoint, steps, batches and learning rate).
 torchao's trained weights go through the same real-int4 evaluation as mixle's: mixle's
 ``quantize_model`` with the grid torchao fake-quantizes on (codes -8..7, scale = absmax / 7.5,
-which is mixle's ``grid="qwix"``); its own fake-quant loss is reported next to it.
+which is mixle's ``grid="qwix"``); its own fake-quant loss is reported next to it. Because that grid
+has one more level than mixle's default (-7..7), the run also trains mixle's QAT and a fine-tune +
+PTQ baseline on it, so the two QATs are compared on the same grid as well.
 
 With several ``--seeds`` every figure is given per seed and as the median over seeds.
 
@@ -16,6 +18,7 @@ With several ``--seeds`` every figure is given per seed and as the median over s
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -25,7 +28,16 @@ import torch
 from torch import nn
 
 from mixle._optional import is_available
-from mixle.compare import PRESETS, ExternalQAT, format_table, prepare_data, run_compare, write_outputs
+from mixle.compare import (
+    MIN_DEGRADATION,
+    PRESETS,
+    ExternalQAT,
+    format_table,
+    prepare_data,
+    run_compare,
+    summarize,
+    write_outputs,
+)
 from mixle.task.spec import QuantSpec
 
 
@@ -60,6 +72,44 @@ def torchao_qat(bits=4):
                        spec=QuantSpec(bits=bits, grid="qwix"))
 
 
+def same_grid_entries(config, vocab):
+    """mixle on torchao's grid (codes -8..7, scale absmax/7.5): a fine-tune + PTQ baseline and QAT.
+
+    Both train exactly like the other fine-tunes. A QAT model's state_dict keys are those of the
+    float model, so its trained weights load into a fresh float model for quantize_model.
+    """
+    from mixle.models.qat import apply_qat
+    from mixle.models.transformer import build_causal_lm
+
+    spec = QuantSpec(bits=4, grid="qwix")
+
+    def as_float(trained):
+        plain = build_causal_lm(vocab, config.d_model, config.n_layer, config.n_head, config.block)
+        plain.load_state_dict(trained.state_dict(), strict=True)
+        return plain
+
+    return [ExternalQAT(name=BASELINE_QWIX, bits=4, prepare=lambda m: m, to_float=lambda m: m, spec=spec),
+            ExternalQAT(name=QAT_QWIX, bits=4, prepare=lambda m: apply_qat(m, spec=spec), to_float=as_float,
+                        spec=spec)]
+
+
+BASELINE_QWIX = "fine-tune + PTQ (-8..7 grid)"
+QAT_QWIX = "QAT (-8..7 grid)"
+
+
+def same_grid_summary(results):
+    """Recovered % of mixle's and torchao's QAT against fine-tune + PTQ on the same -8..7 grid."""
+    loss = {r["method"]: r["loss"] for r in results["rows"] if r["bits"] in (4, 32)}
+    if BASELINE_QWIX not in loss:
+        return {}
+    tuned, baseline = loss["fp32 fine-tune"], loss[BASELINE_QWIX]
+    meaningful = baseline - tuned >= MIN_DEGRADATION
+    return {name: {"loss": loss[name],
+                   "recovered_percent": 100 * (baseline - loss[name]) / (baseline - tuned) if meaningful else None,
+                   "perplexity_gap_percent": 100 * math.expm1(loss[name] - tuned)}
+            for name in (QAT_QWIX, "torchao QAT") if name in loss}
+
+
 def _median_summary(all_results, bits, methods):
     lines = []
     for method in methods:
@@ -86,6 +136,8 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's setting)")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if it is installed")
+    parser.add_argument("--no-same-grid", action="store_true",
+                        help="skip mixle's fine-tune + PTQ and QAT on torchao's -8..7 grid")
     parser.add_argument("--out-dir", default="mixle_runs/qat_vs_ptq")
     args = parser.parse_args(argv)
 
@@ -104,7 +156,15 @@ def main(argv=None):
     all_results = []
     for seed in args.seeds:
         config = base.replace(seed=seed)
-        results = run_compare(config, data=prepare_data(config), external=external)
+        data = prepare_data(config)
+        entries = list(external)
+        if not args.no_same_grid and 4 in config.bits:
+            entries = same_grid_entries(config, data.tokenizer.vocab_size) + entries
+        results = run_compare(config, data=data, external=entries)
+        results["same_grid"] = same_grid_summary(results)
+        if results["same_grid"]:
+            # Each QAT against the PTQ baseline on its own grid: the -8..7 ones are summarised below.
+            results["summary"] = summarize(results["rows"], config.bits)
         out = os.path.join(args.out_dir, f"seed{seed}")
         write_outputs(results, out)
         print(f"\n=== preset {args.preset}, seed {seed} ({out}) ===")
@@ -113,6 +173,11 @@ def main(argv=None):
             if row["method"] != "QAT" and "fake_quant_loss" in row:
                 print(f"{row['method']}: its own fake-quant loss {row['fake_quant_loss']:.4f}, real int{row['bits']} "
                       f"({row['spec']}) {row['loss']:.4f}")
+        for name, entry in results["same_grid"].items():
+            recovered = ("PTQ loses nothing measurable" if entry["recovered_percent"] is None
+                         else f"recovers {entry['recovered_percent']:.1f}% of what {BASELINE_QWIX} loses")
+            print(f"int4 on the -8..7 grid, {name}: {recovered}; perplexity "
+                  f"{entry['perplexity_gap_percent']:+.2f}% vs fp32 fine-tune")
         seconds = results["seconds"]
         tuned = seconds["fp32 fine-tune"]
         print("fine-tune phase time vs fp32 fine-tune (same steps, includes curve evaluations): "
@@ -121,6 +186,15 @@ def main(argv=None):
 
     methods = ["QAT"] + [e.name for e in external]
     lines = [line for bits in base.bits for line in _median_summary(all_results, bits, methods)]
+    for name in (QAT_QWIX, "torchao QAT"):
+        runs = [r["same_grid"][name] for r in all_results if name in r.get("same_grid", {})]
+        if runs:
+            rec = [x["recovered_percent"] for x in runs if x["recovered_percent"] is not None]
+            gap = [x["perplexity_gap_percent"] for x in runs]
+            rec_text = (f"recovered median {statistics.median(rec):.1f}% (per seed: {', '.join(f'{x:.1f}' for x in rec)})"
+                        if rec else "recovered: not meaningful (PTQ loses nothing measurable)")
+            lines.append(f"int4 -8..7 grid, {name}: {rec_text}; perplexity vs fp32 fine-tune median "
+                         f"{statistics.median(gap):+.2f}% (per seed: {', '.join(f'{x:+.2f}' for x in gap)})")
     first = all_results[0]
     lines.append(f"preset {args.preset}: {first['model']['parameters']:,} parameters, d_model={base.d_model}, "
                  f"n_layer={base.n_layer}, block={base.block}, batch {base.batch_size}, {base.steps} fp32 steps + "
@@ -130,7 +204,8 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as handle:
         json.dump({"preset": args.preset, "seeds": args.seeds, "lines": lines,
-                   "runs": [{k: r[k] for k in ("config", "environment", "data", "model", "rows", "summary", "seconds")}
+                   "runs": [{k: r[k] for k in ("config", "environment", "data", "model", "rows", "summary",
+                                               "same_grid", "seconds")}
                             for r in all_results]}, handle, indent=1)
     return 0
 
