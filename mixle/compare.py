@@ -123,8 +123,8 @@ PRESETS = {
     "smoke": CompareConfig(steps=60, finetune_steps=30, d_model=32, n_layer=1, n_head=2, block=32,
                            batch_size=8, warmup=10, eval_windows=32, curve_every=15, curve_windows=8, threads=1),
     # The benchmark's preset: a wider, deeper model trained longer.
-    "large": CompareConfig(steps=3000, finetune_steps=600, d_model=192, n_layer=4, n_head=6, block=128,
-                           batch_size=32, lr=2e-3, finetune_lr=2e-4, warmup=200, curve_every=150),
+    "large": CompareConfig(steps=2400, finetune_steps=600, d_model=192, n_layer=4, n_head=6, block=64,
+                           batch_size=32, lr=2e-3, finetune_lr=2e-4, warmup=150, curve_every=150),
 }
 
 
