@@ -297,7 +297,8 @@ class _Run:
         curve["held_out_loss"].append(held_out_loss(lm, self.curve_windows))
         leaf = GradLeaf(_window_density(lm, self.train_ids), m_steps=steps, lr=lr, batch_size=config.batch_size,
                         optimizer=torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
-                        seed=seed, progress=phase if self.progress else None, callback=record)
+                        seed=seed, progress=phase if self.progress else None, progress_scale=per_token,
+                        callback=record)
         began = time.perf_counter()
         leaf.fit(self.train_starts)
         self.seconds[phase] = round(time.perf_counter() - began, 2)

@@ -115,6 +115,8 @@ class GradLeaf:
         grad_clip: clip the global gradient norm to this value; None does not clip.
         seed: seed of the minibatch sampler.
         progress: a label to show a tqdm bar for each M-step; None shows none.
+        progress_scale: factor applied to the loss shown on the bar (e.g. ``1 / tokens per row``
+            to show a per-token loss); the history keeps the objective itself.
         callback: ``f(step, loss)`` called after every step (e.g. to record held-out curves).
         eval_batch_size: rows per forward pass in ``seq_log_density``.
 
@@ -133,7 +135,7 @@ class GradLeaf:
     """
 
     def __init__(self, module, *, m_steps, lr=None, batch_size=None, optimizer=None, lr_schedule=None,
-                 grad_clip=None, seed=0, progress=None, callback=None, eval_batch_size=1024):
+                 grad_clip=None, seed=0, progress=None, progress_scale=1.0, callback=None, eval_batch_size=1024):
         if not isinstance(module, torch.nn.Module) or not callable(getattr(module, "log_density", None)):
             raise TypeError(
                 f"GradLeaf needs a torch.nn.Module with a log_density(*fields) method returning one "
@@ -166,7 +168,10 @@ class GradLeaf:
         self.lr = lr
         self._optimizer_arg = optimizer
         self._optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        if not isinstance(progress_scale, numbers.Real) or isinstance(progress_scale, bool):
+            raise TypeError(f"progress_scale must be a number, got {progress_scale!r}")
         self.lr_schedule, self.grad_clip, self.progress, self.callback = lr_schedule, grad_clip, progress, callback
+        self.progress_scale = float(progress_scale)
         self.generator = torch.Generator().manual_seed(seed)
         self.history = []
 
@@ -281,7 +286,7 @@ class GradLeaf:
                 if bar is not None:
                     bar.update(1)
                     if step % 10 == 0 or step == self.m_steps - 1:
-                        bar.set_postfix(loss=f"{value:.4g}", refresh=False)
+                        bar.set_postfix(loss=f"{value * self.progress_scale:.4g}", refresh=False)
         finally:
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base
