@@ -83,6 +83,19 @@ class _NumpyOps:
     def scalar(self, value, like):
         return self.xp.asarray(value, dtype=like.dtype)
 
+    def divisor(self, value, like):
+        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
+        # ulp off numpy half the time; a divisor hidden behind a barrier is divided exactly.
+        return self.rounded(self.xp.full_like(like, value)) if self.xp is not np else self.scalar(value, like)
+
+    def rounded(self, x):
+        """x as its own rounded value: under jit, XLA may not fuse it into a later op (no FMA)."""
+        if self.xp is np:
+            return x
+        import jax
+
+        return jax.lax.optimization_barrier(x)
+
     def where(self, cond, a, b):
         return self.xp.where(cond, a, b)
 
@@ -163,6 +176,12 @@ class _TorchOps:
 
     def scalar(self, value, like):
         return self.torch.tensor(value, dtype=like.dtype, device=like.device)
+
+    def divisor(self, value, like):
+        return self.scalar(value, like)
+
+    def rounded(self, x):
+        return x
 
     def where(self, cond, a, b):
         return self.torch.where(cond, a, b)
@@ -320,11 +339,11 @@ def _block_threshold(ops, magnitude, spec):
     if frac == 0.0 or lo == hi:
         return ops.order_stats_last(magnitude, [lo])[0]
     low, high = ops.order_stats_last(magnitude, [lo, hi])
-    return low + (high - low) * ops.scalar(frac, magnitude)
+    return low + ops.rounded((high - low) * ops.scalar(frac, magnitude))
 
 
 def _block_scale(ops, threshold, spec):
-    scale = threshold / ops.scalar(spec.scale_divisor, threshold)
+    scale = threshold / ops.divisor(spec.scale_divisor, threshold)
     # An all-zero block (or one whose scale underflows) gets scale 1: codes 0, no NaN.
     return ops.where(scale == 0, ops.scalar(1.0, scale), scale)
 
