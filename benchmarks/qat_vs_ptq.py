@@ -170,7 +170,7 @@ def main(argv=None):
         print(f"\n=== preset {args.preset}, seed {seed} ({out}) ===")
         print(format_table(results))
         for row in results["rows"]:
-            if row["method"] != "QAT" and "fake_quant_loss" in row:
+            if row["method"] not in ("QAT", BASELINE_QWIX) and "fake_quant_loss" in row:
                 print(f"{row['method']}: its own fake-quant loss {row['fake_quant_loss']:.4f}, real int{row['bits']} "
                       f"({row['spec']}) {row['loss']:.4f}")
         for name, entry in results["same_grid"].items():
