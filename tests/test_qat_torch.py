@@ -315,3 +315,12 @@ def test_report_for_small_model_is_printable():
     text = str(get_qat_report(model))
     assert text.splitlines()[0].split() == ["path", "kind", "action", "spec", "reason"]
     assert "body.2" in text and "excluded by" in text
+
+
+def test_user_hooks_keep_working_on_the_wrapper():
+    model = make_lm()
+    seen = []
+    model.body[0].register_forward_hook(lambda module, inputs, output: seen.append(type(module).__name__))
+    apply_qat(model, bits=4)
+    model(ids())
+    assert seen == ["QATWrapper"]

@@ -36,6 +36,13 @@ def check_supported(spec):
             )
 
 
+def _adopt_hooks(wrapper, original):
+    """Keep the user's hooks (forward, backward, state-dict) of ``original`` working on ``wrapper``."""
+    for name, value in vars(original).items():
+        if name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
+            setattr(wrapper, name, value)
+
+
 class QATWrapper(nn.Linear):
     """An ``nn.Linear`` whose weight is fake-quantized in the forward while enabled.
 
@@ -76,10 +83,7 @@ class QATWrapper(nn.Linear):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        for name, value in vars(linear).items():
-            # Keep the user's hooks (forward, backward, state-dict) working on the wrapper.
-            if name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
-                setattr(self, name, value)
+        _adopt_hooks(self, linear)
         self.training = linear.training
         self.spec = spec
         self.enabled = enabled
@@ -131,9 +135,7 @@ class QATEmbedding(nn.Embedding):
                      "scale_grad_by_freq", "sparse"):
             setattr(self, name, getattr(embedding, name))
         self.weight = embedding.weight
-        for name, value in vars(embedding).items():
-            if name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
-                setattr(self, name, value)
+        _adopt_hooks(self, embedding)
         self.training = embedding.training
         self.spec = spec
         self.enabled = enabled
