@@ -491,13 +491,14 @@ def save_plot(results, path):
     methods = list(dict.fromkeys(r["method"] for r in rows))
     bit_groups = list(dict.fromkeys(r["bits"] for r in rows))
     width = 0.8 / max(1, len(methods))
-    for i, method in enumerate(methods):
+    present = {bits: [m for m in methods if _row(rows, m, bits) is not None] for bits in bit_groups}
+    for method in methods:
         xs, ys = [], []
         for j, bits in enumerate(bit_groups):
-            row = _row(rows, method, bits)
-            if row is not None:
-                xs.append(j + (i - (len(methods) - 1) / 2) * width)
-                ys.append(row["perplexity"])
+            if method in present[bits]:  # each group's bars are centred on its tick
+                i, count = present[bits].index(method), len(present[bits])
+                xs.append(j + (i - (count - 1) / 2) * width)
+                ys.append(_row(rows, method, bits)["perplexity"])
         bars = right.bar(xs, ys, width, label=method)
         right.bar_label(bars, fmt="%.3f", fontsize=7)
     for method, style in (("fp32", ":"), ("fp32 fine-tune", "--")):
