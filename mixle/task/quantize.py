@@ -576,13 +576,8 @@ def quantize_conv_weight(w, spec=None, output_axis_count=1, **spec_fields):
     >>> q.scale.ravel().tolist(), int(q.codes[1, 0, 0, 0])
     ([1.0, 0.10000000149011612, 1.0, 1.0], 7)
     """
-    array_kind(w)  # a clear TypeError for lists and other non-arrays
-    ndim = len(w.shape)
-    _axis_count(output_axis_count, "output_axis_count", 1, max(ndim - 1, 1), w.shape,
-                "a conv weight needs at least one output axis and one input/kernel axis")
-    if ndim < 2:
-        raise ValueError(f"a conv weight has at least 2 axes (out, in, *kernel), got shape {tuple(w.shape)}")
-    return quantize_array(w, spec, batch_ndim=0, out_ndim=output_axis_count, **spec_fields)
+    return _quantize_leading_axes(w, spec, spec_fields, output_axis_count, "output_axis_count",
+                                  "a conv weight", "(out, in, *kernel)", "one output axis and one input/kernel axis")
 
 
 def quantize_embedding_weight(w, spec=None, vocabulary_axis_count=1, **spec_fields):
@@ -604,13 +599,18 @@ def quantize_embedding_weight(w, spec=None, vocabulary_axis_count=1, **spec_fiel
     >>> q.codes.tolist(), q.scale.shape
     ([[7, 1], [-4, 7]], (1, 2, 1))
     """
+    return _quantize_leading_axes(w, spec, spec_fields, vocabulary_axis_count, "vocabulary_axis_count",
+                                  "an embedding table", "(vocab, dim)", "one row axis and one vector axis")
+
+
+def _quantize_leading_axes(w, spec, spec_fields, count, argument, what, layout, needs):
+    """quantize_array with scales per index of the first ``count`` axes (conv and embedding)."""
     array_kind(w)  # a clear TypeError for lists and other non-arrays
     ndim = len(w.shape)
-    _axis_count(vocabulary_axis_count, "vocabulary_axis_count", 1, max(ndim - 1, 1), w.shape,
-                "an embedding table needs at least one row axis and one vector axis")
+    _axis_count(count, argument, 1, max(ndim - 1, 1), w.shape, f"{what} needs at least {needs}")
     if ndim < 2:
-        raise ValueError(f"an embedding table has at least 2 axes (vocab, dim), got shape {tuple(w.shape)}")
-    return quantize_array(w, spec, batch_ndim=0, out_ndim=vocabulary_axis_count, **spec_fields)
+        raise ValueError(f"{what} has at least 2 axes {layout}, got shape {tuple(w.shape)}")
+    return quantize_array(w, spec, batch_ndim=0, out_ndim=count, **spec_fields)
 
 
 # Torch-backed objects live in their own modules; they are re-exported here lazily so that
