@@ -15,6 +15,8 @@ _LAZY = {
     "model_nbytes": "mixle.task.quantize",
     "save_quantized": "mixle.task.quantize",
     "load_quantized": "mixle.task.quantize",
+    "build_causal_lm": "mixle.models.transformer",
+    "GradLeaf": "mixle.models.grad_leaf",
 }
 
 __all__ = ["__version__", *_LAZY]
