@@ -118,12 +118,26 @@ def test_ddp_parameters_identical_across_ranks_after_every_step(ddp):
     assert rank0["losses"] != rank1["losses"]  # the ranks really trained on different rows
 
 
-def test_ddp_matches_single_process_on_concatenated_batch(ddp, reference):
-    history = [ddp[0][f"params/{step}"] for step in STEPS]
+def assert_rank_matches_reference(rank, reference):
+    """Every parameter after every step equals the single-process run's, within TOLERANCE."""
     for step in STEPS:
-        assert history[step].keys() == reference[step].keys()
-        for name in reference[step]:
-            torch.testing.assert_close(history[step][name], reference[step][name], **TOLERANCE, msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
+        params = rank[f"params/{step}"]
+        assert params.keys() == reference[step].keys()
+        for name in params:
+            torch.testing.assert_close(params[name], reference[step][name], **TOLERANCE,
+                                       msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
+
+
+def assert_toggle_exact(rank0):
+    """Off: the float model bit for bit. On: the numpy int4 fake-quant forward."""
+    state = rank0["state_dict"]
+    assert torch.equal(rank0["probe_logits/off"], float_logits(state))
+    torch.testing.assert_close(rank0["probe_logits/on"], float_logits(numpy_fake_quant_state(state)),
+                               rtol=0, atol=1e-6)
+
+
+def test_ddp_matches_single_process_on_concatenated_batch(ddp, reference):
+    assert_rank_matches_reference(ddp[0], reference)
     # The two ranks' losses average to the single-process loss on the concatenated batch.
     with one_thread():
         model = make_model()
@@ -133,10 +147,7 @@ def test_ddp_matches_single_process_on_concatenated_batch(ddp, reference):
 
 def test_ddp_toggle_off_is_the_float_model_and_on_is_the_numpy_fake_quant(ddp):
     rank0 = ddp[0]
-    state = rank0["state_dict"]
-    assert torch.equal(rank0["probe_logits/off"], float_logits(state))
-    torch.testing.assert_close(rank0["probe_logits/on"], float_logits(numpy_fake_quant_state(state)),
-                               rtol=0, atol=1e-6)
+    assert_toggle_exact(rank0)
     assert (rank0["probe_logits/on"] - rank0["probe_logits/off"]).abs().max() > 1e-3
 
 
@@ -160,19 +171,11 @@ def test_ddp_wrapper_reports_what_apply_qat_wrapped(ddp):
 
 def test_fsdp2_matches_single_process(fsdp2, reference):
     for rank in fsdp2:
-        for step in STEPS:
-            params = rank[f"params/{step}"]
-            assert params.keys() == reference[step].keys()
-            for name in params:
-                torch.testing.assert_close(params[name], reference[step][name], **TOLERANCE, msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}")
+        assert_rank_matches_reference(rank, reference)
 
 
 def test_fsdp2_toggle_off_is_the_float_model(fsdp2):
-    rank0 = fsdp2[0]
-    state = rank0["state_dict"]
-    assert torch.equal(rank0["probe_logits/off"], float_logits(state))
-    torch.testing.assert_close(rank0["probe_logits/on"], float_logits(numpy_fake_quant_state(state)),
-                               rtol=0, atol=1e-6)
+    assert_toggle_exact(fsdp2[0])
 
 
 def test_fsdp2_gathered_model_converts_and_sharded_model_is_refused(fsdp2):
