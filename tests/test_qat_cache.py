@@ -12,6 +12,9 @@ from mixle.task.quantize import _TorchOps, fake_quant_forward, quantize_dequanti
 from tests.test_numerics import reference_codes_scales
 from tests.test_qat_torch import ids, make_lm
 
+# Every test runs on the fused CPU kernels and on the plain torch ops.
+pytestmark = pytest.mark.usefixtures("fake_quant_path")
+
 
 def mlp(seed=0):
     torch.manual_seed(seed)
@@ -35,10 +38,11 @@ def reference_forward(model, x, bits=4, granularity="channel", group_size=None):
 
 
 @pytest.fixture
-def calls(monkeypatch):
-    """Counts of block reductions (scales) and rounding passes (codes), by weight size."""
+def calls(monkeypatch, fake_quant_path):
+    """Counts of block reductions (scales) and rounding passes (codes), by weight size, on
+    either path: the fused kernel computes both in one call, or only codes on given scales."""
     counts = {"stats": [], "codes": []}
-    stats, codes = fq._block_stats, fq._round_codes
+    stats, codes, fused = fq._block_stats, fq._round_codes, fq._fused_cpu.fake_quant
 
     def counted_stats(ops, blocks, *args, **kwargs):
         counts["stats"].append(blocks.numel())
@@ -48,8 +52,15 @@ def calls(monkeypatch):
         counts["codes"].append(blocks.numel())
         return codes(ops, blocks, *args, **kwargs)
 
+    def counted_fused(x, spec, *, scale=None, **kwargs):
+        if scale is None:
+            counts["stats"].append(x.numel())
+        counts["codes"].append(x.numel())
+        return fused(x, spec, scale=scale, **kwargs)
+
     monkeypatch.setattr(fq, "_block_stats", counted_stats)
     monkeypatch.setattr(fq, "_round_codes", counted_codes)
+    monkeypatch.setattr(fq._fused_cpu, "fake_quant", counted_fused)
     return counts
 
 

@@ -18,6 +18,9 @@ from mixle.models.qat import (
 )
 from tests.test_numerics import GRANULARITIES, reference_codes_scales
 
+# Every test runs on the fused CPU kernels and on the plain torch ops.
+pytestmark = pytest.mark.usefixtures("fake_quant_path")
+
 
 class TinyLM(nn.Module):
     """Embedding -> two Linears -> head tied to the embedding."""

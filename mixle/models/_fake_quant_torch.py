@@ -18,12 +18,14 @@ after such edits.
 """
 
 import functools
+import threading
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from mixle.models import _fused_cpu
 from mixle.task.quantize import (
     QuantizedArray,
     _block_stats,
@@ -76,8 +78,15 @@ def _blocks(x, spec):
     return _ops(x), x.reshape(block_shape(x.shape, spec))
 
 
-def _quantize(x, spec, key=None, keep_codes=False):
-    """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima."""
+def _quantize(x, spec, key=None, keep_codes=False, out=None):
+    """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
+    The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
+    if _fused_cpu.applies_to(x):
+        deq, codes, scale, threshold, finite = _fused_cpu.fake_quant(
+            x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
+        if not finite:
+            raise _not_finite_error(x, "weight")
+        return deq, _Entry(key, spec, scale, threshold, codes)
     ops, blocks = _blocks(x, spec)
     scale, threshold, block_max = _block_stats(ops, blocks, spec, with_max=True)
     _check_finite(block_max, x)
@@ -87,21 +96,33 @@ def _quantize(x, spec, key=None, keep_codes=False):
     return codes.mul_(scale).reshape(x.shape), entry
 
 
-def _rebuild(entry, x, keep_codes=False):
-    """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales."""
+def _rebuild(entry, x, keep_codes=False, out=None):
+    """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
+    written into ``out`` (shaped like x) when given."""
+    fused = _fused_cpu.applies_to(x)
     if entry.codes is not None:
-        return dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
-    ops, blocks = _blocks(x, entry.spec)
-    codes = _round_codes(ops, blocks, entry.scale, entry.spec)
-    if keep_codes:
-        entry.codes = ops.to_int8(codes).reshape(x.shape)
-    return codes.mul_(entry.scale).reshape(x.shape)
+        if fused:
+            return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)
+        deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
+    elif fused:
+        deq, entry.codes, *_ = _fused_cpu.fake_quant(x, entry.spec, scale=entry.scale,
+                                                     want_codes=keep_codes, out=out)
+        return deq
+    else:
+        ops, blocks = _blocks(x, entry.spec)
+        codes = _round_codes(ops, blocks, entry.scale, entry.spec)
+        if keep_codes:
+            entry.codes = ops.to_int8(codes).reshape(x.shape)
+        deq = codes.mul_(entry.scale).reshape(x.shape)
+    return deq if out is None else out.copy_(deq)
 
 
-def _clip_mask(x, spec, threshold):
-    """Where the clip_gradient STE passes the gradient: ``|w| <= threshold`` per block."""
+def _clip_mask_grad(grad, x, spec, threshold):
+    """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0."""
+    if _fused_cpu.applies_to(x) and grad.dtype == x.dtype and grad.device == x.device:
+        return _fused_cpu.clip_mask_grad(grad, x, threshold, spec)
     _, blocks = _blocks(x, spec)
-    return (abs(blocks) <= threshold).reshape(x.shape)
+    return grad * (abs(blocks) <= threshold).reshape(x.shape)
 
 
 class _WeightCache:
@@ -113,7 +134,7 @@ class _WeightCache:
         self.param = weakref.ref(param, functools.partial(_forget, id(param)))
         self.entry, self.uses = None, 0
 
-    def lookup(self, x, spec, shared):
+    def lookup(self, x, spec, shared, out=None):
         """``(fake-quantized x, entry)``, reusing the entry while x is unchanged.
 
         The int8 codes are kept only once a version is used twice (or the weight is ``shared``
@@ -124,10 +145,10 @@ class _WeightCache:
         entry = self.entry
         if entry is not None and entry.key == key:
             self.uses += 1
-            return _rebuild(entry, x, keep_codes=True), entry
+            return _rebuild(entry, x, keep_codes=True, out=out), entry
         keep = shared or self.uses > 1
         self.entry = None  # free a stale entry's codes before quantizing again
-        deq, self.entry = _quantize(x, spec, key, keep)
+        deq, self.entry = _quantize(x, spec, key, keep, out)
         self.uses = 1
         return deq, self.entry
 
@@ -152,11 +173,12 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
 
     @staticmethod
-    def forward(ctx, x, spec, cache=None, shared=False):
+    def forward(ctx, x, spec, cache=None, shared=False, recycle=False):
         if cache is None:
             deq, entry = _quantize(x, spec)
         else:
-            deq, entry = cache.lookup(x, spec, shared)
+            out = _spare.take(x) if recycle and _fused_cpu.applies_to(x) else None
+            deq, entry = cache.lookup(x, spec, shared, out)
         ctx.spec = spec
         if spec.clip_gradient:
             # The mask is recomputed in backward from x (saved, no copy) and the tiny thresholds.
@@ -168,8 +190,8 @@ class _FakeQuantSTE(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.spec.clip_gradient:
             (x,) = ctx.saved_tensors
-            grad = grad * _clip_mask(x, ctx.spec, ctx.threshold)
-        return grad, None, None, None
+            grad = _clip_mask_grad(grad, x, ctx.spec, ctx.threshold)
+        return grad, None, None, None, None
 
 
 def fake_quantize_tensor(x, spec):
@@ -183,17 +205,51 @@ def fake_quantize_tensor(x, spec):
     return _FakeQuantSTE.apply(x, spec)
 
 
-def fake_quantized_weight(param, spec, *, shared=False):
+def fake_quantized_weight(param, spec, *, shared=False, recycle=False):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
     Under ``torch.compile`` the cache is bypassed (the compiled graph recomputes and fuses it),
-    and for inference tensors, which have no version counter.
+    and for inference tensors, which have no version counter. ``recycle``: the caller promises
+    to use the result once and hand it to ``_spare.give``, so it may live in a recycled buffer.
     """
     check_array(param, "weight", finite=False)
     if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
         return _FakeQuantSTE.apply(param, spec), None
     cache = _cache_of(param)
-    return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
+    return _FakeQuantSTE.apply(param, spec, cache, shared, recycle), cache.entry
+
+
+class _SpareBuffer(threading.local):
+    """At most one dead weight-sized buffer per thread, recycled between QAT linear layers.
+
+    A training step allocates a fake-quantized weight per layer in forward (dead right after
+    its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
+    from the OS as zeroed pages, paid for with a page fault per 4 KiB; handing each dead forward
+    buffer to the next layer's forward, and the last one to the first weight gradient of the
+    backward, avoids most of them. Only one buffer is ever held, so memory stays that of fp32.
+    """
+
+    storage = None
+
+    def take(self, like):
+        """A tensor shaped like ``like`` on a dead buffer of exactly its size, or None."""
+        storage = self.storage
+        if (storage is None or storage.nbytes() != like.numel() * like.element_size()
+                or storage.device != like.device):
+            return None
+        self.storage = None
+        # A fresh tensor on the storage, not a view: nothing else keeps the buffer alive.
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape)
+
+    def give(self, tensor):
+        """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage."""
+        storage = tensor.untyped_storage()
+        # 2: the tensor itself and the storage object just made.
+        if torch._C._storage_Use_Count(storage._cdata) == 2 and tensor.storage_offset() == 0:
+            self.storage = storage
+
+
+_spare = _SpareBuffer()
 
 
 class _WeightToken:
@@ -202,7 +258,7 @@ class _WeightToken:
     def __init__(self, weight, entry):
         self.weight, self.version, self.entry = weight, weight._version, entry
 
-    def rebuild(self):
+    def rebuild(self, out=None):
         if self.weight._version != self.version:
             raise RuntimeError(
                 "a QAT layer's weight was modified in place between its forward and backward "
@@ -211,7 +267,7 @@ class _WeightToken:
             )
         if torch.is_grad_enabled():  # backward(create_graph=True): keep the weight's graph
             return _FakeQuantSTE.apply(self.weight, self.entry.spec)
-        return _rebuild(self.entry, self.weight.detach())
+        return _rebuild(self.entry, self.weight.detach(), out=out)
 
 
 class _LinearRebuildingWeight(torch.autograd.Function):
@@ -228,12 +284,25 @@ class _LinearRebuildingWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(ctx.token.rebuild())
         flat = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             (x,) = ctx.saved_tensors
-            grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]))
+            x = x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[0]:
+            weight = ctx.token.weight
+            if ctx.needs_input_grad[1] and not torch.is_grad_enabled():
+                # The weight gradient's buffer first holds the rebuilt weight: one weight-sized
+                # allocation (and its first-touch page faults) less per layer and step.
+                buffer = _spare.take(weight)
+                if buffer is None:
+                    buffer = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+                buffer = ctx.token.rebuild(out=buffer)
+                grad_x = grad.matmul(buffer)
+                grad_w = torch.mm(flat.t(), x, out=buffer)
+            else:
+                grad_x = grad.matmul(ctx.token.rebuild())
+        if ctx.needs_input_grad[1] and grad_w is None:
+            grad_w = flat.t().mm(x)
         if ctx.needs_input_grad[2]:
             grad_b = flat.sum(0)
         return grad_x, grad_w, grad_b, None
@@ -247,8 +316,10 @@ def linear(x, weight, bias, spec):
     int8 codes when kept, else from the weight and scales. Under autocast, torch.compile or
     mixed dtypes the stock ``F.linear`` runs on the same fake-quantized weight.
     """
-    deq, entry = fake_quantized_weight(weight, spec)
-    if (entry is None or not torch.is_grad_enabled() or x.dtype != deq.dtype
-            or torch.is_autocast_enabled(x.device.type)):
-        return F.linear(x, deq, bias)
-    return _LinearRebuildingWeight.apply(x, deq, bias, _WeightToken(weight, entry))
+    if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled()
+            or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type)):
+        return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
+    deq, entry = fake_quantized_weight(weight, spec, recycle=True)
+    out = _LinearRebuildingWeight.apply(x, deq, bias, _WeightToken(weight, entry))
+    _spare.give(deq)  # dead now: the autograd graph saved only x
+    return out

@@ -1,0 +1,289 @@
+// Fused CPU fake-quant passes for mixle's torch QAT (built by _fused_cpu.py, called via ctypes).
+//
+// The numerics are those of mixle/task/quantize.py, operation for operation and in the array's
+// own dtype, so results are bit-identical (tests compare against numpy): per block of K
+// contiguous elements, threshold = max|x| or the linear-interpolated percentile of |x|
+// (lo + (hi - lo) * frac), scale = threshold / divisor (1 where that is 0),
+// code = clamp(roundeven(x / scale), code_min, code_max), fake-quantized value = code * scale.
+// Built with -ffp-contract=off so that no multiply-add is fused (numpy rounds each step).
+//
+// Why a kernel: with separate torch ops a weight is read and written about five times per
+// step; here a block (one row or group, a few KB) is read from memory once and stays in L1
+// while its maximum, its codes and its fake-quantized values are computed.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+struct Job {
+    const T* x;            // nblocks * K values
+    int64_t nblocks, K;
+    int64_t lo, hi;        // percentile ranks (ascending, 0-based); lo < 0: threshold = max|x|
+    T frac, divisor, code_min, code_max;
+    const T* scale_in;     // given scales (rebuild), or null to compute them
+    T* scale;              // out: per block (ignored when scale_in is given)
+    T* threshold;          // out: per block, or null
+    T* deq;                // out: fake-quantized values, or null
+    int8_t* codes;         // out: int8 codes, or null
+};
+
+template <typename T> struct Bits;
+template <> struct Bits<float> { using U = uint32_t; };
+template <> struct Bits<double> { using U = uint64_t; };
+
+// max|x| of a block, as an integer maximum over the bit patterns with the sign bit cleared:
+// for non-negative IEEE values the integer order is the numeric order, and every NaN pattern
+// sorts above infinity, so the result is NaN if the block holds one (as torch's amax gives).
+// Integer reductions vectorise; a float max reduction would not, without fast-math flags.
+template <typename T>
+T abs_max(const T* __restrict x, int64_t n) {
+    using U = typename Bits<T>::U;
+    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
+    U m = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        U u;
+        std::memcpy(&u, x + j, sizeof(U));
+        u &= magnitude;
+        m = u > m ? u : m;
+    }
+    T result;
+    std::memcpy(&result, &m, sizeof(T));
+    return result;
+}
+
+// The largest |x| bit pattern below `below` (0 if none), and how many elements have pattern v.
+template <typename T, typename U>
+U max_magnitude_below(const T* __restrict x, int64_t n, U below) {
+    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
+    U m = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        U u;
+        std::memcpy(&u, x + j, sizeof(U));
+        u &= magnitude;
+        u &= -U(u < below);  // branch-free, so that the loop vectorises
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+template <typename T, typename U>
+int64_t count_magnitude(const T* __restrict x, int64_t n, U v) {
+    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
+    int64_t count = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        U u;
+        std::memcpy(&u, x + j, sizeof(U));
+        count += (u & magnitude) == v;
+    }
+    return count;
+}
+
+// Ranks lo <= hi of |x| (ascending) when few values lie at or above rank lo (the usual
+// clipping percentiles): walk down the distinct values from the largest, each step one
+// vectorised max pass and one count pass over the block, which sits in L1.
+template <typename T>
+void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi) {
+    using U = typename Bits<T>::U;
+    U below = ~U(0);    // the next value is the largest one under this
+    int64_t above = 0;  // values counted so far
+    bool have_hi = false;
+    for (;;) {
+        U cur = max_magnitude_below(x, n, below);
+        int64_t count = count_magnitude(x, n, cur);
+        int64_t first = n - above - count;  // cur holds ranks first .. n - above - 1
+        T value;
+        std::memcpy(&value, &cur, sizeof(T));
+        if (!have_hi && hi >= first) {
+            *v_hi = value;
+            have_hi = true;
+        }
+        if (lo >= first) {
+            *v_lo = value;
+            return;
+        }
+        above += count;
+        below = cur;
+    }
+}
+
+// The values of ranks lo and hi (ascending) of |x|, exact.
+template <typename T>
+void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch) {
+    int64_t top = n - lo;
+    if (top <= 8) {  // at most `top` distinct values to walk past
+        top_ranks(x, n, lo, hi, v_lo, v_hi);
+        return;
+    }
+    if (top <= n / 8) {  // few large values: a min-heap of the top ones, mostly one compare each
+        scratch.clear();
+        auto greater = std::greater<T>();
+        for (int64_t j = 0; j < n; ++j) {
+            T a = std::fabs(x[j]);
+            if ((int64_t)scratch.size() < top) {
+                scratch.push_back(a);
+                std::push_heap(scratch.begin(), scratch.end(), greater);
+            } else if (a > scratch.front()) {
+                std::pop_heap(scratch.begin(), scratch.end(), greater);
+                scratch.back() = a;
+                std::push_heap(scratch.begin(), scratch.end(), greater);
+            }
+        }
+        // scratch holds the `top` largest; its minimum is rank lo, the next one rank lo + 1.
+        std::sort(scratch.begin(), scratch.end());
+        *v_lo = scratch[0];
+        *v_hi = scratch[hi - lo];
+        return;
+    }
+    scratch.resize(n);
+    for (int64_t j = 0; j < n; ++j) scratch[j] = std::fabs(x[j]);
+    std::nth_element(scratch.begin(), scratch.begin() + lo, scratch.end());
+    *v_lo = scratch[lo];
+    *v_hi = hi == lo ? *v_lo : *std::min_element(scratch.begin() + lo + 1, scratch.end());
+}
+
+// The scale of block b (computed, or the given one); counts a block holding NaN or infinity in
+// `bad`, whose values the caller then discards.
+template <typename T>
+T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& bad) {
+    const T* x = job.x + b * job.K;
+    if (job.scale_in) return job.scale_in[b];
+    T m = abs_max(x, job.K), t = m;
+    if (job.lo >= 0 && m == m) {  // a NaN block fails the caller's finiteness check instead
+        T v_lo, v_hi;
+        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch);
+        if (job.frac == 0 || job.hi == job.lo) {
+            t = v_lo;
+        } else {
+            T d = v_hi - v_lo;
+            T w = d * job.frac;
+            t = v_lo + w;
+        }
+    }
+    bad += !std::isfinite(m);
+    if (job.threshold) job.threshold[b] = t;
+    T s = t / job.divisor;
+    s = s == 0 ? T(1) : s;
+    job.scale[b] = s;
+    return s;
+}
+
+template <typename T>
+void quantize_range(const Job<T>& job, int64_t begin, int64_t end, T s) {
+    const T* __restrict x = job.x;
+    T* __restrict deq = job.deq;
+    int8_t* __restrict codes = job.codes;
+    const T lo = job.code_min, hi = job.code_max;
+    if (deq) {
+        for (int64_t j = begin; j < end; ++j) {
+            T q = std::nearbyint(x[j] / s);
+            q = q < lo ? lo : q;
+            deq[j] = (q > hi ? hi : q) * s;
+        }
+    }
+    if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
+        for (int64_t j = begin; j < end; ++j) {
+            T q = std::nearbyint(x[j] / s);
+            q = q < lo ? lo : q;
+            codes[j] = (int8_t)(int32_t)(q > hi ? hi : q);
+        }
+    }
+}
+
+// Returns the number of blocks holding NaN or infinity (0 when the scales are given).
+template <typename T>
+int64_t run(const Job<T>& job, int threads) {
+    const int64_t nb = job.nblocks, K = job.K;
+    int64_t bad = 0;
+    if (nb >= threads) {
+        // Rows or groups: each thread takes whole blocks, read once while they sit in L1.
+#pragma omp parallel num_threads(threads) reduction(+ : bad)
+        {
+            std::vector<T> scratch;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nb; ++b) {
+                T s = block_scale(job, b, scratch, bad);
+                quantize_range(job, b * K, (b + 1) * K, s);
+            }
+        }
+        return bad;
+    }
+    // Few large blocks (per-tensor scales): the statistics, then the elementwise pass split
+    // into chunks over all threads.
+    std::vector<T> scales(nb);
+    std::vector<T> scratch;
+    for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad);
+    const int64_t total = nb * K, chunk = 1 << 14;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
+        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
+        while (begin < end) {  // a chunk may cross a block boundary
+            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
+            quantize_range(job, begin, stop, scales[b]);
+            begin = stop;
+        }
+    }
+    return bad;
+}
+
+// out = codes * scale per block (dequantize kept int8 codes).
+template <typename T>
+void dequantize(const int8_t* codes, const T* scale, int64_t nblocks, int64_t K, T* out, int threads) {
+    const int64_t total = nblocks * K, chunk = 1 << 14;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
+        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
+        while (begin < end) {
+            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
+            T s = scale[b];
+            for (int64_t j = begin; j < stop; ++j) out[j] = (T)codes[j] * s;
+            begin = stop;
+        }
+    }
+}
+
+// out = grad * (|x| <= threshold) per block: the clip_gradient straight-through estimator.
+template <typename T>
+void clip_mask_grad(const T* grad, const T* x, const T* threshold, int64_t nblocks, int64_t K, T* out,
+                    int threads) {
+    const int64_t total = nblocks * K, chunk = 1 << 14;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
+        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
+        while (begin < end) {
+            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
+            T t = threshold[b];
+            for (int64_t j = begin; j < stop; ++j) out[j] = grad[j] * (T)(std::fabs(x[j]) <= t);
+            begin = stop;
+        }
+    }
+}
+
+}  // namespace
+
+#define MIXLE_EXPORTS(T, SUFFIX)                                                                      \
+    extern "C" int64_t mixle_fake_quant_##SUFFIX(const T* x, int64_t nblocks, int64_t K, int64_t lo,      \
+                                              int64_t hi, double frac, double divisor, double code_min, \
+                                              double code_max, const T* scale_in, T* scale,            \
+                                              T* threshold, T* deq, int8_t* codes, int threads) {     \
+        Job<T> job{x, nblocks, K, lo, hi, (T)frac, (T)divisor, (T)code_min, (T)code_max,                \
+                   scale_in, scale, threshold, deq, codes};                                            \
+        return run(job, threads);                                                                     \
+    }                                                                                                 \
+    extern "C" void mixle_dequantize_##SUFFIX(const int8_t* codes, const T* scale, int64_t nblocks,   \
+                                              int64_t K, T* out, int threads) {                       \
+        dequantize(codes, scale, nblocks, K, out, threads);                                           \
+    }                                                                                                 \
+    extern "C" void mixle_clip_mask_grad_##SUFFIX(const T* grad, const T* x, const T* threshold,      \
+                                                  int64_t nblocks, int64_t K, T* out, int threads) {  \
+        clip_mask_grad(grad, x, threshold, nblocks, K, out, threads);                                 \
+    }
+
+MIXLE_EXPORTS(float, f32)
+MIXLE_EXPORTS(double, f64)
