@@ -191,18 +191,19 @@ def dequantize(codes, scale, spec, out=None):
     batch, blocks_per_batch, width = block_shape(codes.shape, spec)
     if out is None:
         out = torch.empty(codes.shape, dtype=scale.dtype)
+    codes, scale = codes.contiguous(), scale.contiguous()  # held: the kernel reads their memory
     _kernels().dequantize[_DTYPES[scale.dtype]](
-        codes.contiguous().data_ptr(), scale.contiguous().data_ptr(), batch * blocks_per_batch, width,
-        out.data_ptr(), torch.get_num_threads())
+        codes.data_ptr(), scale.data_ptr(), batch * blocks_per_batch, width, out.data_ptr(),
+        torch.get_num_threads())
     return out
 
 
 def clip_mask_grad(grad, x, threshold, spec):
     """``grad * (|x| <= threshold)`` per block: the clip_gradient straight-through gradient."""
     batch, blocks_per_batch, width = block_shape(x.shape, spec)
-    grad = grad.contiguous()
+    grad, threshold = grad.contiguous(), threshold.contiguous()  # held: the kernel reads them
     out = torch.empty_like(x)
     _kernels().clip_mask_grad[_DTYPES[x.dtype]](
-        grad.data_ptr(), x.data_ptr(), threshold.contiguous().data_ptr(), batch * blocks_per_batch,
-        width, out.data_ptr(), torch.get_num_threads())
+        grad.data_ptr(), x.data_ptr(), threshold.data_ptr(), batch * blocks_per_batch, width,
+        out.data_ptr(), torch.get_num_threads())
     return out

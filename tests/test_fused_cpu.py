@@ -1,0 +1,176 @@
+"""The fused CPU fake-quant kernels: bit-identical to plain numpy, every selection path, the build."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from mixle.models import _fused_cpu
+from mixle.task.spec import QuantSpec
+from tests.test_numerics import reference_codes_scales
+
+pytestmark = pytest.mark.skipif(not _fused_cpu.available(), reason="no C++ compiler: the kernels could not be built")
+
+LAYOUTS = [("tensor", None), ("channel", None), ("group", 16), ("group", 32)]
+# None: max|w|; 99.9 and 97: a few values above rank lo (walk down the distinct maxima);
+# 80: many (a heap of the top values); 30 and 0.5: far from the top (selection); 100: the max.
+PERCENTILES = [None, 99.9, 97.0, 80.0, 30.0, 0.5, 100.0]
+
+
+def weight(dtype, rows=24, cols=64, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(dtype)
+    w[3] = 0.0  # all-zero row: scale 1
+    w[5, 7] = 0.9  # outlier
+    w[6] = np.round(w[6], 2)  # many ties
+    w[7, :40] = -0.125  # ties at the top
+    w[8, ::2] = -0.0
+    return w
+
+
+def spec_for(bits, granularity, group_size, percentile, grid="symmetric"):
+    return QuantSpec(bits=bits, granularity=granularity, group_size=group_size, clip_percentile=percentile, grid=grid)
+
+
+def reference_threshold(w, granularity, group_size, percentile):
+    """max|w| or the linear-interpolated percentile of |w| per block, in w's dtype (numpy)."""
+    blocks = w.reshape(1, -1) if granularity == "tensor" else w.reshape(-1, group_size or w.shape[1])
+    a = np.sort(np.abs(blocks), axis=1)
+    if percentile is None:
+        return a[:, -1:]
+    pos = percentile / 100 * (a.shape[1] - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, a.shape[1] - 1)
+    frac = np.asarray(pos - lo, dtype=w.dtype)
+    return a[:, lo : lo + 1] + (a[:, hi : hi + 1] - a[:, lo : lo + 1]) * frac if frac else a[:, lo : lo + 1]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("grid", ["symmetric", "qwix"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", LAYOUTS)
+@pytest.mark.parametrize("percentile", PERCENTILES)
+def test_kernel_equals_numpy_bit_for_bit(dtype, grid, bits, granularity, group_size, percentile):
+    w = weight(dtype)
+    spec = spec_for(bits, granularity, group_size, percentile, grid)
+    codes, scale, deq = reference_codes_scales(w, bits, granularity, group_size, percentile, grid)
+    x = torch.from_numpy(w)
+    got_deq, got_codes, got_scale, threshold, finite = _fused_cpu.fake_quant(x, spec, want_codes=True, want_threshold=True)
+    assert finite
+    np.testing.assert_array_equal(got_codes.numpy(), codes)
+    np.testing.assert_array_equal(got_scale.numpy().reshape(-1), scale.reshape(-1))
+    np.testing.assert_array_equal(got_deq.numpy(), deq)
+    assert got_deq.dtype == x.dtype
+    np.testing.assert_array_equal(threshold.numpy().reshape(-1), reference_threshold(w, granularity, group_size, percentile).reshape(-1))
+    # Rebuilding on the stored scales and dequantizing the codes give the same values.
+    rebuilt = _fused_cpu.fake_quant(x, spec, scale=got_scale)[0]
+    np.testing.assert_array_equal(rebuilt.numpy(), deq)
+    np.testing.assert_array_equal(_fused_cpu.dequantize(got_codes, got_scale, spec).numpy(), deq)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("granularity,group_size", LAYOUTS)
+def test_thread_count_does_not_change_a_bit(threads, granularity, group_size):
+    # 3 blocks of a 3-row tensor-granularity batch, fewer blocks than threads, odd sizes.
+    w = weight(np.float32, rows=96, cols=96, seed=1)
+    spec = spec_for(4, granularity, group_size, 99.0)
+    expected = reference_codes_scales(w, 4, granularity, group_size, 99.0)[2]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        deq = _fused_cpu.fake_quant(torch.from_numpy(w), spec)[0]
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(deq.numpy(), expected)
+
+
+def test_large_tensor_block_uses_every_selection_path():
+    # One block of 2**16 values: percentiles whose top sets are tiny, mid-sized and huge.
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((256, 256)).astype(np.float32)
+    w[0, :50] = 4.0  # ties at the very top
+    for percentile in (99.99, 99.95, 99.0, 90.0, 50.0):
+        spec = spec_for(8, "tensor", None, percentile)
+        got = _fused_cpu.fake_quant(torch.from_numpy(w), spec, want_threshold=True)
+        np.testing.assert_array_equal(got[3].numpy().reshape(-1), reference_threshold(w, "tensor", None, percentile).reshape(-1))
+        np.testing.assert_array_equal(got[0].numpy(), reference_codes_scales(w, 8, "tensor", None, percentile)[2])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("percentile", [None, 99.0])
+def test_nan_or_infinity_is_reported_not_hidden(bad, percentile):
+    w = weight(np.float32)
+    w[10, 3] = bad
+    for granularity, group_size in LAYOUTS:
+        assert not _fused_cpu.fake_quant(torch.from_numpy(w), spec_for(4, granularity, group_size, percentile))[4]
+    w[10, 3] = 0.5
+    assert _fused_cpu.fake_quant(torch.from_numpy(w), spec_for(4, "channel", None, percentile))[4]
+
+
+def test_clip_mask_gradient_matches_numpy():
+    w = weight(np.float32)
+    spec = spec_for(4, "group", 16, 80.0)
+    threshold = reference_threshold(w, "group", 16, 80.0)
+    g = np.random.default_rng(3).standard_normal(w.shape).astype(np.float32)
+    g[0, 0] = np.nan  # the reference multiplies: NaN * 0 stays NaN, -g * 0 is -0.0
+    expected = (g.reshape(-1, 16) * (np.abs(w.reshape(-1, 16)) <= threshold)).reshape(w.shape)
+    got = _fused_cpu.clip_mask_grad(torch.from_numpy(g), torch.from_numpy(w), torch.from_numpy(threshold.reshape(1, -1, 1)), spec)
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert np.array_equal(np.signbit(got.numpy()), np.signbit(expected))
+
+
+def test_kernels_apply_only_where_they_are_exact():
+    x = torch.zeros(4, 8)
+    assert _fused_cpu.applies_to(x) and _fused_cpu.applies_to(x.double())
+    assert not _fused_cpu.applies_to(x.half()) and not _fused_cpu.applies_to(x.bfloat16())
+    assert not _fused_cpu.applies_to(x.t())  # not contiguous: the torch ops take it
+
+
+def _run(code, **env):
+    full_env = {**os.environ, **env}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+TRAIN_ONE_STEP = """
+    import warnings
+    import numpy as np, torch
+    from mixle.models import _fused_cpu
+    from mixle.models.qat import apply_qat
+    from tests.test_numerics import reference_codes_scales
+    warnings.simplefilter("always")
+    torch.manual_seed(0)
+    model = apply_qat(torch.nn.Sequential(torch.nn.Linear(8, 4)), bits=4)
+    x = torch.randn(3, 8)
+    w = reference_codes_scales(model[0].weight.detach().numpy(), 4, "channel")[2]
+    assert torch.equal(model(x), torch.nn.functional.linear(x, torch.from_numpy(w), model[0].bias))
+    print("available", _fused_cpu.available())
+"""
+
+
+def test_without_a_compiler_qat_warns_once_and_runs_the_same_numerics(tmp_path):
+    out = _run(TRAIN_ONE_STEP, CXX=str(tmp_path / "no-such-c++"), MIXLE_CACHE_DIR=str(tmp_path))
+    assert "available False" in out
+    assert out.count("could not build its fused CPU fake-quant kernels") == 1
+    assert "MIXLE_FUSED_KERNELS=0" in out and "no-such-c++" in out
+
+
+def test_switched_off_kernels_stay_quiet(tmp_path):
+    out = _run(TRAIN_ONE_STEP, MIXLE_FUSED_KERNELS="0", MIXLE_CACHE_DIR=str(tmp_path))
+    assert "available False" in out and "Warning" not in out
+
+
+def test_built_once_per_source_and_reused(tmp_path):
+    _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("fused_fake_quant_") and built[0].endswith(".so")
+    stamp = (tmp_path / built[0]).stat().st_mtime_ns
+    assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == built  # no second build, no leftovers
+    assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
