@@ -100,6 +100,20 @@ def test_large_tensor_block_uses_every_selection_path():
         np.testing.assert_array_equal(got[0].numpy(), reference_codes_scales(w, 8, "tensor", None, percentile)[2])
 
 
+def test_selection_stays_exact_when_the_sample_misjudges_the_cut():
+    # The kernel samples every 8th value of a 2**16 block to place its cut; make exactly those
+    # values the large ones, so that too few values pass the cut and it must fall back.
+    w = np.full(2**16, 1e-3, np.float32)
+    w[::8] = np.linspace(1.0, 2.0, 2**13, dtype=np.float32)
+    w[1::8] = np.linspace(0.5, 0.9, 2**13, dtype=np.float32)  # ranks the sample never saw
+    w = w.reshape(256, 256)
+    for percentile in (97.0, 80.0):
+        spec = spec_for(8, "tensor", None, percentile)
+        got = _fused_cpu.fake_quant(torch.from_numpy(w), spec, want_threshold=True)
+        np.testing.assert_array_equal(got[3].numpy().reshape(-1), reference_threshold(w, "tensor", None, percentile).reshape(-1))
+        np.testing.assert_array_equal(got[0].numpy(), reference_codes_scales(w, 8, "tensor", None, percentile)[2])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("percentile", [None, 99.0])
 def test_nan_or_infinity_is_reported_not_hidden(bad, percentile):

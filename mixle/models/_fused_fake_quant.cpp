@@ -38,35 +38,30 @@ template <typename T> struct Bits;
 template <> struct Bits<float> { using U = uint32_t; };
 template <> struct Bits<double> { using U = uint64_t; };
 
-// max|x| of a block, as an integer maximum over the bit patterns with the sign bit cleared:
-// for non-negative IEEE values the integer order is the numeric order, and every NaN pattern
-// sorts above infinity, so the result is NaN if the block holds one (as torch's amax gives).
-// Integer reductions vectorise; a float max reduction would not, without fast-math flags.
+// Reductions over |x| run on the bit patterns with the sign bit cleared: for non-negative IEEE
+// values the integer order is the numeric order and every NaN pattern sorts above infinity, so
+// a maximum is NaN if the block holds one (as torch's amax gives). Integer reductions
+// vectorise; a float max reduction would not, without fast-math flags.
 template <typename T>
-T abs_max(const T* __restrict x, int64_t n) {
+typename Bits<T>::U magnitude_bits(const T* x, int64_t j) {
     using U = typename Bits<T>::U;
-    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
-    U m = 0;
-    for (int64_t j = 0; j < n; ++j) {
-        U u;
-        std::memcpy(&u, x + j, sizeof(U));
-        u &= magnitude;
-        m = u > m ? u : m;
-    }
-    T result;
-    std::memcpy(&result, &m, sizeof(T));
-    return result;
+    U u;
+    std::memcpy(&u, x + j, sizeof(U));
+    return u & ~(U(1) << (8 * sizeof(U) - 1));
 }
 
-// The largest |x| bit pattern below `below` (0 if none), and how many elements have pattern v.
 template <typename T, typename U>
-U max_magnitude_below(const T* __restrict x, int64_t n, U below) {
-    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
+T from_bits(U u) {
+    T value;
+    std::memcpy(&value, &u, sizeof(T));
+    return value;
+}
+
+template <typename T, typename U>
+U max_magnitude_below_serial(const T* __restrict x, int64_t begin, int64_t end, U below) {
     U m = 0;
-    for (int64_t j = 0; j < n; ++j) {
-        U u;
-        std::memcpy(&u, x + j, sizeof(U));
-        u &= magnitude;
+    for (int64_t j = begin; j < end; ++j) {
+        U u = magnitude_bits(x, j);
         u &= -U(u < below);  // branch-free, so that the loop vectorises
         m = u > m ? u : m;
     }
@@ -74,38 +69,66 @@ U max_magnitude_below(const T* __restrict x, int64_t n, U below) {
 }
 
 template <typename T, typename U>
-int64_t count_magnitude(const T* __restrict x, int64_t n, U v) {
-    const U magnitude = ~(U(1) << (8 * sizeof(U) - 1));
+int64_t count_magnitude_serial(const T* __restrict x, int64_t begin, int64_t end, U v) {
     int64_t count = 0;
-    for (int64_t j = 0; j < n; ++j) {
-        U u;
-        std::memcpy(&u, x + j, sizeof(U));
-        count += (u & magnitude) == v;
-    }
+    for (int64_t j = begin; j < end; ++j) count += magnitude_bits(x, j) == v;
     return count;
+}
+
+// Large blocks (per-tensor scales) are reduced in chunks over all threads; inside the
+// per-block parallel loop `threads` is 1 and no parallel region is opened.
+constexpr int64_t kChunk = 1 << 14;
+
+// The largest |x| bit pattern below `below` (0 if none).
+template <typename T, typename U>
+U max_magnitude_below(const T* x, int64_t n, U below, int threads) {
+    if (threads <= 1) return max_magnitude_below_serial(x, 0, n, below);
+    U m = 0;
+#pragma omp parallel for num_threads(threads) reduction(max : m) schedule(static)
+    for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+        U part = max_magnitude_below_serial(x, c * kChunk, std::min(n, (c + 1) * kChunk), below);
+        m = part > m ? part : m;
+    }
+    return m;
+}
+
+// How many elements have |x| bit pattern v.
+template <typename T, typename U>
+int64_t count_magnitude(const T* x, int64_t n, U v, int threads) {
+    if (threads <= 1) return count_magnitude_serial(x, 0, n, v);
+    int64_t count = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : count) schedule(static)
+    for (int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c)
+        count += count_magnitude_serial(x, c * kChunk, std::min(n, (c + 1) * kChunk), v);
+    return count;
+}
+
+// max|x| of a block (NaN if it holds one).
+template <typename T>
+T abs_max(const T* x, int64_t n, int threads) {
+    using U = typename Bits<T>::U;
+    return from_bits<T>(max_magnitude_below(x, n, ~U(0), threads));
 }
 
 // Ranks lo <= hi of |x| (ascending) when few values lie at or above rank lo (the usual
 // clipping percentiles): walk down the distinct values from the largest, each step one
-// vectorised max pass and one count pass over the block, which sits in L1.
+// vectorised max pass and one count pass over the block (in L1 for a row or group).
 template <typename T>
-void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi) {
+void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, int threads) {
     using U = typename Bits<T>::U;
     U below = ~U(0);    // the next value is the largest one under this
     int64_t above = 0;  // values counted so far
     bool have_hi = false;
     for (;;) {
-        U cur = max_magnitude_below(x, n, below);
-        int64_t count = count_magnitude(x, n, cur);
+        U cur = max_magnitude_below(x, n, below, threads);
+        int64_t count = count_magnitude(x, n, cur, threads);
         int64_t first = n - above - count;  // cur holds ranks first .. n - above - 1
-        T value;
-        std::memcpy(&value, &cur, sizeof(T));
         if (!have_hi && hi >= first) {
-            *v_hi = value;
+            *v_hi = from_bits<T>(cur);
             have_hi = true;
         }
         if (lo >= first) {
-            *v_lo = value;
+            *v_lo = from_bits<T>(cur);
             return;
         }
         above += count;
@@ -113,51 +136,76 @@ void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi) 
     }
 }
 
-// The values of ranks lo and hi (ascending) of |x|, exact.
+// Appends every |x| of x[begin, end) whose bit pattern is at least `cut`; runs of 16 below it
+// are skipped after one vectorised test (the usual case, for a cut near the top).
 template <typename T>
-void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch) {
-    int64_t top = n - lo;
-    if (top <= 8) {  // at most `top` distinct values to walk past
-        top_ranks(x, n, lo, hi, v_lo, v_hi);
-        return;
+void collect_at_least(const T* x, int64_t begin, int64_t end, typename Bits<T>::U cut, std::vector<T>& out) {
+    constexpr int kRun = 16;
+    int64_t j = begin;
+    for (; j + kRun <= end; j += kRun) {
+        if (cut > 0 && max_magnitude_below_serial(x, j, j + kRun, ~typename Bits<T>::U(0)) < cut) continue;
+        for (int k = 0; k < kRun; ++k)
+            if (magnitude_bits(x, j + k) >= cut) out.push_back(std::fabs(x[j + k]));
     }
-    if (top <= n / 8) {  // few large values: a min-heap of the top ones, mostly one compare each
-        scratch.clear();
-        auto greater = std::greater<T>();
-        for (int64_t j = 0; j < n; ++j) {
-            T a = std::fabs(x[j]);
-            if ((int64_t)scratch.size() < top) {
-                scratch.push_back(a);
-                std::push_heap(scratch.begin(), scratch.end(), greater);
-            } else if (a > scratch.front()) {
-                std::pop_heap(scratch.begin(), scratch.end(), greater);
-                scratch.back() = a;
-                std::push_heap(scratch.begin(), scratch.end(), greater);
-            }
-        }
-        // scratch holds the `top` largest; its minimum is rank lo, the next one rank lo + 1.
-        std::sort(scratch.begin(), scratch.end());
-        *v_lo = scratch[0];
-        *v_hi = scratch[hi - lo];
-        return;
-    }
-    scratch.resize(n);
-    for (int64_t j = 0; j < n; ++j) scratch[j] = std::fabs(x[j]);
-    std::nth_element(scratch.begin(), scratch.begin() + lo, scratch.end());
-    *v_lo = scratch[lo];
-    *v_hi = hi == lo ? *v_lo : *std::min_element(scratch.begin() + lo + 1, scratch.end());
+    for (; j < end; ++j)
+        if (magnitude_bits(x, j) >= cut) out.push_back(std::fabs(x[j]));
 }
 
-// The scale of block b (computed, or the given one); counts a block holding NaN or infinity in
-// `bad`, whose values the caller then discards.
+// The values of ranks lo and hi (ascending) of |x|, exact.
+//
+// Few values at or above rank lo: walk down the distinct maxima (top_ranks). Otherwise pick a
+// cut from a strided sample so that about twice the needed count of values lie above it,
+// collect those (one pass), and select in them; if the sample misjudged and too few pass, the
+// cut drops to 0 and every value is a candidate.
 template <typename T>
-T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& bad) {
+void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch,
+                 int threads) {
+    using U = typename Bits<T>::U;
+    const int64_t top = n - lo;  // values at or above rank lo
+    if (top <= 8) {              // at most `top` distinct values to walk past
+        top_ranks(x, n, lo, hi, v_lo, v_hi, threads);
+        return;
+    }
+    U cut = 0;
+    const int64_t stride = std::max<int64_t>(1, n / 8192);
+    std::vector<U> sample;
+    for (int64_t j = 0; j < n; j += stride) sample.push_back(magnitude_bits(x, j));
+    const int64_t wanted = 2 * top * (int64_t)sample.size() / n + 16;  // sample values above the cut
+    if (wanted < (int64_t)sample.size()) {
+        std::nth_element(sample.begin(), sample.end() - wanted, sample.end());
+        cut = *(sample.end() - wanted);
+    }
+    for (;;) {
+        scratch.clear();
+        if (threads <= 1) {
+            collect_at_least(x, 0, n, cut, scratch);
+        } else {
+            std::vector<std::vector<T>> parts(threads);
+            const int64_t share = (n + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int t = 0; t < threads; ++t)
+                collect_at_least(x, std::min(n, t * share), std::min(n, (t + 1) * share), cut, parts[t]);
+            for (auto& part : parts) scratch.insert(scratch.end(), part.begin(), part.end());
+        }
+        if ((int64_t)scratch.size() >= top || cut == 0) break;
+        cut = 0;
+    }
+    // scratch holds every value of rank >= lo (and maybe some below): rank lo is its
+    // (size - top)-th smallest.
+    const auto first = scratch.begin() + ((int64_t)scratch.size() - top);
+    std::nth_element(scratch.begin(), first, scratch.end());
+    *v_lo = *first;
+    *v_hi = hi == lo ? *v_lo : *std::min_element(first + 1, scratch.end());
+}
+
+template <typename T>
+T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int threads) {
     const T* x = job.x + b * job.K;
     if (job.scale_in) return job.scale_in[b];
-    T m = abs_max(x, job.K), t = m;
+    T m = abs_max(x, job.K, threads), t = m;
     if (job.lo >= 0 && m == m) {  // a NaN block fails the caller's finiteness check instead
         T v_lo, v_hi;
-        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch);
+        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch, threads);
         if (job.frac == 0 || job.hi == job.lo) {
             t = v_lo;
         } else {
@@ -208,18 +256,18 @@ int64_t run(const Job<T>& job, int threads) {
             std::vector<T> scratch;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nb; ++b) {
-                T s = block_scale(job, b, scratch, bad);
+                T s = block_scale(job, b, scratch, bad, 1);
                 quantize_range(job, b * K, (b + 1) * K, s);
             }
         }
         return bad;
     }
-    // Few large blocks (per-tensor scales): the statistics, then the elementwise pass split
-    // into chunks over all threads.
+    // Few large blocks (per-tensor scales): the statistics of each over all threads, then the
+    // elementwise pass split into chunks over all threads.
     std::vector<T> scales(nb);
     std::vector<T> scratch;
-    for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad);
-    const int64_t total = nb * K, chunk = 1 << 14;
+    for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad, threads);
+    const int64_t total = nb * K, chunk = kChunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
         int64_t begin = c * chunk, end = std::min(total, begin + chunk);
@@ -235,7 +283,7 @@ int64_t run(const Job<T>& job, int threads) {
 // out = codes * scale per block (dequantize kept int8 codes).
 template <typename T>
 void dequantize(const int8_t* codes, const T* scale, int64_t nblocks, int64_t K, T* out, int threads) {
-    const int64_t total = nblocks * K, chunk = 1 << 14;
+    const int64_t total = nblocks * K, chunk = kChunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
         int64_t begin = c * chunk, end = std::min(total, begin + chunk);
@@ -252,7 +300,7 @@ void dequantize(const int8_t* codes, const T* scale, int64_t nblocks, int64_t K,
 template <typename T>
 void clip_mask_grad(const T* grad, const T* x, const T* threshold, int64_t nblocks, int64_t K, T* out,
                     int threads) {
-    const int64_t total = nblocks * K, chunk = 1 << 14;
+    const int64_t total = nblocks * K, chunk = kChunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
         int64_t begin = c * chunk, end = std::min(total, begin + chunk);
