@@ -39,6 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mixle.models import _fused_cpu  # noqa: E402
 from mixle.models.qat import apply_qat  # noqa: E402
 from mixle.task.spec import QuantSpec  # noqa: E402
 
@@ -106,6 +107,7 @@ class Variant:
     name: str
     prepare: object  # fp32 model -> model to train (may be compiled)
     compiled: bool = False
+    torch_ops: bool = False  # mixle's fused CPU kernels switched off: its numerics as torch ops
 
 
 def _mixle(bits, granularity, group_size=None, percentile=None):
@@ -169,6 +171,10 @@ def variants(compile_rows):
             for percentile in (None, PERCENTILE):
                 suffix = f" p{PERCENTILE:g}" if percentile else ""
                 rows.append(Variant(f"mixle int{bits} {label}{suffix}", _mixle(bits, granularity, group_size, percentile)))
+    for percentile in (None, PERCENTILE):
+        suffix = f" p{PERCENTILE:g}" if percentile else ""
+        rows.append(Variant(f"mixle int4 channel{suffix} torch ops", _mixle(4, "channel", None, percentile),
+                            torch_ops=True))
     if _installed("torchao"):
         rows.append(Variant("torchao int4 group32", _torchao("group")))
         rows.append(Variant("torchao int4 channel", _torchao("channel")))
@@ -199,9 +205,10 @@ def _trainer(shape, variant, base, data):
     inputs, targets = data
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
-        shape.loss(model, inputs, targets).backward()
-        optimizer.step()
+        with _fused_cpu.switched_off() if variant.torch_ops else contextlib.nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            shape.loss(model, inputs, targets).backward()
+            optimizer.step()
 
     return step
 
@@ -317,6 +324,9 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"median of {args.steps} steps after {args.warmup} warm-up, variants interleaved; "
           f"clipping percentile {PERCENTILE}; load average {os.getloadavg()[0]:.2f} at start")
+    print(f"mixle fused CPU fake-quant kernels: "
+          f"{'on, ' + _fused_cpu.library_path() if _fused_cpu.available() else 'OFF (torch ops)'}; "
+          f"'torch ops' rows switch them off")
     print("median/min ms: median and fastest of the timed steps; peak MB: highest live torch CPU "
           "allocations (torch.profiler memory events) from model build through 3 steps; compiled "
           "rows have no memory pass")

@@ -226,7 +226,8 @@ class _SpareBuffer(threading.local):
     its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
     from the OS as zeroed pages, paid for with a page fault per 4 KiB; handing each dead forward
     buffer to the next layer's forward, and the last one to the first weight gradient of the
-    backward, avoids most of them. Only one buffer is ever held, so memory stays that of fp32.
+    backward, avoids most of them. Only one buffer is ever held, and none past an optimizer
+    step, so memory stays that of fp32.
     """
 
     storage = None
@@ -248,8 +249,13 @@ class _SpareBuffer(threading.local):
         if torch._C._storage_Use_Count(storage._cdata) == 2 and tensor.storage_offset() == 0:
             self.storage = storage
 
+    def drop(self, *_):
+        """Free the held buffer: after each optimizer step, so none outlives a training step."""
+        self.storage = None
+
 
 _spare = _SpareBuffer()
+register_optimizer_step_post_hook(_spare.drop)
 
 
 class _WeightToken:

@@ -7,6 +7,7 @@ once per machine with the system C++ compiler into a cache directory (``MIXLE_CA
 separate torch ops. ``MIXLE_FUSED_KERNELS=0`` turns the kernels off.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -90,7 +91,8 @@ class _Kernels:
     def __init__(self, path):
         # torch is imported first, so the library's libgomp.so.1 resolves to the copy torch has
         # loaded and both share one OpenMP thread pool.
-        lib = ctypes.CDLL(str(path))
+        self.path = str(path)
+        lib = ctypes.CDLL(self.path)
         p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self.fake_quant, self.dequantize, self.clip_mask_grad = {}, {}, {}
         for suffix in _DTYPES.values():
@@ -106,6 +108,16 @@ class _Kernels:
             fn.argtypes = [p, p, p, i64, i64, p, i32]
             fn.restype = None
             self.clip_mask_grad[suffix] = fn
+
+
+def library_path():
+    """Where the built kernels live (None when off or unavailable).
+
+    >>> library_path() is None or library_path().endswith(".so")
+    True
+    """
+    kernels = _kernels()
+    return None if kernels is None else kernels.path
 
 
 def _kernels():
@@ -130,6 +142,25 @@ def _kernels():
                     )
             _loaded["kernels"] = kernels
     return _loaded["kernels"]
+
+
+@contextlib.contextmanager
+def switched_off():
+    """Run the block with the kernels off (the torch-ops path), e.g. to compare the two paths.
+
+    >>> with switched_off():
+    ...     available()
+    False
+    """
+    before = _loaded.get("kernels", False)
+    _loaded["kernels"] = None
+    try:
+        yield
+    finally:
+        if before is False:
+            del _loaded["kernels"]
+        else:
+            _loaded["kernels"] = before
 
 
 def available():
