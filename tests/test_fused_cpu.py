@@ -9,9 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from torch import nn
+
+import mixle.models._fake_quant_torch as fq
 from mixle.models import _fused_cpu
+from mixle.models.qat import apply_qat
 from mixle.task.spec import QuantSpec
 from tests.test_numerics import reference_codes_scales
+from tests.test_qat_cache import batches
 
 pytestmark = pytest.mark.skipif(not _fused_cpu.available(), reason="no C++ compiler: the kernels could not be built")
 
@@ -142,6 +147,43 @@ def test_kernels_apply_only_where_they_are_exact():
     assert _fused_cpu.applies_to(x) and _fused_cpu.applies_to(x.double())
     assert not _fused_cpu.applies_to(x.half()) and not _fused_cpu.applies_to(x.bfloat16())
     assert not _fused_cpu.applies_to(x.t())  # not contiguous: the torch ops take it
+
+
+def _train_three_steps(spec):
+    """Three SGD steps of 2 micro-batches each, with an eval forward between, on two equal-sized
+    hidden layers (so dead forward buffers are recycled); returns the final parameters."""
+    torch.manual_seed(0)
+    model = apply_qat(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                                    nn.Linear(32, 32), nn.Linear(32, 8)), spec=spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        for x in batches(2, seed=step):
+            model(x).square().mean().backward()
+        with torch.no_grad():
+            model(x)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=4), QuantSpec(bits=8, group_size=8, clip_percentile=90.0,
+                                                                 clip_gradient=True)])
+def test_fused_kernels_train_bit_identically_to_the_torch_ops(spec, monkeypatch):
+    recycled = []
+    take = fq._SpareBuffer.take
+
+    def counted_take(self, like):
+        buffer = take(self, like)
+        recycled.append(buffer is not None)
+        return buffer
+
+    monkeypatch.setattr(fq._SpareBuffer, "take", counted_take)
+    fused = _train_three_steps(spec)
+    assert sum(recycled) >= 6  # forward buffers and weight gradients were reused
+    with _fused_cpu.switched_off():
+        reference = _train_three_steps(spec)
+    for a, b in zip(fused, reference):
+        assert torch.equal(a, b)
 
 
 def _run(code, **env):
