@@ -111,18 +111,22 @@ T abs_max(const T* x, int64_t n, int threads) {
 }
 
 // Ranks lo <= hi of |x| (ascending) when few values lie at or above rank lo (the usual
-// clipping percentiles): walk down the distinct values from the largest, each step one
-// vectorised max pass and one count pass over the block (in L1 for a row or group).
+// clipping percentiles): walk down the distinct values from the largest, `max_bits` (the
+// block's maximum, already known), each step one vectorised max pass and, unless the value
+// must hold rank lo, one count pass over the block (in L1 for a row or group).
 template <typename T>
-void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, int threads) {
+void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, int threads,
+               typename Bits<T>::U max_bits) {
     using U = typename Bits<T>::U;
-    U below = ~U(0);    // the next value is the largest one under this
-    int64_t above = 0;  // values counted so far
+    U cur = max_bits;
+    int64_t above = 0;  // values counted so far, all larger than cur
     bool have_hi = false;
     for (;;) {
-        U cur = max_magnitude_below(x, n, below, threads);
-        int64_t count = count_magnitude(x, n, cur, threads);
-        int64_t first = n - above - count;  // cur holds ranks first .. n - above - 1
+        // cur holds ranks first .. n - above - 1, with first = n - above - count (count >= 1):
+        // if lo >= n - above - 1, it holds rank lo (and hi) whatever its count.
+        const bool last = lo >= n - above - 1;
+        const int64_t count = last ? 1 : count_magnitude(x, n, cur, threads);
+        const int64_t first = n - above - count;
         if (!have_hi && hi >= first) {
             *v_hi = from_bits<T>(cur);
             have_hi = true;
@@ -132,7 +136,7 @@ void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, 
             return;
         }
         above += count;
-        below = cur;
+        cur = max_magnitude_below(x, n, cur, threads);
     }
 }
 
@@ -159,11 +163,13 @@ void collect_at_least(const T* x, int64_t begin, int64_t end, typename Bits<T>::
 // cut drops to 0 and every value is a candidate.
 template <typename T>
 void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch,
-                 int threads) {
+                 int threads, T max_value) {
     using U = typename Bits<T>::U;
     const int64_t top = n - lo;  // values at or above rank lo
     if (top <= 8) {              // at most `top` distinct values to walk past
-        top_ranks(x, n, lo, hi, v_lo, v_hi, threads);
+        U max_bits;
+        std::memcpy(&max_bits, &max_value, sizeof(U));
+        top_ranks(x, n, lo, hi, v_lo, v_hi, threads, max_bits);
         return;
     }
     U cut = 0;
@@ -205,7 +211,7 @@ T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& ba
     T m = abs_max(x, job.K, threads), t = m;
     if (job.lo >= 0 && m == m) {  // a NaN block fails the caller's finiteness check instead
         T v_lo, v_hi;
-        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch, threads);
+        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch, threads, m);
         if (job.frac == 0 || job.hi == job.lo) {
             t = v_lo;
         } else {
