@@ -266,6 +266,26 @@ def test_double_backward_matches_a_straight_through_reference():
     torch.testing.assert_close(layer.weight.grad, w.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_double_backward_through_the_clip_gradient_mask():
+    # A gradient penalty on the weight gradient: its path back to the input runs through the
+    # clip_gradient mask, which must stay differentiable under create_graph=True.
+    spec = QuantSpec(bits=4, clip_percentile=90.0, clip_gradient=True)
+    layer = apply_qat(nn.Linear(16, 8), spec=spec)
+    x = torch.randn(4, 16, requires_grad=True)
+    (gw,) = torch.autograd.grad(layer(x).tanh().sum(), layer.weight, create_graph=True)
+    gw.square().sum().backward()
+    w = layer.weight.detach().clone().requires_grad_()
+    _, mask = fake_quant_forward(w.detach().numpy(), spec, with_mask=True)
+    mask = torch.from_numpy(mask).float()
+    deq = torch.from_numpy(quantize_dequantize_array(w.detach().numpy(), spec))
+    x2 = x.detach().clone().requires_grad_()
+    w_ste = (deq - w * mask).detach() + w * mask  # value deq, gradient passed where |w| <= c
+    (gw2,) = torch.autograd.grad(F.linear(x2, w_ste, layer.bias.detach()).tanh().sum(), w, create_graph=True)
+    gw2.square().sum().backward()
+    torch.testing.assert_close(gw, gw2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_backward_after_an_in_place_weight_change_is_refused():
     layer = apply_qat(nn.Linear(16, 8), bits=4)
     x = torch.randn(4, 16, requires_grad=True)

@@ -121,7 +121,9 @@ def _rebuild(entry, x, keep_codes=False, out=None):
 
 def _clip_mask_grad(grad, x, spec, threshold):
     """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0."""
-    if _fused_cpu.applies_to(x) and grad.dtype == x.dtype and grad.device == x.device:
+    # Under backward(create_graph=True) the product must stay differentiable: torch ops then.
+    if (not torch.is_grad_enabled() and _fused_cpu.applies_to(x) and grad.dtype == x.dtype
+            and grad.device == x.device):
         return _fused_cpu.clip_mask_grad(grad, x, threshold, spec)
     _, blocks = _blocks(x, spec)
     return grad * (abs(blocks) <= threshold).reshape(x.shape)
