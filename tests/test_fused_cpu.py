@@ -172,16 +172,34 @@ def test_fused_kernels_train_bit_identically_to_the_torch_ops(spec, monkeypatch)
     recycled = []
     take = fq._SpareBuffer.take
 
-    def counted_take(self, like):
-        buffer = take(self, like)
-        recycled.append(buffer is not None)
-        return buffer
+    def counted_take(self, like, holding=None):
+        buffer, holds = take(self, like, holding)
+        recycled.append((buffer is not None, holds))
+        return buffer, holds
 
     monkeypatch.setattr(fq._SpareBuffer, "take", counted_take)
     fused = _train_three_steps(spec)
-    assert sum(recycled) >= 6  # forward buffers and weight gradients were reused
+    assert sum(reused for reused, _ in recycled) >= 6  # forward buffers and weight gradients
+    assert sum(holds for _, holds in recycled) >= 3  # the last layer's weight was not rebuilt
     with _fused_cpu.switched_off():
         reference = _train_three_steps(spec)
+    for a, b in zip(fused, reference):
+        assert torch.equal(a, b)
+
+
+def test_a_recycled_buffer_stands_for_a_weight_only_in_its_own_layers_backward():
+    def grads():
+        torch.manual_seed(0)
+        first, second = (apply_qat(nn.Linear(32, 32), bits=4) for _ in range(2))
+        x = torch.randn(4, 32, requires_grad=True)
+        loss_first = first(x).square().sum()
+        second(x).sum()  # the last forward: its dead buffer, holding second's weight, is kept
+        loss_first.backward()  # first's backward gets that buffer: it must rebuild its own weight
+        return x.grad, first.weight.grad
+
+    fused = grads()
+    with _fused_cpu.switched_off():
+        reference = grads()
     for a, b in zip(fused, reference):
         assert torch.equal(a, b)
 

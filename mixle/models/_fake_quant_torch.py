@@ -181,7 +181,7 @@ class _FakeQuantSTE(torch.autograd.Function):
         if cache is None:
             deq, entry = _quantize(x, spec)
         else:
-            out = _spare.take(x) if recycle and _fused_cpu.applies_to(x) else None
+            out = _spare.take(x)[0] if recycle and _fused_cpu.applies_to(x) else None
             deq, entry = cache.lookup(x, spec, shared, out)
         ctx.spec = spec
         if spec.clip_gradient:
@@ -230,32 +230,37 @@ class _SpareBuffer(threading.local):
     its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
     from the OS as zeroed pages, paid for with a page fault per 4 KiB; handing each dead forward
     buffer to the next layer's forward, and the last one to the first weight gradient of the
-    backward, avoids most of them. Only one buffer is ever held, and none past an optimizer
-    step, so memory stays that of fp32.
+    backward, avoids most of them. The buffer remembers whose fake-quantized weight it still
+    holds: the backward of the last layer of a forward finds its weight there, not rebuilt.
+    Only one buffer is ever held, and none past an optimizer step, so memory stays that of fp32.
     """
 
     storage = None
+    holds = None  # the cache entry whose fake-quantized weight the buffer holds, if any
 
-    def take(self, like):
-        """A tensor shaped like ``like`` on a dead buffer of exactly its size, or None."""
+    def take(self, like, holding=None):
+        """``(tensor shaped like `like` on a dead buffer of exactly its size, or None, whether it
+        holds ``holding``'s fake-quantized weight)``."""
         storage = self.storage
         if (storage is None or storage.nbytes() != like.numel() * like.element_size()
                 or storage.device != like.device):
-            return None
-        self.storage = None
+            return None, False
+        holds = holding is not None and self.holds is holding
+        self.storage = self.holds = None
         # A fresh tensor on the storage, not a view: nothing else keeps the buffer alive.
-        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape)
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape), holds
 
-    def give(self, tensor):
-        """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage."""
+    def give(self, tensor, holds=None):
+        """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
+        the cache entry whose fake-quantized weight it is."""
         storage = tensor.untyped_storage()
         # 2: the tensor itself and the storage object just made.
         if torch._C._storage_Use_Count(storage._cdata) == 2 and tensor.storage_offset() == 0:
-            self.storage = storage
+            self.storage, self.holds = storage, holds
 
     def drop(self, *_):
         """Free the held buffer: after each optimizer step, so none outlives a training step."""
-        self.storage = None
+        self.storage = self.holds = None
 
 
 _spare = _SpareBuffer()
@@ -268,13 +273,16 @@ class _WeightToken:
     def __init__(self, weight, entry):
         self.weight, self.version, self.entry = weight, weight._version, entry
 
-    def rebuild(self, out=None):
+    def check(self):
         if self.weight._version != self.version:
             raise RuntimeError(
                 "a QAT layer's weight was modified in place between its forward and backward "
                 "(one of the variables needed for gradient computation has been modified by an "
                 "inplace operation): run backward before changing the weight"
             )
+
+    def rebuild(self, out=None):
+        self.check()
         if torch.is_grad_enabled():  # backward(create_graph=True): keep the weight's graph
             return _FakeQuantSTE.apply(self.weight, self.entry.spec)
         return _rebuild(self.entry, self.weight.detach(), out=out)
@@ -300,13 +308,17 @@ class _LinearRebuildingWeight(torch.autograd.Function):
             x = x.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[0]:
             weight = ctx.token.weight
-            if ctx.needs_input_grad[1] and not torch.is_grad_enabled():
-                # The weight gradient's buffer first holds the rebuilt weight: one weight-sized
-                # allocation (and its first-touch page faults) less per layer and step.
-                buffer = _spare.take(weight)
+            if ctx.needs_input_grad[1] and not torch.is_grad_enabled() and _fused_cpu.applies_to(weight):
+                # The weight gradient's buffer first holds the fake-quantized weight: one
+                # weight-sized allocation (and its first-touch page faults) less per layer and
+                # step, and no rebuild at all when it is the last forward's recycled buffer.
+                buffer, holds = _spare.take(weight, holding=ctx.token.entry)
                 if buffer is None:
                     buffer = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-                buffer = ctx.token.rebuild(out=buffer)
+                if holds:
+                    ctx.token.check()
+                else:
+                    buffer = ctx.token.rebuild(out=buffer)
                 grad_x = grad.matmul(buffer)
                 grad_w = torch.mm(flat.t(), x, out=buffer)
             else:
@@ -331,5 +343,5 @@ def linear(x, weight, bias, spec):
         return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
     deq, entry = fake_quantized_weight(weight, spec, recycle=True)
     out = _LinearRebuildingWeight.apply(x, deq, bias, _WeightToken(weight, entry))
-    _spare.give(deq)  # dead now: the autograd graph saved only x
+    _spare.give(deq, holds=entry)  # dead now: the autograd graph saved only x
     return out
