@@ -119,12 +119,13 @@ def _rebuild(entry, x, keep_codes=False, out=None):
     return deq if out is None else out.copy_(deq)
 
 
-def _clip_mask_grad(grad, x, spec, threshold):
-    """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0."""
+def _clip_mask_grad(grad, x, spec, threshold, out=None):
+    """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0;
+    the fused kernel writes it into ``out`` when given (which may be ``grad`` itself)."""
     # Under backward(create_graph=True) the product must stay differentiable: torch ops then.
     if (not torch.is_grad_enabled() and _fused_cpu.applies_to(x) and grad.dtype == x.dtype
             and grad.device == x.device):
-        return _fused_cpu.clip_mask_grad(grad, x, threshold, spec)
+        return _fused_cpu.clip_mask_grad(grad, x, threshold, spec, out=out)
     _, blocks = _blocks(x, spec)
     return grad * (abs(blocks) <= threshold).reshape(x.shape)
 
@@ -177,12 +178,11 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
 
     @staticmethod
-    def forward(ctx, x, spec, cache=None, shared=False, recycle=False):
+    def forward(ctx, x, spec, cache=None, shared=False):
         if cache is None:
             deq, entry = _quantize(x, spec)
         else:
-            out = _spare.take(x)[0] if recycle and _fused_cpu.applies_to(x) else None
-            deq, entry = cache.lookup(x, spec, shared, out)
+            deq, entry = cache.lookup(x, spec, shared)
         ctx.spec = spec
         if spec.clip_gradient:
             # The mask is recomputed in backward from x (saved, no copy) and the tiny thresholds.
@@ -195,7 +195,7 @@ class _FakeQuantSTE(torch.autograd.Function):
         if ctx.spec.clip_gradient:
             (x,) = ctx.saved_tensors
             grad = _clip_mask_grad(grad, x, ctx.spec, ctx.threshold)
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
 def fake_quantize_tensor(x, spec):
@@ -209,18 +209,17 @@ def fake_quantize_tensor(x, spec):
     return _FakeQuantSTE.apply(x, spec)
 
 
-def fake_quantized_weight(param, spec, *, shared=False, recycle=False):
+def fake_quantized_weight(param, spec, *, shared=False):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
     Under ``torch.compile`` the cache is bypassed (the compiled graph recomputes and fuses it),
-    and for inference tensors, which have no version counter. ``recycle``: the caller promises
-    to use the result once and hand it to ``_spare.give``, so it may live in a recycled buffer.
+    and for inference tensors, which have no version counter.
     """
     check_array(param, "weight", finite=False)
     if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
         return _FakeQuantSTE.apply(param, spec), None
     cache = _cache_of(param)
-    return _FakeQuantSTE.apply(param, spec, cache, shared, recycle), cache.entry
+    return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
 
 
 class _SpareBuffer(threading.local):
@@ -267,81 +266,79 @@ _spare = _SpareBuffer()
 register_optimizer_step_post_hook(_spare.drop)
 
 
-class _WeightToken:
-    """What the QAT linear keeps of its fake-quantized weight for backward: the Parameter and entry."""
+class _QATLinear(torch.autograd.Function):
+    """The training QAT linear as one autograd node: ``F.linear(x, fake_quant(weight), bias)``
+    with the straight-through weight gradient, saving only x.
 
-    def __init__(self, weight, entry):
-        self.weight, self.version, self.entry = weight, weight._version, entry
+    ``F.linear`` on a fake-quantized weight would save that weight for backward, a second copy
+    of every weight alive from forward to backward; here backward rebuilds it, just for the
+    input gradient, inside the buffer that then receives the weight gradient.
+    """
 
-    def check(self):
-        if self.weight._version != self.version:
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec, cache):
+        fused = _fused_cpu.applies_to(weight)
+        out = _spare.take(weight)[0] if fused else None
+        deq, entry = cache.lookup(weight, spec, False, out)
+        y = F.linear(x, deq, bias)
+        if fused:
+            _spare.give(deq, holds=entry)  # dead now: nothing saved it
+        del deq
+        ctx.weight, ctx.version, ctx.entry, ctx.fused = weight, weight._version, entry, fused
+        if ctx.needs_input_grad[1]:
+            ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, entry = ctx.weight, ctx.entry
+        if weight._version != ctx.version:
             raise RuntimeError(
                 "a QAT layer's weight was modified in place between its forward and backward "
                 "(one of the variables needed for gradient computation has been modified by an "
                 "inplace operation): run backward before changing the weight"
             )
-
-    def rebuild(self, out=None):
-        self.check()
-        if torch.is_grad_enabled():  # backward(create_graph=True): keep the weight's graph
-            return _FakeQuantSTE.apply(self.weight, self.entry.spec)
-        return _rebuild(self.entry, self.weight.detach(), out=out)
-
-
-class _LinearRebuildingWeight(torch.autograd.Function):
-    """``F.linear(x, deq, bias)`` that saves only x: backward rebuilds ``deq`` and frees it
-    before the weight gradient is allocated, so the step's peak memory stays that of fp32."""
-
-    @staticmethod
-    def forward(ctx, x, deq, bias, token):
-        ctx.token = token
-        if ctx.needs_input_grad[1]:
-            ctx.save_for_backward(x)
-        return F.linear(x, deq, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x = grad_w = grad_b = None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         flat = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
+        if need_w:
             (x,) = ctx.saved_tensors
             x = x.reshape(-1, x.shape[-1])
-        if ctx.needs_input_grad[0]:
-            weight = ctx.token.weight
-            if ctx.needs_input_grad[1] and not torch.is_grad_enabled() and _fused_cpu.applies_to(weight):
-                # The weight gradient's buffer first holds the fake-quantized weight: one
-                # weight-sized allocation (and its first-touch page faults) less per layer and
-                # step, and no rebuild at all when it is the last forward's recycled buffer.
-                buffer, holds = _spare.take(weight, holding=ctx.token.entry)
-                if buffer is None:
-                    buffer = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-                if holds:
-                    ctx.token.check()
-                else:
-                    buffer = ctx.token.rebuild(out=buffer)
-                grad_x = grad.matmul(buffer)
-                grad_w = torch.mm(flat.t(), x, out=buffer)
-            else:
-                grad_x = grad.matmul(ctx.token.rebuild())
-        if ctx.needs_input_grad[1] and grad_w is None:
-            grad_w = flat.t().mm(x)
-        if ctx.needs_input_grad[2]:
+        grad_x = grad_w = grad_b = None
+        if torch.is_grad_enabled():  # backward(create_graph=True): differentiable torch ops
+            if need_x:
+                grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec))
+            if need_w:
+                grad_w = flat.t().mm(x)
+        elif need_x and need_w and ctx.fused:
+            # The weight gradient's buffer first holds the fake-quantized weight: one
+            # weight-sized allocation (and its first-touch page faults) less per layer and step,
+            # and no rebuild at all when it is the last forward's recycled buffer.
+            buffer, holds = _spare.take(weight, holding=entry)
+            if not holds:
+                buffer = _rebuild(entry, weight.detach(), out=buffer)
+            grad_x = grad.matmul(buffer)
+            grad_w = torch.mm(flat.t(), x, out=buffer)
+        else:
+            if need_x:
+                grad_x = grad.matmul(_rebuild(entry, weight.detach()))
+            if need_w:
+                grad_w = flat.t().mm(x)
+        if grad_w is not None and entry.spec.clip_gradient:  # grad_w is ours: masked in place
+            grad_w = _clip_mask_grad(grad_w, weight.detach(), entry.spec, entry.threshold, out=grad_w)
+        if need_b:
             grad_b = flat.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear(x, weight, bias, spec):
     """``F.linear`` with a fake-quantized ``weight``, keeping no float copy of it for backward.
 
-    The quantized weight comes from the per-version cache. ``F.linear`` would save it (a second
-    copy of every weight, alive from forward to backward); here backward rebuilds it from the
-    int8 codes when kept, else from the weight and scales. Under autocast, torch.compile or
-    mixed dtypes the stock ``F.linear`` runs on the same fake-quantized weight.
+    The quantized weight comes from the per-version cache; training runs as one autograd node
+    (``_QATLinear``). Under autocast, torch.compile, no-grad or mixed dtypes the stock
+    ``F.linear`` runs on the same fake-quantized weight.
     """
     if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled()
             or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
-    deq, entry = fake_quantized_weight(weight, spec, recycle=True)
-    out = _LinearRebuildingWeight.apply(x, deq, bias, _WeightToken(weight, entry))
-    _spare.give(deq, holds=entry)  # dead now: the autograd graph saved only x
-    return out
+    check_array(weight, "weight", finite=False)
+    return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight))

@@ -229,11 +229,13 @@ def dequantize(codes, scale, spec, out=None):
     return out
 
 
-def clip_mask_grad(grad, x, threshold, spec):
-    """``grad * (|x| <= threshold)`` per block: the clip_gradient straight-through gradient."""
+def clip_mask_grad(grad, x, threshold, spec, out=None):
+    """``grad * (|x| <= threshold)`` per block: the clip_gradient straight-through gradient, into
+    ``out`` when given (contiguous, shaped like x; may be ``grad`` itself)."""
     batch, blocks_per_batch, width = block_shape(x.shape, spec)
     grad, threshold = grad.contiguous(), threshold.contiguous()  # held: the kernel reads them
-    out = torch.empty_like(x)
+    if out is None or not out.is_contiguous():
+        out = torch.empty_like(x)
     _kernels().clip_mask_grad[_DTYPES[x.dtype]](
         grad.data_ptr(), x.data_ptr(), threshold.data_ptr(), batch * blocks_per_batch, width,
         out.data_ptr(), torch.get_num_threads())
