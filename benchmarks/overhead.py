@@ -264,7 +264,7 @@ def report(shape, rows, timing, memory):
     fp32_median, fp32_min = timing[0]
     compiled_fp32 = next((t for row, (t, _) in zip(rows, timing) if row.name == "fp32 compiled"), None)
     lines = [f"\n== {shape.name}: {shape.description}",
-             f"{'variant':<30} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'x fp32':>7} "
+             f"{'variant':<36} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'x fp32':>7} "
              f"{'peak MB':>8} {'x fp32':>7}  note"]
     for row, (median, fastest) in zip(rows, timing):
         mem = memory.get(row.name)
@@ -272,7 +272,7 @@ def report(shape, rows, timing, memory):
         note = ""
         if row.compiled and compiled_fp32 and row.name != "fp32 compiled":
             note = f"{median / compiled_fp32:.3f}x fp32 compiled"
-        lines.append(f"{row.name:<30} {median * 1e3:>9.2f} {median / fp32_median:>7.3f} {fastest * 1e3:>8.2f} "
+        lines.append(f"{row.name:<36} {median * 1e3:>9.2f} {median / fp32_median:>7.3f} {fastest * 1e3:>8.2f} "
                      f"{fastest / fp32_min:>7.3f} {mem_cols}  {note}")
     print("\n".join(lines), flush=True)
 
