@@ -134,7 +134,7 @@ def _kernels():
                     warnings.warn(
                         f"mixle could not build its fused CPU fake-quant kernels ({error}); QAT on CPU "
                         f"runs the same numerics as separate torch ops, which makes a training step "
-                        f"slower (about 1.3x fp32 instead of 1.1x on an MLP). Install a C++ compiler "
+                        f"slower (about 1.25x fp32 instead of 1.1x on an MLP). Install a C++ compiler "
                         f"(e.g. `apt install g++`), or set {SWITCH}=0 to use the torch ops without "
                         f"this warning.",
                         RuntimeWarning,
