@@ -250,6 +250,22 @@ void quantize_range(const Job<T>& job, int64_t begin, int64_t end, T s) {
     }
 }
 
+// Calls fn(block, begin, end) over all nblocks * K elements, in chunks split over the threads;
+// a chunk may cross block boundaries, so each call covers one block's part of a chunk.
+template <typename F>
+void for_block_ranges(int64_t nblocks, int64_t K, int threads, F fn) {
+    const int64_t total = nblocks * K;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < (total + kChunk - 1) / kChunk; ++c) {
+        int64_t begin = c * kChunk, end = std::min(total, begin + kChunk);
+        while (begin < end) {
+            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
+            fn(b, begin, stop);
+            begin = stop;
+        }
+    }
+}
+
 // Returns the number of blocks holding NaN or infinity (0 when the scales are given).
 template <typename T>
 int64_t run(const Job<T>& job, int threads) {
@@ -269,54 +285,35 @@ int64_t run(const Job<T>& job, int threads) {
         return bad;
     }
     // Few large blocks (per-tensor scales): the statistics of each over all threads, then the
-    // elementwise pass split into chunks over all threads.
+    // elementwise pass over all threads.
     std::vector<T> scales(nb);
     std::vector<T> scratch;
     for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad, threads);
-    const int64_t total = nb * K, chunk = kChunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
-        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
-        while (begin < end) {  // a chunk may cross a block boundary
-            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
-            quantize_range(job, begin, stop, scales[b]);
-            begin = stop;
-        }
-    }
+    for_block_ranges(nb, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
+        quantize_range(job, begin, end, scales[b]);
+    });
     return bad;
 }
 
 // out = codes * scale per block (dequantize kept int8 codes).
 template <typename T>
-void dequantize(const int8_t* codes, const T* scale, int64_t nblocks, int64_t K, T* out, int threads) {
-    const int64_t total = nblocks * K, chunk = kChunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
-        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
-        while (begin < end) {
-            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
-            T s = scale[b];
-            for (int64_t j = begin; j < stop; ++j) out[j] = (T)codes[j] * s;
-            begin = stop;
-        }
-    }
+void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, T* __restrict out,
+                int threads) {
+    for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
+        const T s = scale[b];
+        for (int64_t j = begin; j < end; ++j) out[j] = (T)codes[j] * s;
+    });
 }
 
-// out = grad * (|x| <= threshold) per block: the clip_gradient straight-through estimator.
+// out = grad * (|x| <= threshold) per block: the clip_gradient straight-through estimator
+// (out may be grad itself).
 template <typename T>
 void clip_mask_grad(const T* grad, const T* x, const T* threshold, int64_t nblocks, int64_t K, T* out,
                     int threads) {
-    const int64_t total = nblocks * K, chunk = kChunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t c = 0; c < (total + chunk - 1) / chunk; ++c) {
-        int64_t begin = c * chunk, end = std::min(total, begin + chunk);
-        while (begin < end) {
-            int64_t b = begin / K, stop = std::min(end, (b + 1) * K);
-            T t = threshold[b];
-            for (int64_t j = begin; j < stop; ++j) out[j] = grad[j] * (T)(std::fabs(x[j]) <= t);
-            begin = stop;
-        }
-    }
+    for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
+        const T t = threshold[b];
+        for (int64_t j = begin; j < end; ++j) out[j] = grad[j] * (T)(std::fabs(x[j]) <= t);
+    });
 }
 
 }  // namespace
