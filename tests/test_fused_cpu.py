@@ -228,11 +228,14 @@ TRAIN_ONE_STEP = """
 """
 
 
-def test_without_a_compiler_qat_warns_once_and_runs_the_same_numerics(tmp_path):
-    out = _run(TRAIN_ONE_STEP, CXX=str(tmp_path / "no-such-c++"), MIXLE_CACHE_DIR=str(tmp_path))
+@pytest.mark.parametrize("compiler", ["no-such-c++", "false"])  # missing, or failing every build
+def test_without_a_compiler_qat_warns_once_and_runs_the_same_numerics(tmp_path, compiler):
+    cxx = str(tmp_path / compiler) if compiler == "no-such-c++" else compiler
+    out = _run(TRAIN_ONE_STEP, CXX=cxx, MIXLE_CACHE_DIR=str(tmp_path))
     assert "available False" in out
     assert out.count("could not build its fused CPU fake-quant kernels") == 1
-    assert "MIXLE_FUSED_KERNELS=0" in out and "no-such-c++" in out
+    assert "MIXLE_FUSED_KERNELS=0" in out and compiler in out
+    assert not list(tmp_path.glob("*.so"))  # no partial build left behind
 
 
 def test_switched_off_kernels_stay_quiet(tmp_path):

@@ -2,11 +2,12 @@
 
 The numerics are ``mixle.task.quantize``'s (block view, scales, rounding, dequantize); this
 module only decides when they run, and on contiguous float32/float64 CPU weights runs them as
-the fused kernels of ``_fused_cpu`` (one pass per block, bit-identical; tests run both paths). A weight is quantized once per version: the entry is keyed on
-the Parameter's in-place version counter, its storage, dtype, shape, the spec and a generation
-counter bumped by every optimizer step and every ``load_state_dict`` into a QAT layer, so
-gradient-accumulation micro-batches, eval forwards and a tied embedding reuse it, while any
-optimizer step or checkpoint load makes the next forward quantize afresh.
+``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). A weight
+is quantized once per version: the entry is keyed on the Parameter's in-place version counter,
+its storage, dtype, shape, the spec and a generation counter bumped by every optimizer step and
+every ``load_state_dict`` into a QAT layer, so gradient-accumulation micro-batches, eval
+forwards and a tied embedding reuse it, while any optimizer step or checkpoint load makes the
+next forward quantize afresh.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
 then its int8 codes (a quarter of a float32 weight). ``F.linear`` would save the fake-quantized

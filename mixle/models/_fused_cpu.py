@@ -1,4 +1,4 @@
-"""The fused CPU fake-quant kernels: built from ``_fused_fake_quant.cpp`` on first use, called via ctypes.
+"""Fused CPU fake-quant kernels, compiled from ``_fused_fake_quant.cpp`` on first use.
 
 The kernels compute exactly ``mixle.task.quantize``'s numerics (tests compare both with numpy,
 bit for bit) in one pass over each block of a float32 or float64 CPU tensor. They are built
@@ -59,14 +59,17 @@ def _build(compiler):
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"no C++ compiler {compiler!r} ({error})") from None
     source = SOURCE.read_bytes()
-    attempts = [FLAGS + ("-fopenmp",), FLAGS]  # without OpenMP (e.g. Apple clang) the passes run serially
-    errors = []
-    for flags in attempts:
+    # Without OpenMP (e.g. Apple clang) the kernels still build, and run on one thread.
+    targets = []
+    for flags in (FLAGS + ("-fopenmp",), FLAGS):
         key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                          _cpu_signature().encode(), sys.platform.encode()])).hexdigest()[:20]
-        target = _cache_dir() / f"fused_fake_quant_{key}.so"
+        targets.append((flags, _cache_dir() / f"fused_fake_quant_{key}.so"))
+    for _, target in targets:
         if target.exists():
             return target
+    error = None
+    for flags, target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
@@ -76,13 +79,13 @@ def _build(compiler):
             if done.returncode == 0:
                 os.replace(partial, target)  # atomic: concurrent builders agree on the result
                 return target
-            errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
-        except (OSError, subprocess.SubprocessError) as error:
-            errors.append([str(error)])
+            error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        except (OSError, subprocess.SubprocessError) as failure:
+            error = str(failure)
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
-    raise RuntimeError(f"{compiler} failed: {errors[-1][0]}")
+    raise RuntimeError(f"{compiler} failed: {error}")
 
 
 class _Kernels:
