@@ -204,14 +204,16 @@ void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi
     *v_hi = hi == lo ? *v_lo : *std::min_element(first + 1, scratch.end());
 }
 
-template <typename T>
+// K: the block width, or 0 for job.K (a compile-time width lets small groups unroll).
+template <typename T, int64_t K = 0>
 T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int threads) {
-    const T* x = job.x + b * job.K;
+    const int64_t n = K ? K : job.K;
+    const T* x = job.x + b * n;
     if (job.scale_in) return job.scale_in[b];
-    T m = abs_max(x, job.K, threads), t = m;
+    T m = abs_max(x, n, threads), t = m;
     if (job.lo >= 0 && m == m) {  // a NaN block fails the caller's finiteness check instead
         T v_lo, v_hi;
-        order_stats(x, job.K, job.lo, job.hi, &v_lo, &v_hi, scratch, threads, m);
+        order_stats(x, n, job.lo, job.hi, &v_lo, &v_hi, scratch, threads, m);
         if (job.frac == 0 || job.hi == job.lo) {
             t = v_lo;
         } else {
@@ -266,24 +268,38 @@ void for_block_ranges(int64_t nblocks, int64_t K, int threads, F fn) {
     }
 }
 
+// Rows or groups: each thread takes whole blocks, read once while they sit in L1. K: the
+// block width, or 0 for job.K.
+template <typename T, int64_t K = 0>
+int64_t run_blocks(const Job<T>& job, int threads) {
+    const int64_t n = K ? K : job.K;
+    int64_t bad = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : bad)
+    {
+        std::vector<T> scratch;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < job.nblocks; ++b) {
+            T s = block_scale<T, K>(job, b, scratch, bad, 1);
+            quantize_range(job, b * n, b * n + n, s);
+        }
+    }
+    return bad;
+}
+
 // Returns the number of blocks holding NaN or infinity (0 when the scales are given).
 template <typename T>
 int64_t run(const Job<T>& job, int threads) {
     const int64_t nb = job.nblocks, K = job.K;
-    int64_t bad = 0;
     if (nb >= threads) {
-        // Rows or groups: each thread takes whole blocks, read once while they sit in L1.
-#pragma omp parallel num_threads(threads) reduction(+ : bad)
-        {
-            std::vector<T> scratch;
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nb; ++b) {
-                T s = block_scale(job, b, scratch, bad, 1);
-                quantize_range(job, b * K, (b + 1) * K, s);
-            }
+        switch (K) {  // the usual group sizes, unrolled
+            case 16: return run_blocks<T, 16>(job, threads);
+            case 32: return run_blocks<T, 32>(job, threads);
+            case 64: return run_blocks<T, 64>(job, threads);
+            case 128: return run_blocks<T, 128>(job, threads);
+            default: return run_blocks<T>(job, threads);
         }
-        return bad;
     }
+    int64_t bad = 0;
     // Few large blocks (per-tensor scales): the statistics of each over all threads, then the
     // elementwise pass over all threads.
     std::vector<T> scales(nb);
