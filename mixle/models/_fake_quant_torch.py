@@ -254,8 +254,10 @@ class _SpareBuffer(threading.local):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
         the cache entry whose fake-quantized weight it is."""
         storage = tensor.untyped_storage()
-        # 2: the tensor itself and the storage object just made.
-        if torch._C._storage_Use_Count(storage._cdata) == 2 and tensor.storage_offset() == 0:
+        # 2: the tensor itself and the storage object just made. (A torch without this private
+        # count recycles nothing.)
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is not None and use_count(storage._cdata) == 2 and tensor.storage_offset() == 0:
             self.storage, self.holds = storage, holds
 
     def drop(self, *_):
