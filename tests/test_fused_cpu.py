@@ -190,11 +190,11 @@ def test_fused_kernels_train_bit_identically_to_the_torch_ops(spec, monkeypatch)
 def test_a_recycled_buffer_stands_for_a_weight_only_in_its_own_layers_backward():
     def grads():
         torch.manual_seed(0)
-        first, second = (apply_qat(nn.Linear(32, 32), bits=4) for _ in range(2))
+        first, second, third = (apply_qat(nn.Linear(32, 32), bits=4) for _ in range(3))
         x = torch.randn(4, 32, requires_grad=True)
         loss_first = first(x).square().sum()
-        second(x).sum()  # the last forward: its dead buffer, holding second's weight, is kept
-        loss_first.backward()  # first's backward gets that buffer: it must rebuild its own weight
+        second(x).sum(), third(x).sum()  # the last two forwards: their dead buffers are kept
+        loss_first.backward()  # first's backward gets second's buffer: it must rebuild its own weight
         return x.grad, first.weight.grad
 
     fused = grads()

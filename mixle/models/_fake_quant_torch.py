@@ -224,45 +224,51 @@ def fake_quantized_weight(param, spec, *, shared=False):
 
 
 class _SpareBuffer(threading.local):
-    """At most one dead weight-sized buffer per thread, recycled between QAT linear layers.
+    """At most two dead weight-sized buffers per thread, recycled between QAT linear layers.
 
     A training step allocates a fake-quantized weight per layer in forward (dead right after
     its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
-    from the OS as zeroed pages, paid for with a page fault per 4 KiB; handing each dead forward
-    buffer to the next layer's forward, and the last one to the first weight gradient of the
-    backward, avoids most of them. The buffer remembers whose fake-quantized weight it still
-    holds: the backward of the last layer of a forward finds its weight there, not rebuilt.
-    Only one buffer is ever held, and none past an optimizer step, so memory stays that of fp32.
+    from the OS as zeroed pages, paid for with a page fault per 4 KiB. Here each forward hands
+    its dead buffer on, and the buffers of the last two forwards are what the first two
+    backwards (those same layers, in reverse) take as their weight gradients: they still hold
+    those layers' fake-quantized weights, so neither is rebuilt. Two weight-sized buffers at
+    most, from a forward into the start of its backward and none past an optimizer step: peak
+    memory stays that of fp32 (a step's peak comes once the weight gradients exist).
     """
 
-    storage = None
-    holds = None  # the cache entry whose fake-quantized weight the buffer holds, if any
+    CAPACITY = 2
+
+    def __init__(self):
+        self.held = []  # [(storage, cache entry whose fake-quantized weight it holds)], oldest first
 
     def take(self, like, holding=None):
         """``(tensor shaped like `like` on a dead buffer of exactly its size, or None, whether it
-        holds ``holding``'s fake-quantized weight)``."""
-        storage = self.storage
-        if (storage is None or storage.nbytes() != like.numel() * like.element_size()
-                or storage.device != like.device):
+        holds ``holding``'s fake-quantized weight)``. Without ``holding`` (a forward) a buffer
+        is taken only once the last two forwards' buffers are held, the oldest first."""
+        nbytes = like.numel() * like.element_size()
+        fits = [i for i, (storage, _) in enumerate(self.held)
+                if storage.nbytes() == nbytes and storage.device == like.device]
+        if not fits or (holding is None and len(self.held) < self.CAPACITY):
             return None, False
-        holds = holding is not None and self.holds is holding
-        self.storage = self.holds = None
+        mine = [i for i in fits if holding is not None and self.held[i][1] is holding]
+        storage, _ = self.held.pop((mine or fits)[0])
         # A fresh tensor on the storage, not a view: nothing else keeps the buffer alive.
-        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape), holds
+        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape), bool(mine)
 
     def give(self, tensor, holds=None):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
-        the cache entry whose fake-quantized weight it is."""
+        the cache entry whose fake-quantized weight it is. The oldest buffer beyond two is freed."""
         storage = tensor.untyped_storage()
         # 2: the tensor itself and the storage object just made. (A torch without this private
         # count recycles nothing.)
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         if use_count is not None and use_count(storage._cdata) == 2 and tensor.storage_offset() == 0:
-            self.storage, self.holds = storage, holds
+            self.held.append((storage, holds))
+            del self.held[:-self.CAPACITY]
 
     def drop(self, *_):
-        """Free the held buffer: after each optimizer step, so none outlives a training step."""
-        self.storage = self.holds = None
+        """Free the held buffers: after each optimizer step, so none outlives a training step."""
+        self.held.clear()
 
 
 _spare = _SpareBuffer()
@@ -312,20 +318,18 @@ class _QATLinear(torch.autograd.Function):
                 grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec))
             if need_w:
                 grad_w = flat.t().mm(x)
-        elif need_x and need_w and ctx.fused:
-            # The weight gradient's buffer first holds the fake-quantized weight: one
-            # weight-sized allocation (and its first-touch page faults) less per layer and step,
-            # and no rebuild at all when it is the last forward's recycled buffer.
-            buffer, holds = _spare.take(weight, holding=entry)
-            if not holds:
-                buffer = _rebuild(entry, weight.detach(), out=buffer)
-            grad_x = grad.matmul(buffer)
-            grad_w = torch.mm(flat.t(), x, out=buffer)
         else:
+            # The weight gradient's buffer first holds the fake-quantized weight: one weight-sized
+            # allocation (and its first-touch page faults) less per layer and step, and no
+            # rebuild at all for a recycled buffer that still holds it.
+            buffer = None
             if need_x:
-                grad_x = grad.matmul(_rebuild(entry, weight.detach()))
+                buffer, holds = _spare.take(weight, holding=entry) if ctx.fused else (None, False)
+                if not holds:
+                    buffer = _rebuild(entry, weight.detach(), out=buffer)
+                grad_x = grad.matmul(buffer)
             if need_w:
-                grad_w = flat.t().mm(x)
+                grad_w = flat.t().mm(x) if buffer is None else torch.mm(flat.t(), x, out=buffer)
         if grad_w is not None and entry.spec.clip_gradient:  # grad_w is ours: masked in place
             grad_w = _clip_mask_grad(grad_w, weight.detach(), entry.spec, entry.threshold, out=grad_w)
         if need_b:
