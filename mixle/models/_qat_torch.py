@@ -176,16 +176,47 @@ def _tie_note(weight, embeddings):
     return ""
 
 
-def apply_qat_torch(model, selector, reconfigure):
-    """Torch half of ``apply_qat``: plan every decision, then swap, so failures change nothing."""
+def _plan_inputs(model, selector):
+    """``(named modules with repeats, parent of each module by id, its nn.Linear layers)``, once
+    every selector pattern is known to match a path (shared by apply_qat and apply_lora)."""
     entries = list(model.named_modules(remove_duplicate=False))
     parent_of = {}
-    for path, module in entries:
-        for name, child in module.named_children():
-            parent_of.setdefault(id(child), (module, name))
-    all_paths = [p for p, _ in entries]
+    for _, module in entries:
+        for child in module.children():
+            parent_of.setdefault(id(child), module)
     linears = [(p, m) for p, m in entries if isinstance(m, nn.Linear)]
-    selector.check_all_used([p for p, _ in linears], all_paths, "nn.Linear")
+    selector.check_all_used([p for p, _ in linears], [p for p, _ in entries], "nn.Linear")
+    return entries, parent_of, linears
+
+
+def _repeated(path, kind, first):
+    """The decision for a module met again under another path: the first one's, by reference."""
+    return LayerDecision(path=path, kind=kind, action=first.action, reason=f"same module as {first.path!r}",
+                         spec=first.spec)
+
+
+def _swap_in(entries, replacements, then=None):
+    """Commit a plan: put each replacement (keyed by the id of the module it replaces) into every
+    parent, then run ``then``. Nothing here fails on valid input; if anything does, the swaps are
+    undone before the error propagates, so the model is as it was."""
+    swapped = []
+    try:
+        for _, module in entries:
+            for name, child in list(module.named_children()):
+                if id(child) in replacements:
+                    setattr(module, name, replacements[id(child)])
+                    swapped.append((module, name, child))
+        if then is not None:
+            then()
+    except BaseException:
+        for module, name, child in reversed(swapped):
+            setattr(module, name, child)
+        raise
+
+
+def apply_qat_torch(model, selector, reconfigure):
+    """Torch half of ``apply_qat``: plan every decision, then swap, so failures change nothing."""
+    entries, parent_of, linears = _plan_inputs(model, selector)
     embeddings = [(p, m) for p, m in entries if isinstance(m, nn.Embedding)]
     enabled = _current_enabled(model)
 
@@ -193,13 +224,10 @@ def apply_qat_torch(model, selector, reconfigure):
     for path, module in linears:
         kind = type(module).__name__
         if id(module) in seen:
-            decisions.append(LayerDecision(path=path, kind=kind, action=seen[id(module)].action,
-                                           reason=f"same module as {seen[id(module)].path!r}",
-                                           spec=seen[id(module)].spec))
+            decisions.append(_repeated(path, kind, seen[id(module)]))
             continue
-        parent = parent_of.get(id(module), (None, None))[0]
         spec, reason = selector.decide(path)
-        blocked = _float_reason(module, parent)
+        blocked = _float_reason(module, parent_of.get(id(module)))
         if spec is not None and blocked:
             spec, reason = None, blocked
         if spec is None:
@@ -235,20 +263,11 @@ def apply_qat_torch(model, selector, reconfigure):
 
     decisions += _plan_tied_embeddings(embeddings, linears, decisions, replacements, respecs, selector, enabled)
 
-    # Commit: nothing below can fail on valid input, but restore everything if it does.
-    swapped = []
-    try:
-        for path, module in entries:
-            for name, child in list(module.named_children()):
-                if id(child) in replacements:
-                    setattr(module, name, replacements[id(child)])
-                    swapped.append((module, name, child))
+    def respec():
         for wrapper, spec in respecs:
             wrapper.spec = spec
-    except BaseException:
-        for module, name, child in reversed(swapped):
-            setattr(module, name, child)
-        raise
+
+    _swap_in(entries, replacements, then=respec)
     root = replacements.get(id(model), model)
     setattr(root, REPORT_ATTRIBUTE, QATReport(decisions))
     return root

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.models._qat_torch import QATWrapper, _float_reason, check_supported, fake_quantize_tensor
+from mixle.models._qat_torch import (QATWrapper, _float_reason, _plan_inputs, _repeated, _swap_in, check_supported,
+                                    fake_quantize_tensor)
 from mixle.models.qat_report import LayerDecision, QATReport
 from mixle.task.quantize import block_shape
 
@@ -196,22 +197,14 @@ def _check_layer(path, module, lora):
 
 def apply_lora_torch(model, selector, train_base):
     """Torch half of ``apply_lora``: plan every decision, then swap, so failures change nothing."""
-    entries = list(model.named_modules(remove_duplicate=False))
-    parent_of = {}
-    for _, module in entries:
-        for name, child in module.named_children():
-            parent_of.setdefault(id(child), module)
-    linears = [(p, m) for p, m in entries if isinstance(m, nn.Linear)]
-    selector.check_all_used([p for p, _ in linears], [p for p, _ in entries], "nn.Linear")
+    entries, parent_of, linears = _plan_inputs(model, selector)
     holders = _parameter_holders(entries)
 
     decisions, replacements, seen = [], {}, {}
     for path, module in linears:
         kind = type(module).__name__
         if id(module) in seen:
-            first = seen[id(module)]
-            decisions.append(LayerDecision(path=path, kind=kind, action=first.action,
-                                           reason=f"same module as {first.path!r}", spec=first.spec))
+            decisions.append(_repeated(path, kind, seen[id(module)]))
             continue
         lora, reason = selector.decide(path)
         blocked = _float_reason(module, parent_of.get(id(module)))
@@ -253,23 +246,18 @@ def apply_lora_torch(model, selector, train_base):
     adapters |= {id(p) for m in replacements.values() for p in (m.lora_A, m.lora_B)}
     to_freeze = [] if train_base else [p for p in model.parameters() if p.requires_grad and id(p) not in adapters]
 
-    # Commit: nothing below can fail on valid input, but restore everything if it does.
-    swapped, frozen = [], []
-    try:
-        for _, module in entries:
-            for name, child in list(module.named_children()):
-                if id(child) in replacements:
-                    setattr(module, name, replacements[id(child)])
-                    swapped.append((module, name, child))
-        for param in to_freeze:
-            param.requires_grad_(False)
-            frozen.append(param)
-    except BaseException:
-        for param in frozen:
-            param.requires_grad_(True)
-        for module, name, child in reversed(swapped):
-            setattr(module, name, child)
-        raise
+    def freeze():
+        frozen = []
+        try:
+            for param in to_freeze:
+                param.requires_grad_(False)
+                frozen.append(param)
+        except BaseException:
+            for param in frozen:
+                param.requires_grad_(True)
+            raise
+
+    _swap_in(entries, replacements, then=freeze)
     root = replacements.get(id(model), model)
     setattr(root, REPORT_ATTRIBUTE, QATReport(decisions, done="adapted", left="without adapter"))
     return root
