@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixle.models._fake_quant_torch as fq
-from mixle.models.qat import QATWrapper, QuantSpec, apply_qat, fake_quantize, set_fake_quant_enabled
+from mixle.models.qat import (QATWrapper, QuantSpec, apply_qat, fake_quantize, invalidate_fake_quant_caches,
+                              set_fake_quant_enabled)
 from mixle.task.quantize import _TorchOps, fake_quant_forward, quantize_dequantize_array
 from tests.test_numerics import reference_codes_scales
 from tests.test_qat_torch import ids, make_lm
@@ -142,7 +143,7 @@ def test_cache_is_invalidated_by_optimizer_step_load_state_dict_and_in_place_edi
         model[2].weight.mul_(0.5)
     check()
     model[2].weight.data.mul_(2.0)  # bypasses the version counter: documented escape hatch
-    fq.invalidate_caches()
+    invalidate_fake_quant_caches()
     check()
 
 

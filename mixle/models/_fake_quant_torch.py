@@ -16,8 +16,8 @@ float weight for its backward, a second copy of every weight alive from forward 
 buffer that then receives the weight gradient.
 
 Limitation: in-place edits that bypass the version counter (``param.data.add_(...)`` by hand)
-are seen only at the next optimizer step or ``load_state_dict``; call ``invalidate_caches()``
-after such edits.
+are seen only at the next optimizer step or ``load_state_dict``; call
+``mixle.models.qat.invalidate_fake_quant_caches()`` after such edits.
 """
 
 import functools

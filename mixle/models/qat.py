@@ -20,6 +20,7 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_int4",
     "get_qat_report",
+    "invalidate_fake_quant_caches",
 ]
 
 
@@ -121,6 +122,23 @@ def set_fake_quant_enabled(model, enabled):
     if backend.__name__.endswith("_qat_torch"):
         return backend.set_enabled_torch(model, enabled)
     return backend.set_enabled_flax(model, enabled)
+
+
+def invalidate_fake_quant_caches():
+    """Make every cached fake-quantized torch weight stale, so its next use quantizes afresh.
+
+    mixle quantizes a weight once per version and notices optimizer steps, ``load_state_dict``
+    and in-place edits through the Parameter. Edits that bypass its version counter
+    (``param.data.mul_(...)``, writes through a NumPy view) are not seen until the next optimizer
+    step: call this after them. A no-op before any torch QAT layer has run.
+
+    >>> invalidate_fake_quant_caches()
+    """
+    import sys
+
+    module = sys.modules.get("mixle.models._fake_quant_torch")
+    if module is not None:
+        module.invalidate_caches()
 
 
 def get_qat_report(model):
