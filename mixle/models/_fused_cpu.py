@@ -189,33 +189,33 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def fake_quant(x, spec, *, scale=None, want_deq=True, want_codes=False, want_threshold=False, out=None):
+def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, out=None):
     """One pass over x's blocks: ``(deq, codes, scale, threshold, finite)``.
 
     ``scale`` (shape ``(B, S, 1)``) given: only the values/codes on those scales (a rebuild),
     threshold None. Otherwise the scales are computed, and ``finite`` is False when a block holds
-    NaN or infinity (the other outputs are then meaningless; the caller raises). Outputs not
-    asked for are None; ``out`` (contiguous, shaped like x) receives deq instead of a new tensor.
-    Call ``applies_to`` first.
+    NaN or infinity (the other outputs are then meaningless; the caller raises). Codes and
+    threshold not asked for are None; ``out`` (contiguous, shaped like x) receives deq instead of
+    a new tensor. Call ``applies_to`` first.
     """
     batch, blocks_per_batch, width = block_shape(x.shape, spec)
     percentile = spec.clip_percentile
     lo = hi = -1
     frac = 0.0
-    if scale is None and percentile is not None and percentile != 100.0:
-        lo, hi, frac = percentile_positions(width, percentile)
-    given = threshold = None
+    given = computed = threshold = None
     if scale is None:
-        scale = torch.empty((batch, blocks_per_batch, 1), dtype=x.dtype)
+        if percentile is not None and percentile != 100.0:
+            lo, hi, frac = percentile_positions(width, percentile)
+        scale = computed = torch.empty((batch, blocks_per_batch, 1), dtype=x.dtype)
         threshold = torch.empty_like(scale) if want_threshold else None
     else:
-        given = scale.contiguous()
-    deq = (torch.empty_like(x) if out is None else out) if want_deq else None
+        given = scale.contiguous()  # held: the kernel reads it
+    deq = torch.empty_like(x) if out is None else out
     codes = torch.empty(x.shape, dtype=torch.int8) if want_codes else None
     bad = _kernels().fake_quant[_DTYPES[x.dtype]](
         x.data_ptr(), batch * blocks_per_batch, width, lo, hi, frac, float(spec.scale_divisor),
-        float(spec.code_min), float(spec.code_max), _ptr(given), None if given is not None else scale.data_ptr(),
-        _ptr(threshold), _ptr(deq), _ptr(codes), torch.get_num_threads())
+        float(spec.code_min), float(spec.code_max), _ptr(given), _ptr(computed), _ptr(threshold),
+        deq.data_ptr(), _ptr(codes), torch.get_num_threads())
     return deq, codes, scale, threshold, bad == 0
 
 

@@ -28,7 +28,7 @@ struct Job {
     const T* scale_in;     // given scales (rebuild), or null to compute them
     T* scale;              // out: per block (ignored when scale_in is given)
     T* threshold;          // out: per block, or null
-    T* deq;                // out: fake-quantized values, or null
+    T* deq;                // out: fake-quantized values
     int8_t* codes;         // out: int8 codes, or null
 };
 
@@ -234,12 +234,10 @@ void quantize_range(const Job<T>& job, int64_t begin, int64_t end, T s) {
     T* __restrict deq = job.deq;
     int8_t* __restrict codes = job.codes;
     const T lo = job.code_min, hi = job.code_max;
-    if (deq) {
-        for (int64_t j = begin; j < end; ++j) {
-            T q = std::nearbyint(x[j] / s);
-            q = q < lo ? lo : q;
-            deq[j] = (q > hi ? hi : q) * s;
-        }
+    for (int64_t j = begin; j < end; ++j) {
+        T q = std::nearbyint(x[j] / s);
+        q = q < lo ? lo : q;
+        deq[j] = (q > hi ? hi : q) * s;
     }
     if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
         for (int64_t j = begin; j < end; ++j) {
