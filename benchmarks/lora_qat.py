@@ -1,6 +1,6 @@
 """LoRA+QAT vs full QAT vs PTQ at int4 on the main job's model and corpus, from one fp32 checkpoint.
 
-The main job (``mixle.compare.run_compare``) trains the default ``build_causal_lm`` in fp32 on the
+The main job (``mixle.lm.compare.run_compare``) trains the default ``build_causal_lm`` in fp32 on the
 embedded corpus, then PTQ, an fp32 fine-tune (+ PTQ) and full QAT at int4. Two LoRA+QAT runs join
 it as extra methods, trained by the same loop on the same batches with the same learning rate:
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from mixle.compare import PRESETS, ExternalQAT, _window_density, prepare_data, run_compare, write_outputs
+from mixle.lm.compare import PRESETS, ExternalQAT, _window_density, prepare_data, run_compare, write_outputs
 from mixle.experimental.program.lora import apply_lora, merge_lora
 from mixle.models.grad_leaf import GradLeaf
 from mixle.models.qat import apply_qat
@@ -89,7 +89,7 @@ def cost_models(config, vocab, rank, alpha):
 
 
 def _leaf(model, data, config, steps, callback):
-    # The main job's training settings (mixle.compare), one GradLeaf per method.
+    # The main job's training settings (mixle.lm.compare), one GradLeaf per method.
     return GradLeaf(_window_density(model, data.train_ids), m_steps=steps, lr=config.finetune_lr,
                     batch_size=config.batch_size, optimizer=torch.optim.AdamW, grad_clip=float(config.block),
                     seed=config.seed + 2, callback=callback)

@@ -39,9 +39,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixle.models import _fused_cpu  # noqa: E402
+from mixle.torch_backend import fused_cpu as _fused_cpu  # noqa: E402
 from mixle.models.qat import apply_qat  # noqa: E402
-from mixle.task.spec import QuantSpec  # noqa: E402
+from mixle.core.spec import QuantSpec  # noqa: E402
 
 PERCENTILE = 99.9
 

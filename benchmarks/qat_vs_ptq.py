@@ -1,6 +1,6 @@
 """QAT vs PTQ on real text with a larger preset, and torchao's QAT side by side in the same run.
 
-Runs ``mixle.compare.run_compare`` (fp32 training, PTQ, fine-tune + PTQ, mixle QAT) and, when
+Runs ``mixle.lm.compare.run_compare`` (fp32 training, PTQ, fine-tune + PTQ, mixle QAT) and, when
 torchao is installed, torchao's QAT (``IntxFakeQuantizeConfig(torch.int4, "per_channel")`` on the
 same Linear layers and the tied embedding, same checkpoint, steps, batches and learning rate).
 torchao's trained weights go through the same real-int4 evaluation as mixle's: mixle's
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from mixle._optional import is_available
-from mixle.compare import (
+from mixle.lm.compare import (
     MIN_DEGRADATION,
     PRESETS,
     ExternalQAT,
@@ -38,7 +38,7 @@ from mixle.compare import (
     summarize,
     write_outputs,
 )
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 
 def torchao_qat(bits=4):

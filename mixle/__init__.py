@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 _LAZY = {
-    "QuantSpec": "mixle.task.spec",
+    "QuantSpec": "mixle.core.spec",
     "apply_qat": "mixle.models.qat",
     "set_fake_quant_enabled": "mixle.models.qat",
     "fake_quantize": "mixle.models.qat",

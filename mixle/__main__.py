@@ -1,8 +1,8 @@
-"""``python -m mixle``: the command line (see ``mixle.cli``)."""
+"""``python -m mixle``: the command line (see ``mixle.lm.cli``)."""
 
 import sys
 
-from mixle.cli import main
+from mixle.lm.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(params=["fused", "torch-ops"])
 def fake_quant_path(request):
     """The fused CPU kernels, or the same numerics as separate torch ops (no compiler, or off)."""
-    from mixle.models import _fused_cpu
+    from mixle.torch_backend import fused_cpu as _fused_cpu
 
     if request.param == "fused":
         if not _fused_cpu.available():

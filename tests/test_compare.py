@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mixle import cli
-from mixle.compare import (
+from mixle.lm import cli
+from mixle.lm.compare import (
     MIN_DEGRADATION,
     PRESETS,
     CompareConfig,
@@ -20,7 +20,7 @@ from mixle.compare import (
     summarize,
 )
 from mixle.models.transformer import build_causal_lm
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 
 def int_model_bytes(vocab, d, n_layer, block, bits):

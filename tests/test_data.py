@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mixle.data import SEGMENT_CHARS, ByteTokenizer, CharTokenizer, check_block, default_text, load_splits, load_text
+from mixle.lm.data import SEGMENT_CHARS, ByteTokenizer, CharTokenizer, check_block, default_text, load_splits, load_text
 
 
 def test_default_text_is_cpythons_documentation_topics_in_key_order():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixle.models.qat import apply_qat
-from mixle.task.export import MANIFEST_KEY, read_manifest, read_safetensors, write_safetensors
+from mixle.core.fileformat import MANIFEST_KEY, read_manifest, read_safetensors, write_safetensors
 from mixle.task.quantize import (
     QuantizedEmbedding,
     QuantizedLinear,

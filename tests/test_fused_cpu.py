@@ -11,10 +11,10 @@ import torch
 
 from torch import nn
 
-import mixle.models._fake_quant_torch as fq
-from mixle.models import _fused_cpu
+import mixle.torch_backend.fake_quant as fq
+from mixle.torch_backend import fused_cpu as _fused_cpu
 from mixle.models.qat import apply_qat
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 from tests.test_numerics import reference_codes_scales
 from tests.test_qat_cache import batches
 
@@ -215,7 +215,7 @@ def _run(code, **env):
 TRAIN_ONE_STEP = """
     import warnings
     import numpy as np, torch
-    from mixle.models import _fused_cpu
+    from mixle.torch_backend import fused_cpu as _fused_cpu
     from mixle.models.qat import apply_qat
     from tests.test_numerics import reference_codes_scales
     warnings.simplefilter("always")

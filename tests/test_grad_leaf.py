@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixle.data import load_splits
+from mixle.lm.data import load_splits
 from mixle.models.grad_leaf import GradEstimator, GradLeaf, NonFiniteLossError
 from mixle.models.qat import QATWrapper, apply_qat
 from mixle.models.transformer import build_causal_lm

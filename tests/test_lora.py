@@ -200,7 +200,7 @@ def test_rank_too_large_for_a_later_layer_changes_nothing():
 
 
 def test_non_torch_model_is_refused():
-    with pytest.raises(TypeError, match="apply_lora supports torch.nn.Module models only"):
+    with pytest.raises(TypeError, match="apply_lora supports torch.nn.Module"):
         apply_lora(object(), rank=2, alpha=2)
 
 
@@ -396,7 +396,7 @@ def train_steps(model, params, train_ids, steps, lr, block, gen):
 
 
 def test_lora_qat_beats_ptq_after_merge_and_convert_to_int4():
-    from mixle.data import load_splits
+    from mixle.lm.data import load_splits
     from mixle.models.transformer import build_causal_lm
     from mixle.task.quantize import convert, quantize_model
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.models._qat_torch import QATWrapper
+from mixle.torch_backend.layers import QATWrapper
 from mixle.models.qat import apply_qat, get_qat_report
 from mixle.task.quantize import (
     QuantizedEmbedding,
@@ -272,7 +272,7 @@ def test_quantize_mlp_accepts_an_mlp_and_refuses_other_models():
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="convert found no QAT layers.*apply_qat.*quantize_model"):
         convert(make_mlp())
-    with pytest.raises(TypeError, match="convert takes a torch.nn.Module"):
+    with pytest.raises(TypeError, match="convert supports torch.nn.Module"):
         convert(np.zeros(3))
     with pytest.raises(ValueError, match="QAT-wrapped model: use convert"):
         quantize_model(apply_qat(make_mlp(), bits=4))
@@ -318,5 +318,5 @@ def test_quantized_linear_validates_its_storage():
         QuantizedLinear(good, scale, spec, (3, 4), bias=torch.zeros(4))
     with pytest.raises(ValueError, match="pad nibble"):
         QuantizedLinear(torch.tensor([0, 0x10], dtype=torch.uint8), torch.ones(1, 1, 1), spec, (1, 3))
-    with pytest.raises(ValueError, match="weight_format='float8_e4m3fn' is not supported by the PyTorch backend"):
+    with pytest.raises(ValueError, match="weight_format='float8_e4m3fn' is not supported by the torch backend"):
         QuantizedLinear(good, scale, QuantSpec(bits=8, grid="qwix", weight_format="float8_e4m3fn"), (3, 4))

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixle.models._fake_quant_torch as fq
+import mixle.torch_backend.fake_quant as fq
 from mixle.models.qat import (QATWrapper, QuantSpec, apply_qat, fake_quantize, invalidate_fake_quant_caches,
                               set_fake_quant_enabled)
-from mixle.task.quantize import _TorchOps, fake_quant_forward, quantize_dequantize_array
+from mixle.core.numerics import _TorchOps, fake_quant_forward, quantize_dequantize_array
 from tests.test_numerics import reference_codes_scales
 from tests.test_qat_torch import ids, make_lm
 

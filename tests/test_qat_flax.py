@@ -18,7 +18,7 @@ from mixle.models.qat import (  # noqa: E402
     get_qat_report,
     set_fake_quant_enabled,
 )
-from mixle.models.qwix_rules import qwix_rules  # noqa: E402
+from mixle.flax_backend.rules import qwix_rules  # noqa: E402
 from tests.test_numerics import GRANULARITIES, reference_codes_scales  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 
 def test_defaults_unchanged_and_plain_repr_hides_qwix_options():
@@ -72,7 +72,7 @@ def test_torch_backend_refuses_each_qwix_only_option(fields):
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     before = net[0].weight.detach().clone()
     name = next(iter(QuantSpec(**fields).qwix_only_options()))
-    with pytest.raises(ValueError, match=f"QuantSpec.{name}=.*not supported by the PyTorch backend"):
+    with pytest.raises(ValueError, match=f"QuantSpec.{name}=.*not supported by the torch backend"):
         apply_qat(net, **fields)
     assert type(net[0]) is torch.nn.Linear and torch.equal(net[0].weight, before)
 
@@ -92,7 +92,7 @@ def test_qwix_rules_translate_every_field():
     pytest.importorskip("qwix")
     import jax.numpy as jnp
 
-    from mixle.models.qwix_rules import module_path_regex, qwix_rule, qwix_rules
+    from mixle.flax_backend.rules import module_path_regex, qwix_rule, qwix_rules
 
     rule = qwix_rule(QuantSpec(bits=4, group_size=32), "fc")
     assert (rule.weight_qtype, rule.tile_size, rule.act_qtype, rule.bwd_qtype) == (jnp.int4, 32, None, None)
@@ -119,7 +119,7 @@ def test_a_stock_qwix_provider_refuses_a_percentile_rule_instead_of_ignoring_it(
     import qwix
     from flax import nnx
 
-    from mixle.models.qwix_rules import qwix_rules
+    from mixle.flax_backend.rules import qwix_rules
 
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="Unsupported calibration: percentile,99.0"):

@@ -116,7 +116,7 @@ def windows(ids, count, batch, seed, length=SEQ):
 
 @pytest.fixture(scope="module")
 def corpus():
-    from mixle.data import load_splits
+    from mixle.lm.data import load_splits
 
     return load_splits()
 

@@ -1,1 +1,1 @@
-"""Models and QAT backends."""
+"""Public faces: mixle.models.qat, mixle.models.transformer and mixle.models.grad_leaf."""

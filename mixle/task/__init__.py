@@ -1,1 +1,1 @@
-"""Tasks: quantization numerics, PTQ, conversion and export."""
+"""Public face: mixle.task.quantize (numerics, PTQ, convert, save and load)."""

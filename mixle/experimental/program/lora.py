@@ -10,9 +10,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from mixle import backends
 from mixle._optional import is_available, require
-from mixle.models.selection import LayerSelector
-from mixle.task.spec import QuantSpec
+from mixle.core.selection import LayerSelector
+from mixle.core.spec import QuantSpec
 
 __all__ = [
     "LoRASpec",
@@ -103,20 +104,6 @@ class LoRASpec:
         return text
 
 
-def _torch_backend(model, purpose):
-    from mixle.models.qat import _framework
-
-    if _framework(model) != "torch":
-        raise TypeError(
-            f"{purpose} supports torch.nn.Module models only (mixle has no Flax LoRA layers), "
-            f"got {type(model).__name__}"
-        )
-    require("torch", extra="torch", purpose=purpose)
-    from mixle.experimental.program import _lora_torch
-
-    return _lora_torch
-
-
 def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(), train_base=False,
                adapter_spec=None, quantize_merged=False):
     """Add a trainable low-rank adapter to each selected ``nn.Linear``, in place.
@@ -166,9 +153,9 @@ def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(),
                     quantize_merged=quantize_merged)
     if not isinstance(train_base, bool):
         raise TypeError(f"train_base must be True or False, got {train_base!r}")
-    backend = _torch_backend(model, "apply_lora")
+    backend = backends.for_model(model, "apply_lora")
     selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=lora, spec_type=LoRASpec)
-    return backend.apply_lora_torch(model, selector, train_base)
+    return backend.apply_lora(model, selector, train_base)
 
 
 def merge_lora(model):
@@ -191,7 +178,7 @@ def merge_lora(model):
     >>> type(merge_lora(net)[0]).__name__
     'Linear'
     """
-    return _torch_backend(model, "merge_lora").merge_lora_torch(model)
+    return backends.for_model(model, "merge_lora").merge_lora(model)
 
 
 def get_lora_report(model):
@@ -203,7 +190,7 @@ def get_lora_report(model):
     0     Linear  wrapped  lora r2 a2  matched '.*'
     1 adapted, 0 without adapter
     """
-    return _torch_backend(model, "get_lora_report").report_torch(model)
+    return backends.for_model(model, "get_lora_report").lora_report(model)
 
 
 def lora_parameters(model):
@@ -213,7 +200,7 @@ def lora_parameters(model):
     >>> len(lora_parameters(apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), rank=1, alpha=1)))
     2
     """
-    return _torch_backend(model, "lora_parameters").adapter_parameters(model)
+    return backends.for_model(model, "lora_parameters").lora_parameters(model)
 
 
 class _Unavailable:
@@ -227,7 +214,7 @@ def __getattr__(name):
     if name in ("LoRALinear", "QATLoRALinear"):
         if not is_available("torch"):
             return _Unavailable
-        from mixle.experimental.program import _lora_torch
+        from mixle.torch_backend import lora as torch_lora
 
-        return getattr(_lora_torch, name)
+        return getattr(torch_lora, name)
     raise AttributeError(f"module 'mixle.experimental.program.lora' has no attribute {name!r}")

@@ -5,7 +5,8 @@ import numbers
 import dataclasses
 from dataclasses import dataclass
 
-GRIDS = ("symmetric", "qwix")
+from mixle.core.grids import GRIDS, grid_named
+
 GRANULARITIES = ("tensor", "channel", "group")
 SUPPORTED_BITS = (4, 8)
 WEIGHT_FORMATS = ("int", "float8_e4m3fn")
@@ -13,6 +14,8 @@ WEIGHT_FORMATS = ("int", "float8_e4m3fn")
 AMD_FP8_FORMATS = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 STOCHASTIC_ROUNDING = ("uniform", "low_bit_uniform")
 CALIBRATIONS = ("absmax", "minmax", "rms", "fixed")
+# The weight-grid options every backend honours.
+WEIGHT_FIELDS = ("bits", "grid", "granularity", "group_size", "clip_percentile", "clip_gradient")
 # Options only the Flax (Qwix) backend honours; every other backend refuses them when set.
 QWIX_ONLY_FIELDS = ("act_bits", "weight_format", "bwd_bits", "bwd_stochastic_rounding", "calibration")
 
@@ -31,8 +34,10 @@ class QuantSpec:
 
     Args:
         bits: integer width of the codes, 4 or 8.
-        grid: ``"symmetric"`` (codes -qmax..qmax, scale = absmax / qmax; mixle's default) or
-            ``"qwix"`` (codes -2^(b-1)..2^(b-1)-1, scale = absmax / (qmax + 0.5); Qwix's grid).
+        grid: a name from ``mixle.core.grids.GRIDS``: ``"symmetric"`` (codes -qmax..qmax,
+            scale = absmax / qmax; mixle's default), ``"qwix"`` (codes -2^(b-1)..2^(b-1)-1,
+            scale = absmax / (qmax + 0.5); Qwix's grid), or llama.cpp's ``"q4_0"`` / ``"q8_0"``
+            (which fix bits and blocks of 32).
         granularity: ``"tensor"`` (one scale), ``"channel"`` (one scale per output row; the
             default) or ``"group"`` (one scale per ``group_size`` consecutive inputs of a row).
             Left as ``None`` it is ``"group"`` when ``group_size`` is given, else ``"channel"``.
@@ -83,10 +88,16 @@ class QuantSpec:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits!r} is not supported: use bits=4 or bits=8")
         object.__setattr__(self, "bits", int(self.bits))
-        if self.grid not in GRIDS:
-            raise ValueError(f"grid={self.grid!r} is unknown: use one of {GRIDS}")
+        grid = grid_named(self.grid)
+        if self.bits not in grid.codes:
+            raise ValueError(
+                f"grid={self.grid!r} has no bits={self.bits} codes ({grid.summary}): use bits="
+                f"{' or '.join(map(str, grid.codes))}, or another grid"
+            )
         self._check_refused()
         calibration = self._check_calibration()
+        if grid.block is not None:
+            self._fix_block(grid)
         granularity = self.granularity
         if granularity is None:
             if calibration is not None and calibration.startswith("fixed"):
@@ -127,6 +138,21 @@ class QuantSpec:
                 "but clip_percentile is None: set clip_percentile (e.g. 99.9) or clip_gradient=False"
             )
         self._check_qwix_options(calibration)
+
+    def _fix_block(self, grid):
+        """A grid with a fixed block (llama.cpp's) sets group granularity and the block size."""
+        if self.granularity not in (None, "group") or self.group_size not in (None, grid.block):
+            raise ValueError(
+                f"grid={grid.name!r} stores blocks of {grid.block} ({grid.summary}), which conflicts with "
+                f"granularity={self.granularity!r}, group_size={self.group_size!r}: leave both unset"
+            )
+        if grid.scale_rule != "absmax" and self.clip_percentile is not None:
+            raise ValueError(
+                f"clip_percentile={self.clip_percentile!r} sets the scale from a percentile, but grid="
+                f"{grid.name!r} fixes its scale rule ({grid.summary}): drop clip_percentile"
+            )
+        object.__setattr__(self, "granularity", "group")
+        object.__setattr__(self, "group_size", grid.block)
 
     def _check_refused(self):
         """Options with no seam in any backend: refused here, with the reason."""
@@ -252,25 +278,58 @@ class QuantSpec:
         base = QuantSpec.__dataclass_fields__
         return {n: getattr(self, n) for n in QWIX_ONLY_FIELDS if getattr(self, n) != base[n].default}
 
+    def check_backend(self, backend, fields, does):
+        """Refuse what a backend cannot honour: a field set away from its default that is not in
+        ``fields``, or a grid that does not list ``backend``.
+
+        Args:
+            backend: the backend's name, e.g. ``"torch"``.
+            fields: the spec fields it honours.
+            does: what it quantizes, for the message (e.g. ``"fake-quantizes weights only"``).
+
+        >>> QuantSpec(bits=8, act_bits=8).check_backend("torch", WEIGHT_FIELDS, "fake-quantizes weights only")
+        Traceback (most recent call last):
+        ValueError: QuantSpec.act_bits=8 is not supported by the torch backend, which fake-quantizes weights only: leave it at its default (None) for torch models
+        """
+        base = QuantSpec.__dataclass_fields__
+        for name, field in base.items():
+            value = getattr(self, name)
+            if name not in fields and value != field.default:
+                raise ValueError(
+                    f"QuantSpec.{name}={value!r} is not supported by the {backend} backend, which {does}: "
+                    f"leave it at its default ({field.default!r}) for {backend} models"
+                )
+        if backend not in self.grid_record.backends:
+            usable = [g.name for g in GRIDS.values() if backend in g.backends]
+            raise ValueError(
+                f"grid={self.grid!r} ({self.grid_record.summary}) is not supported by the {backend} backend "
+                f"yet: use one of {usable}"
+            )
+
     @property
     def qmax(self):
-        """Largest positive code: 7 for int4, 127 for int8."""
+        """Largest positive code of a signed ``bits``-bit integer: 7 for int4, 127 for int8."""
         return 2 ** (self.bits - 1) - 1
 
     @property
+    def grid_record(self):
+        """The ``mixle.core.grids.Grid`` this spec quantizes on."""
+        return GRIDS[self.grid]
+
+    @property
     def code_min(self):
-        """Smallest code: -qmax on the symmetric grid, -(qmax + 1) on the qwix grid."""
-        return -self.qmax if self.grid == "symmetric" else -self.qmax - 1
+        """Smallest code of the grid at these bits (e.g. -7 symmetric int4, -8 qwix int4)."""
+        return self.grid_record.code_range(self.bits)[0]
 
     @property
     def code_max(self):
-        """Largest code (qmax on both grids)."""
-        return self.qmax
+        """Largest code of the grid at these bits."""
+        return self.grid_record.code_range(self.bits)[1]
 
     @property
     def scale_divisor(self):
-        """absmax / scale_divisor is the scale: qmax (symmetric) or qmax + 0.5 (qwix)."""
-        return float(self.qmax) if self.grid == "symmetric" else self.qmax + 0.5
+        """The grid's scale divisor at these bits (absmax / divisor is the scale on plain grids)."""
+        return self.grid_record.divisor[self.bits]
 
     def replace(self, **changes):
         """A copy with some fields changed, validated again.

@@ -23,7 +23,7 @@ straight-through estimator (``use_original_residuals=False``) makes the input gr
 import dataclasses
 import re
 
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 __all__ = ["MixleQtRule", "qwix_rule", "qwix_rules", "module_path_regex", "weight_calibration"]
 
@@ -55,7 +55,7 @@ _MixleQtRule = None
 def __getattr__(name):
     if name == "MixleQtRule":
         return _rule_class()
-    raise AttributeError(f"module 'mixle.models.qwix_rules' has no attribute {name!r}")
+    raise AttributeError(f"module 'mixle.flax_backend.rules' has no attribute {name!r}")
 
 
 def _int_qtype(bits):
@@ -157,7 +157,7 @@ def qwix_rules(spec=None, patterns=(".*",), **spec_fields):
     >>> [r.module_path for r in qwix_rules(QuantSpec(), patterns=[(r"head", None), r"blocks\\..*"])]
     ['head', 'blocks/.*']
     """
-    from mixle.task.quantize import _resolve_spec
+    from mixle.core.numerics import _resolve_spec
 
     default = _resolve_spec(spec, spec_fields)
     if isinstance(patterns, (str, bytes)):

@@ -1,6 +1,6 @@
 """Fused CPU fake-quant kernels, compiled from ``_fused_fake_quant.cpp`` on first use.
 
-The kernels compute exactly ``mixle.task.quantize``'s numerics (tests compare both with numpy,
+The kernels compute exactly ``mixle.core.numerics``'s numerics (tests compare both with numpy,
 bit for bit) in one pass over each block of a float32 or float64 CPU tensor. They are built
 once per machine with the system C++ compiler into a cache directory (``MIXLE_CACHE_DIR``, else
 ``~/.cache/mixle``); without a compiler mixle warns once and QAT runs the same numerics as
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from mixle.task.quantize import block_shape, percentile_positions
+from mixle.core.numerics import block_shape, percentile_positions
 
-SOURCE = Path(__file__).with_name("_fused_fake_quant.cpp")
+SOURCE = Path(__file__).with_name("fused_fake_quant.cpp")
 # -ffp-contract=off: no fused multiply-add, every operation rounds as numpy's does.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 SWITCH = "MIXLE_FUSED_KERNELS"

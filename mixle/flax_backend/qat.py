@@ -24,11 +24,13 @@ import qwix
 from flax import linen as nn
 from flax import nnx
 
-from mixle.models._qwix_provider import FLOAT, QUANTIZED, QATProvider
-from mixle.models.qat_report import LayerDecision, QATReport
-from mixle.models.qwix_rules import qwix_rule
+from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider
+from mixle.core.report import LayerDecision, QATReport
+from mixle.core.spec import QuantSpec
+from mixle.flax_backend.rules import qwix_rule
 
 STATE_ATTRIBUTE = "_mixle_qat"
+SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(QuantSpec))
 KERNEL_KIND = "Flax module with a kernel"
 
 
@@ -94,7 +96,13 @@ def _plan(selector, kernels, module_paths, kinds):
 
 
 def _check_backend_support(specs):
-    """Refuse int4 x int4 products, which XLA's CPU and GPU backends reject (TPU runs them)."""
+    """Refuse grids Qwix has no form of, and int4 x int4 products, which XLA's CPU and GPU
+    backends reject (TPU runs them)."""
+    for path, spec in specs.items():
+        try:
+            spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
+        except ValueError as err:
+            raise ValueError(f"module {path or '<root>'!r}: {err}") from None
     if jax.default_backend() == "tpu":
         return
     for path, spec in specs.items():
@@ -360,11 +368,11 @@ def _apply_linen(module, selector, reconfigure, inputs):
 
 
 # ------------------------------------------------------------------------------------------------
-# Public entry points (called by mixle.models.qat)
+# Public entry points (called through mixle.backends)
 
 
-def apply_qat_flax(model, selector, reconfigure, example_inputs=None):
-    """Flax half of ``apply_qat`` (see ``mixle.models.qat.apply_qat``)."""
+def apply(model, selector, reconfigure, example_inputs=None):
+    """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``)."""
     inputs = _check_inputs(example_inputs, model)
     if isinstance(model, nnx.Module):
         return _apply_nnx(model, selector, reconfigure, inputs)
@@ -373,7 +381,7 @@ def apply_qat_flax(model, selector, reconfigure, example_inputs=None):
     raise TypeError(f"expected a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
 
 
-def set_enabled_flax(model, enabled):
+def set_enabled(model, enabled):
     """Swap the model's class: Qwix's QAT subclass (on) or a plain subclass of the user's (off)."""
     state = _state(model)
     if state is None:
@@ -382,13 +390,7 @@ def set_enabled_flax(model, enabled):
     return model
 
 
-def is_enabled_flax(model):
-    """True while the model fake-quantizes (its class is the QAT class)."""
-    state = _state(model)
-    return state is not None and type(model) is state.qat_class
-
-
-def report_flax(model):
+def report(model):
     """The QATReport of the last ``apply_qat`` on this model."""
     state = _state(model)
     if state is None:

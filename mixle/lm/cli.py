@@ -14,7 +14,7 @@ def _positive_int(text):
 
 def build_parser():
     """The argument parser of the ``mixle`` command."""
-    from mixle.compare import PRESETS
+    from mixle.lm.compare import PRESETS
 
     parser = argparse.ArgumentParser(prog="mixle", description="Quantization-aware training toolkit.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -55,7 +55,7 @@ _FIELDS = ("steps", "finetune_steps", "bits", "d_model", "n_layer", "n_head", "b
 
 def config_from_args(args):
     """The CompareConfig of a parsed ``compare`` command: the preset with the given flags applied."""
-    from mixle.compare import PRESETS
+    from mixle.lm.compare import PRESETS
 
     changes = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     if "bits" in changes:
@@ -73,7 +73,7 @@ def main(argv=None):
 
 
 def _compare(args):
-    from mixle.compare import format_table, prepare_data, run_compare, write_outputs
+    from mixle.lm.compare import format_table, prepare_data, run_compare, write_outputs
 
     try:
         config = config_from_args(args)

@@ -4,7 +4,7 @@ import functools
 
 import jax
 
-from mixle.task.quantize import check_array, fake_quant_forward
+from mixle.core.numerics import check_array, fake_quant_forward
 
 
 def _refuse_qwix_only(spec):
@@ -35,17 +35,17 @@ def _fake_quant_bwd(spec, mask, grad):
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
 
 
-def fake_quantize_jax(x, spec):
+def fake_quantize(x, spec):
     """Quantize-dequantize a jax array; the gradient is the straight-through estimator.
 
-    The forward is ``mixle.task.quantize.quantize_dequantize_array(x, spec)`` (the same values
+    The forward is ``mixle.core.numerics.quantize_dequantize_array(x, spec)`` (the same values
     as the numpy and torch paths); the backward passes the gradient unchanged, or zeroes it
     where ``|x|`` exceeds the ``clip_percentile`` threshold when ``clip_gradient=True``.
     Works eagerly and under ``jax.jit`` / ``jax.grad``.
 
     >>> import jax.numpy as jnp
-    >>> from mixle.task.spec import QuantSpec
-    >>> fake_quantize_jax(jnp.array([0.7, 0.1, 0.04]), QuantSpec(bits=4)).tolist()
+    >>> from mixle.core.spec import QuantSpec
+    >>> fake_quantize(jnp.array([0.7, 0.1, 0.04]), QuantSpec(bits=4)).tolist()
     [0.699999988079071, 0.10000000149011612, 0.0]
     """
     _refuse_qwix_only(spec)

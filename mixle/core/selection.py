@@ -2,7 +2,7 @@
 
 import re
 
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 
 def _compile(pattern, argument):

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from mixle.task.spec import QuantSpec
+from mixle.core.spec import QuantSpec
 
 ACTIONS = ("wrapped", "unchanged", "reconfigured", "skipped")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mixle._optional import require
-from mixle.task.spec import SUPPORTED_BITS, QuantSpec
+from mixle.core.spec import SUPPORTED_BITS, QuantSpec
 
 __all__ = ["CompareConfig", "PRESETS", "ExternalQAT", "run_compare", "format_table", "save_plot",
            "write_outputs", "prepare_data", "held_out_loss", "held_out_windows", "warmup_cosine", "MIN_DEGRADATION"]
@@ -42,7 +42,7 @@ class CompareConfig:
         warmup: warm-up steps of fp32 training (fine-tunes warm up over 5% of their steps).
         group_size, clip_percentile: the QuantSpec options used by PTQ and QAT alike
             (default: per-channel symmetric, no clipping).
-        corpus: a UTF-8 text file, or None for the embedded corpus (``mixle.data.default_text``).
+        corpus: a UTF-8 text file, or None for the embedded corpus (``mixle.lm.data.default_text``).
         tokenizer: ``"char"`` or ``"byte"``.
         held_out_fraction: share of the text held out for evaluation.
         eval_windows: evaluate on at most this many held-out windows (None: all).
@@ -230,7 +230,7 @@ class CompareData:
     """
 
     def __init__(self, config):
-        from mixle.data import check_block, load_splits
+        from mixle.lm.data import check_block, load_splits
 
         torch = _torch()
         train, held, self.tokenizer = load_splits(config.corpus, config.held_out_fraction, config.seed,
@@ -280,7 +280,7 @@ class _Run:
 
     def train(self, lm, phase, steps, lr, schedule, seed, start):
         """Train ``lm`` through a GradLeaf M-step; records its curves under ``phase``."""
-        from mixle.models.grad_leaf import GradLeaf
+        from mixle.lm.grad_leaf import GradLeaf
 
         torch, config = self.torch, self.config
         per_token = 1.0 / config.block
@@ -306,7 +306,7 @@ class _Run:
         return lm
 
     def add(self, method, bits, model, **extra):
-        from mixle.task.quantize import model_nbytes
+        from mixle.api import model_nbytes
 
         loss = held_out_loss(model, self.eval_windows)
         row = {"method": method, "bits": bits, "loss": loss, "perplexity": math.exp(loss),
@@ -343,9 +343,9 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     if not isinstance(config, CompareConfig):
         raise TypeError(f"config must be a CompareConfig, got {type(config).__name__}")
     torch = _torch()
-    from mixle.models.qat import apply_qat
-    from mixle.models.transformer import build_causal_lm
-    from mixle.task.quantize import convert, quantize_model
+    from mixle.api import apply_qat
+    from mixle.lm.transformer import build_causal_lm
+    from mixle.api import convert, quantize_model
 
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
@@ -384,7 +384,7 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     finally:
         torch.set_num_threads(previous_threads)
 
-    from mixle.task.quantize import model_nbytes
+    from mixle.api import model_nbytes
 
     return {
         "config": dataclasses.asdict(config),

@@ -30,7 +30,7 @@ from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_r
 from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
-from mixle.task.quantize import block_shape, clip_threshold
+from mixle.core.numerics import block_shape, clip_threshold
 
 QUANTIZED = "quantized"
 FLOAT = "float"
@@ -98,7 +98,7 @@ class QATProvider(qt.QtProvider):
     """A Qwix ``QtProvider`` for ``MixleQtRule``s (see the module docstring).
 
     Args:
-        rules: ``mixle.models.qwix_rules.qwix_rule(...)`` rules, first match wins.
+        rules: ``mixle.flax_backend.rules.qwix_rule(...)`` rules, first match wins.
 
     ``disable_jit`` is always True: Qwix's patched ``dot_general`` would otherwise be baked
     into the trace cache of jitted helpers (``jnp.dot``, ``@``) and leak into user code.

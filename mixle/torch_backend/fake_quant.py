@@ -1,6 +1,6 @@
 """The torch straight-through fake-quant op, its per-Parameter cache and memory-light saving.
 
-The numerics are ``mixle.task.quantize``'s (block view, scales, rounding, dequantize); this
+The numerics are ``mixle.core.numerics``'s (block view, scales, rounding, dequantize); this
 module only decides when they run, and on contiguous float32/float64 CPU weights runs them as
 ``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). A weight
 is quantized once per version: the entry is keyed on the Parameter's in-place version counter,
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mixle.models import _fused_cpu
-from mixle.task.quantize import (
+from mixle.torch_backend import fused_cpu as _fused_cpu
+from mixle.core.numerics import (
     QuantizedArray,
     _block_stats,
     _not_finite_error,
@@ -199,11 +199,11 @@ class _FakeQuantSTE(torch.autograd.Function):
         return grad, None, None, None
 
 
-def fake_quantize_tensor(x, spec):
+def fake_quantize(x, spec):
     """Fake-quantize a torch tensor with the straight-through estimator.
 
-    >>> from mixle.task.spec import QuantSpec
-    >>> fake_quantize_tensor(torch.tensor([0.7, 0.1]), QuantSpec(bits=4)).tolist()
+    >>> from mixle.core.spec import QuantSpec
+    >>> fake_quantize(torch.tensor([0.7, 0.1]), QuantSpec(bits=4)).tolist()
     [0.699999988079071, 0.10000000149011612]
     """
     check_array(x, finite=False)  # type and size; finiteness is read from the block maxima

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from mixle.task.quantize import array_kind
+from mixle.core.numerics import array_kind
 
 __all__ = ["pack_int4", "unpack_int4", "packed_int4_nbytes", "INT4_MIN", "INT4_MAX"]
 

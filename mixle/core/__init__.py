@@ -1,0 +1,1 @@
+"""Framework-free floor: spec, grids, numerics, packing, selection, report and the file format."""

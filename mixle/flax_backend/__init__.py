@@ -1,0 +1,1 @@
+"""The Flax backend: QAT through Qwix on NNX and Linen models."""

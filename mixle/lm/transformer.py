@@ -1,0 +1,128 @@
+"""A small decoder-only causal language model whose output head is tied to its token embedding."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["CausalLM", "Block", "build_causal_lm"]
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention then a GELU MLP, each residual.
+
+    Every weight matrix is a plain ``nn.Linear`` (``qkv``, ``proj``, ``fc``, ``out``), so
+    ``apply_qat`` can wrap all of them; ``nn.MultiheadAttention`` would read its output weight
+    directly and could not be fake-quantized.
+    """
+
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        heads = lambda t: t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2)
+        att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(batch, length, width))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class CausalLM(nn.Module):
+    """Token + position embeddings, pre-norm blocks, a final norm and a head tied to ``tok``.
+
+    Attributes:
+        tok: ``nn.Embedding(vocab, d_model)``; its weight is also ``head.weight``.
+        pos: ``nn.Embedding(block, d_model)``, learned positions.
+        blocks: ``nn.ModuleList`` of ``Block``.
+        norm: final ``nn.LayerNorm``.
+        head: ``nn.Linear(d_model, vocab, bias=False)`` with ``head.weight is tok.weight``.
+        block: the longest context the model accepts.
+    """
+
+    def __init__(self, vocab, d_model, n_layer, n_head, block):
+        super().__init__()
+        self.vocab, self.block = vocab, block
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(block, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self._init_weights(n_layer)
+
+    def _init_weights(self, n_layer):
+        for name, param in self.named_parameters():
+            if param.dim() == 2:
+                # Residual outputs start smaller so the sum over layers keeps unit scale.
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(param, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+
+    def forward(self, idx, all_positions=False):
+        """Logits for the next token after each sequence of ``idx`` (batch, length).
+
+        Args:
+            idx: int64 token ids, shape ``(batch, length)`` with ``1 <= length <= block``.
+            all_positions: return logits after every position, shape ``(batch, length, vocab)``,
+                instead of only after the last one, shape ``(batch, vocab)``.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, length), got {tuple(idx.shape)}")
+        length = idx.shape[1]
+        if not 1 <= length <= self.block:
+            raise ValueError(f"sequence length {length} must be between 1 and the model's block={self.block}")
+        x = self.tok(idx) + self.pos(torch.arange(length, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if not all_positions:
+            x = x[:, -1]
+        return self.head(x)
+
+    def sequence_log_prob(self, tokens):
+        """Log-probability of each row's tokens after its first one: ``sum_t log p(x_t | x_<t)``.
+
+        Args:
+            tokens: int64 ids, shape ``(batch, length)``, ``2 <= length <= block + 1``.
+
+        Returns:
+            float tensor of shape ``(batch,)``; divide by ``length - 1`` for a per-token value.
+        """
+        if tokens.dim() != 2 or tokens.shape[1] < 2:
+            raise ValueError(f"tokens must have shape (batch, length >= 2), got {tuple(tokens.shape)}")
+        logits = self(tokens[:, :-1], all_positions=True)
+        nll = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        return -nll.view(tokens.shape[0], -1).sum(dim=1)
+
+
+def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64):
+    """Build a ``CausalLM`` (head tied to the token embedding), initialised from torch's RNG.
+
+    Args:
+        vocab: number of token ids.
+        d_model: width of the residual stream; must be divisible by ``n_head``.
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block.
+        block: longest context (number of learned positions).
+
+    >>> lm = build_causal_lm(vocab=50, d_model=32, n_layer=1, n_head=2, block=8)
+    >>> lm.head.weight is lm.tok.weight, lm(torch.zeros(3, 5, dtype=torch.long)).shape
+    (True, torch.Size([3, 50]))
+    """
+    for name, value in (("vocab", vocab), ("d_model", d_model), ("n_layer", n_layer),
+                        ("n_head", n_head), ("block", block)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if d_model % n_head:
+        raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}: e.g. n_head=4 with d_model=128")
+    return CausalLM(vocab, d_model, n_layer, n_head, block)

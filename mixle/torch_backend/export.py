@@ -1,0 +1,285 @@
+"""Saving and loading converted torch models in mixle's file format, and their real byte counts.
+
+The format (safetensors plus a hashed JSON manifest) is ``mixle.core.fileformat``'s; this module
+maps torch modules onto it through the layer kinds.
+"""
+
+import copy
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+import mixle
+from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, Raw, canonical_manifest,
+                                   manifest_from, numpy_from_raw, parse_raw, raw_from_numpy, write_raw)
+from mixle.core.spec import QuantSpec
+from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
+from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage
+from mixle.torch_backend.swap import Change
+
+__all__ = ["model_nbytes", "save_quantized", "load_quantized"]
+
+
+def model_nbytes(model):
+    """Count a torch model's real storage bytes by kind (fp32 vs int8 vs packed int4 vs scales).
+
+    Args:
+        model: a torch model, float, QAT-wrapped (counted as float) or quantized.
+
+    Returns:
+        ModelBytes.
+
+    >>> import torch
+    >>> from mixle.torch_backend.convert import quantize_model
+    >>> nb = model_nbytes(quantize_model(torch.nn.Linear(64, 32, bias=False), bits=4))
+    >>> nb.int4_code_bytes, nb.scale_bytes, nb.total  # 64*32/2 code bytes, 32 fp32 scales
+    (1024, 128, 1152)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model_nbytes takes a torch.nn.Module, got {type(model).__name__}")
+    counts = {field.name: 0 for field in dataclasses.fields(ModelBytes)}
+    seen = set()
+    for module in model.modules():
+        own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for name, tensor in own:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            size = tensor.numel() * tensor.element_size()
+            if isinstance(module, QuantizedWeight) and name == "codes":
+                kind = "int4_code_bytes" if module.spec.bits == 4 else "int8_code_bytes"
+            elif isinstance(module, QuantizedWeight) and name == "scale":
+                kind = "scale_bytes"
+            elif tensor.is_floating_point():
+                kind = "float_bytes"
+            else:
+                kind = "other_bytes"
+            counts[kind] += size
+    return ModelBytes(**counts)
+
+
+def _st_dtype(dtype):
+    names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+    return names.get(dtype)
+
+
+def _raw_from_torch(tensor, name):
+    tensor = tensor.detach().cpu().contiguous()
+    st_dtype = _st_dtype(tensor.dtype)
+    if st_dtype is None:
+        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which save_quantized cannot store: "
+                        f"cast that module to float32 first")
+    array = tensor.view(torch.int16).numpy() if st_dtype == "BF16" else tensor.numpy()
+    raw = raw_from_numpy(array, name)
+    return Raw(st_dtype, tuple(tensor.shape), raw.data)
+
+
+def _torch_from_raw(raw):
+    array = numpy_from_raw(raw)
+    array = array.astype(array.dtype.newbyteorder("="))  # a native-order, writable copy
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if raw.dtype == "BF16" else tensor
+
+
+def _layer_entry(path, module, names):
+    kind = kind_named(module.KIND)
+    entry = {
+        "path": path,
+        "kind": kind.name,
+        "bits": module.spec.bits,
+        "spec": dataclasses.asdict(module.spec),
+        "weight_shape": list(module.weight_shape),
+        "codes": names["codes"],
+        "scale": names["scale"],
+        "codes_nbytes": module.codes.numel() * module.codes.element_size(),
+        "scale_nbytes": module.scale.numel() * module.scale.element_size(),
+    }
+    if kind.has_bias:
+        entry["bias"] = names.get("bias")
+    entry.update({name: getattr(module, name) for name in kind.options})
+    return entry
+
+
+def save_quantized(model, path):
+    """Save a quantized torch model to a safetensors file with a JSON manifest (never pickle).
+
+    Shared tensors (a tied embedding and head hold one codes+scales pair) are stored once; the
+    other names are recorded as aliases. See the module docstring for the manifest.
+
+    Args:
+        model: a model from ``convert`` or ``quantize_model``.
+        path: the file to write, e.g. ``"model.safetensors"`` (replaced atomically).
+
+    Returns:
+        The manifest (a dict), as stored in the file.
+
+    Raises:
+        ValueError: the model has QAT layers (convert it first) or no quantized layer.
+
+    >>> import torch, tempfile, os
+    >>> from mixle.torch_backend.convert import quantize_model
+    >>> path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
+    >>> manifest = save_quantized(quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 4)), bits=4), path)
+    >>> manifest["layers"][0]["path"], manifest["nbytes"]["int4_code_bytes"]
+    ('0', 16)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"save_quantized takes a torch.nn.Module, got {type(model).__name__}")
+    if any(isinstance(m, QAT_TYPES) for m in model.modules()):
+        raise ValueError("the model still has QAT layers: save convert(model), the model with real int weights")
+    if not any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise ValueError("the model has no quantized layer: make one with quantize_model(model) or convert(qat_model)")
+
+    state = model.state_dict(keep_vars=True)
+    first_name, aliases, raws = {}, {}, {}
+    for name, tensor in state.items():
+        if id(tensor) in first_name:
+            aliases[name] = first_name[id(tensor)]
+            continue
+        first_name[id(tensor)] = name
+        raws[name] = _raw_from_torch(tensor, name)
+    layers = []
+    for path_, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            prefix = f"{path_}." if path_ else ""
+            names = {key: f"{prefix}{key}" for key, t in module.named_buffers(recurse=False) if t is not None}
+            missing = [n for n in names.values() if n not in state]
+            if missing:
+                raise ValueError(f"layer {path_!r}: buffers {missing} are not in the model's state_dict")
+            layers.append(_layer_entry(path_, module, names))
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mixle_version": mixle.__version__,
+        "layers": layers,
+        "tensors": {name: {"dtype": raw.dtype, "shape": list(raw.shape),
+                           "sha256": hashlib.sha256(raw.data).hexdigest()} for name, raw in raws.items()},
+        "aliases": aliases,
+        "nbytes": model_nbytes(model).as_dict(),
+    }
+    manifest["manifest_sha256"] = hashlib.sha256(canonical_manifest(manifest)).hexdigest()
+    write_raw(path, raws, {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)})
+    return manifest
+
+
+def _checked_tensors(manifest, raws, source):
+    """``{state_dict name: tensor}`` (aliases share one tensor) after dtype/shape/sha256 checks."""
+    listed = manifest["tensors"]
+    if set(listed) != set(raws):
+        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(raws))} missing from the "
+                         f"file and the file has unlisted tensors {sorted(set(raws) - set(listed))}")
+    tensors = {}
+    for name, raw in raws.items():
+        info = listed[name]
+        if not isinstance(info, dict) or info.get("dtype") != raw.dtype or info.get("shape") != list(raw.shape):
+            raise ValueError(f"{source}: tensor {name!r} is {raw.dtype} {list(raw.shape)} in the file but "
+                             f"{info.get('dtype') if isinstance(info, dict) else info} "
+                             f"{info.get('shape') if isinstance(info, dict) else ''} in the manifest")
+        if hashlib.sha256(raw.data).hexdigest() != info.get("sha256"):
+            raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
+        tensors[name] = _torch_from_raw(raw)
+    for alias, target in manifest["aliases"].items():
+        if alias in tensors or target not in tensors:
+            raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name one stored tensor")
+        tensors[alias] = tensors[target]
+    return tensors
+
+
+def _build_layer(entry, tensors, module, source):
+    """The quantized module for one manifest layer, checked against the skeleton's module."""
+    where = f"{source}: layer {entry.get('path')!r}"
+    try:
+        spec = QuantSpec(**entry["spec"])
+        kind, bits, shape = kind_named(entry["kind"]), entry["bits"], tuple(entry["weight_shape"])
+        codes, scale = tensors[entry["codes"]], tensors[entry["scale"]]
+        bias = tensors[entry["bias"]] if entry.get("bias") is not None else None
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
+    if bits != spec.bits:
+        raise ValueError(f"{where}: bits={bits!r} disagrees with its spec's bits={spec.bits}")
+    check_quantized_storage(codes, scale, spec, shape, name=where)
+    if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
+            entry.get("scale_nbytes") != scale.numel() * scale.element_size():
+        raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
+    if not isinstance(module, kind.float_types) or tuple(module.weight.shape) != shape or \
+            (kind.has_bias and (module.bias is None) != (bias is None)):
+        raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
+                         f"has {module!r}: pass a model built like the saved one")
+    extra = {name: entry.get(name) for name in kind.options}
+    if kind.has_bias:
+        extra["bias"] = bias
+    return kind.quantized_type(codes, scale, spec, shape, **extra)
+
+
+def load_quantized(path, model):
+    """Load a file written by ``save_quantized`` into a copy of a float model of the same architecture.
+
+    Everything is validated before it is used: the safetensors structure, the manifest's format
+    version and sha256, each tensor's dtype, shape and sha256, each layer's spec, bits, shapes
+    and code range, and that the tensors match the model's state_dict names, shapes and dtypes
+    exactly. Tied layers come back sharing one codes+scales tensor.
+
+    Args:
+        path: a file written by ``save_quantized``.
+        model: a float model built like the saved one (e.g. freshly constructed); not modified.
+
+    Returns:
+        A new model whose saved layers are QuantizedLinear / QuantizedEmbedding, on the device
+        of the model's first parameter.
+
+    Raises:
+        ValueError: the file is corrupt, truncated or tampered, or does not fit ``model``.
+
+    >>> import torch, tempfile, os
+    >>> from mixle.torch_backend.convert import quantize_model
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    >>> path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
+    >>> _ = save_quantized(quantize_model(net, bits=4), path)
+    >>> type(load_quantized(path, torch.nn.Sequential(torch.nn.Linear(8, 4)))[0]).__name__
+    'QuantizedLinear'
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"load_quantized takes the float model to fill in (a torch.nn.Module), got {type(model).__name__}")
+    if any(isinstance(m, QAT_TYPES + QUANTIZED_TYPES) for m in model.modules()):
+        raise ValueError("load_quantized needs a float model (no QAT or quantized layers) built like the saved one")
+    source = str(path)
+    metadata, raws = parse_raw(Path(path).read_bytes(), source)
+    manifest = manifest_from(metadata, source)
+    tensors = _checked_tensors(manifest, raws, source)
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    moved = {}
+    tensors = {name: moved.setdefault(id(t), t.to(device)) for name, t in tensors.items()}  # ties survive
+
+    new = copy.deepcopy(model)
+    modules = dict(new.named_modules())
+    replacements = {}
+    for entry in manifest["layers"]:
+        path_ = entry.get("path") if isinstance(entry, dict) else None
+        if path_ not in modules:
+            raise ValueError(f"{source}: the model has no module {path_!r} for a saved layer: "
+                             f"pass a model built like the saved one")
+        replacements[id(modules[path_])] = _build_layer(entry, tensors, modules[path_], source)
+    with Change() as change:
+        new = change.swap(new, replacements)
+
+    state = new.state_dict(keep_vars=True)
+    if set(state) != set(tensors):
+        raise ValueError(f"{source} does not fit this model: it lacks {sorted(set(state) - set(tensors))} and has "
+                         f"extra {sorted(set(tensors) - set(state))}; pass a model built like the saved one")
+    quantized = {id(t) for m in new.modules() if isinstance(m, QuantizedWeight) for t in m.buffers(recurse=False)}
+    with torch.no_grad():
+        for name, target in state.items():
+            if id(target) in quantized:
+                continue
+            value = tensors[name]
+            if value.dtype != target.dtype or value.shape != target.shape:
+                raise ValueError(f"{source}: tensor {name!r} is {value.dtype} {list(value.shape)} in the file, "
+                                 f"{target.dtype} {list(target.shape)} in the model: pass a model built like the saved one")
+            target.copy_(value)
+    return new
+

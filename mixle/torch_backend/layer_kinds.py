@@ -1,0 +1,101 @@
+"""Layer kinds as data: which torch modules mixle quantizes, and how each is wrapped, converted,
+saved and loaded.
+
+apply_qat, convert, save_quantized and load_quantized walk ``KINDS``; adding a layer type is one
+``LayerKind`` entry (plus its QAT and quantized classes and tests), not a branch in each of them.
+Order matters: the first kind whose types match a module takes it (subclasses first).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
+from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
+from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
+from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    """One kind of quantizable layer.
+
+    Attributes:
+        name: the kind's name, as saved in the file manifest.
+        float_types: module classes it takes (``isinstance``).
+        qat_type: the QAT layer class it becomes.
+        wrap: ``(module, spec, enabled) -> QAT layer`` sharing the module's Parameters.
+        quantize: the core quantizer of its weight (fixes the ``batch + out + in`` layout).
+        output_axis: the weight's output-channel axis (one scale row per output channel).
+        options: constructor options of the quantized layer, saved in the manifest.
+        quantized_type: the real low-bit layer ``convert`` makes, or None.
+        not_convertible: why ``convert`` refuses this kind (when ``quantized_type`` is None).
+        has_bias: the quantized layer takes the layer's bias.
+        tied_only: wrapped only when its weight is tied to a selected layer of another kind (a
+            tied weight is stored once, so both uses must see the same quantized weight).
+    """
+
+    name: str
+    float_types: tuple
+    qat_type: type
+    wrap: Callable
+    quantize: Callable
+    output_axis: int = 0
+    options: tuple = ()
+    quantized_type: type | None = None
+    not_convertible: str = ""
+    has_bias: bool = False
+    tied_only: bool = False
+
+    def to_quantized(self, layer, codes, scale):
+        """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
+        extra = {name: getattr(layer, name) for name in self.options}
+        if self.has_bias:
+            extra["bias"] = None if layer.bias is None else layer.bias.detach()
+        return self.quantized_type(codes, scale, layer.spec, tuple(layer.weight.shape), **extra)
+
+
+KINDS = (
+    LayerKind(name="lora_linear", float_types=(LoRALinear,), qat_type=QATLoRALinear,
+              wrap=lambda module, spec, enabled: QATLoRALinear(plain_linear(module), module.lora_spec, spec,
+                                                               enabled=enabled, adapters=(module.lora_A, module.lora_B)),
+              quantize=quantize_linear_weight,
+              not_convertible="its forward adds a LoRA adapter that convert would drop: fold it in first with "
+                              "merge_lora(model), then convert"),
+    LayerKind(name="linear", float_types=(nn.Linear,), qat_type=QATWrapper,
+              wrap=lambda module, spec, enabled: QATWrapper(module, spec, enabled=enabled),
+              quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
+    LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
+              wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),
+              quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,
+              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), tied_only=True),
+)
+
+QAT_TYPES = tuple({kind.qat_type for kind in KINDS})
+QUANTIZED_TYPES = tuple({kind.quantized_type for kind in KINDS if kind.quantized_type is not None})
+
+
+def kind_of_float(module):
+    """The kind that wraps float ``module`` (None for QAT layers and modules no kind takes).
+
+    >>> kind_of_float(nn.Linear(2, 2)).name, kind_of_float(nn.ReLU())
+    ('linear', None)
+    """
+    if isinstance(module, QAT_TYPES):
+        return None
+    return next((kind for kind in KINDS if isinstance(module, kind.float_types)), None)
+
+
+def kind_of_qat(layer):
+    """The kind of a QAT layer (None for other modules)."""
+    return next((kind for kind in KINDS if isinstance(layer, kind.qat_type)), None)
+
+
+def kind_named(name):
+    """The kind saved as ``name``; ValueError naming the known kinds otherwise."""
+    for kind in KINDS:
+        if kind.name == name and kind.quantized_type is not None:
+            return kind
+    known = [kind.name for kind in KINDS if kind.quantized_type is not None]
+    raise ValueError(f"unknown layer kind {name!r}: this mixle stores {known}")

@@ -1,0 +1,138 @@
+"""The PyTorch QAT layers: a fake-quantized Linear and an Embedding tied to one.
+
+Both reuse the original module's Parameter objects, so ties, ``state_dict`` keys and optimizers
+built before wrapping keep working.
+"""
+
+import torch.nn.functional as F
+from torch import nn
+
+from mixle.core.numerics import _resolve_spec, block_shape
+from mixle.core.spec import WEIGHT_FIELDS
+from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches, linear
+
+BACKEND = "torch"
+SPEC_FIELDS = WEIGHT_FIELDS
+_DOES = "fake-quantizes weights only"
+_HOOK_SUFFIXES = ("hooks", "hooks_with_kwargs", "always_called")
+
+
+def check_supported(spec):
+    """Refuse spec options and grids the torch backend cannot honour (it does weights only).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> check_supported(QuantSpec(bits=8))
+    """
+    spec.check_backend(BACKEND, SPEC_FIELDS, _DOES)
+
+
+def adopt(dst, src, names=()):
+    """Make ``dst`` share ``src``'s ``names`` attributes (Parameters), hooks, mode and mixle marks
+    (reports kept on a root module follow it when it is replaced); returns ``dst``."""
+    for name in names:
+        setattr(dst, name, getattr(src, name))
+    for name, value in vars(src).items():
+        if name.endswith(_HOOK_SUFFIXES) or name.startswith("_mixle_"):
+            setattr(dst, name, value)
+    dst.training = src.training
+    return dst
+
+
+def plain_linear(layer):
+    """An ``nn.Linear`` sharing ``layer``'s Parameters and hooks (no fake-quant, no adapter).
+
+    >>> plain_linear(QATWrapper(nn.Linear(3, 2))).__class__.__name__
+    'Linear'
+    """
+    out = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(out)
+    return adopt(out, layer, ("in_features", "out_features", "weight", "bias"))
+
+
+class QATWrapper(nn.Linear):
+    """An ``nn.Linear`` whose weight is fake-quantized in the forward while enabled.
+
+    It reuses the wrapped layer's ``weight`` and ``bias`` Parameter objects (no copies), so tied
+    weights stay tied, ``state_dict()`` keys do not change and an existing optimizer keeps
+    training the same tensors. Train and eval mode both fake-quantize while ``enabled``.
+
+    Args:
+        linear: the ``nn.Linear`` to wrap (not itself a QATWrapper).
+        spec: QuantSpec; or pass its fields as keywords (default int4 per-channel symmetric).
+        enabled: fake-quantize in the forward (False computes exactly ``nn.Linear``).
+
+    >>> layer = QATWrapper(nn.Linear(4, 2), bits=8)
+    >>> layer.weight.shape, layer.spec.bits
+    (torch.Size([2, 4]), 8)
+    """
+
+    def __init__(self, linear, spec=None, *, enabled=True, **spec_fields):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"QATWrapper wraps an nn.Linear, got {type(linear).__name__}")
+        if isinstance(linear, QATWrapper):
+            raise TypeError("linear is already a QATWrapper: wrappers never nest; change its .spec instead")
+        spec = _resolve_spec(spec, spec_fields)
+        check_supported(spec)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        block_shape(linear.weight.shape, spec)  # raises if group_size does not divide in_features
+        nn.Module.__init__(self)
+        adopt(self, linear, ("in_features", "out_features", "weight", "bias"))
+        self.spec = spec
+        self.enabled = enabled
+
+    def quantized_weight(self):
+        """The fake-quantized weight (with STE gradient) this layer uses while enabled.
+
+        Computed once per version of the weight and reused until an in-place change, an
+        optimizer step or ``load_state_dict`` (see ``mixle.torch_backend.fake_quant``).
+        """
+        return fake_quantized_weight(self.weight, self.spec)[0]
+
+    def forward(self, x):
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.spec)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self):
+        state = "on" if self.enabled else "off"
+        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
+
+
+class QATEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` tied to a fake-quantized head: lookups use the same quantized weight.
+
+    A tied weight is stored once as integers after conversion, so training must see the
+    quantized table in both uses. Created by ``apply_qat`` only for embeddings whose weight is
+    shared with a wrapped Linear; shares the Parameter like ``QATWrapper``.
+    """
+
+    def __init__(self, embedding, spec, *, enabled=True):
+        if embedding.sparse:
+            raise ValueError("a sparse nn.Embedding cannot be fake-quantized (its gradient would be dense)")
+        nn.Module.__init__(self)
+        adopt(self, embedding, ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                                "scale_grad_by_freq", "sparse", "weight"))
+        self.spec = spec
+        self.enabled = enabled
+
+    def forward(self, x):
+        # shared: the tied head uses this weight too, so its codes are kept for that second use.
+        weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0] if self.enabled else self.weight
+        return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        invalidate_caches()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self):
+        state = "on" if self.enabled else "off"
+        return f"{super().extra_repr()}, qat={self.spec.short()} ({state}, tied)"
+
+
+QAT_LAYERS = (QATWrapper, QATEmbedding)

@@ -1,0 +1,207 @@
+"""Real low-bit torch layers: QuantizedLinear and QuantizedEmbedding store integer codes and scales.
+
+Their forward computes with ``dequantize_array(codes, scale)``, exactly the QAT fake-quant
+forward of the same spec.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
+from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
+from mixle.core.spec import QuantSpec
+from mixle.torch_backend.layers import check_supported
+
+__all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage"]
+
+
+def stored_codes_layout(spec, weight_shape):
+    """``(dtype, shape)`` of the stored codes: packed uint8 bytes for int4, int8 for int8.
+
+    >>> stored_codes_layout(QuantSpec(bits=4), (3, 5))
+    (torch.uint8, (8,))
+    """
+    if spec.bits == 4:
+        count = 1
+        for d in weight_shape:
+            count *= d
+        return torch.uint8, (packed_int4_nbytes(count),)
+    return torch.int8, tuple(weight_shape)
+
+
+def scale_shape(spec, weight_shape):
+    """Shape ``(1, S, 1)`` of the scales of a 2-D ``(rows, cols)`` weight under ``spec``.
+
+    >>> scale_shape(QuantSpec(bits=4, group_size=2), (3, 4))
+    (1, 6, 1)
+    """
+    batch, rows, _ = block_shape(weight_shape, spec, 0, 1)
+    return (batch, rows, 1)
+
+
+def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
+    """Validate codes and scales of one quantized weight before they are used.
+
+    Checks the codes' dtype and shape for ``spec.bits``, that every code lies on the spec's grid
+    (``[code_min, code_max]``; for int4 also that an odd count's pad nibble is zero), and that
+    the scales have the block shape, a floating dtype and finite positive values.
+
+    Raises:
+        TypeError: spec is not a QuantSpec, or codes/scale are not torch tensors.
+        ValueError: anything above disagrees; the message names ``name``.
+
+    >>> check_quantized_storage(torch.tensor([[7, -7]], dtype=torch.int8), torch.ones(1, 1, 1),
+    ...                         QuantSpec(bits=8), (1, 2))
+    >>> check_quantized_storage(torch.tensor([[-128, 7]], dtype=torch.int8), torch.ones(1, 1, 1),
+    ...                         QuantSpec(bits=8), (1, 2), name="fc")
+    Traceback (most recent call last):
+    ValueError: fc: codes span [-128, 7], outside the int8/channel/symmetric grid [-127, 127]: the data is corrupt or was written with another spec
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{name}: spec must be a mixle QuantSpec, got {type(spec).__name__}")
+    try:
+        check_supported(spec)  # integer weight codes only: what the torch QAT backend trains
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    if not isinstance(codes, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name}: codes and scale must be torch tensors, got {type(codes).__name__} "
+                        f"and {type(scale).__name__}")
+    weight_shape = tuple(int(d) for d in weight_shape)
+    if len(weight_shape) != 2 or min(weight_shape) < 1:
+        raise ValueError(f"{name}: weight_shape must be (rows, cols) with positive sizes, got {weight_shape}")
+    dtype, shape = stored_codes_layout(spec, weight_shape)
+    if codes.dtype != dtype or tuple(codes.shape) != shape:
+        raise ValueError(
+            f"{name}: bits={spec.bits} for a weight of shape {list(weight_shape)} needs {dtype} codes of "
+            f"shape {list(shape)}, got {codes.dtype} of shape {list(codes.shape)}"
+        )
+    values = unpack_int4(codes, weight_shape) if spec.bits == 4 else codes
+    low, high = int(values.min()), int(values.max())
+    if low < spec.code_min or high > spec.code_max:
+        raise ValueError(
+            f"{name}: codes span [{low}, {high}], outside the {spec.short()} grid "
+            f"[{spec.code_min}, {spec.code_max}]: the data is corrupt or was written with another spec"
+        )
+    count = weight_shape[0] * weight_shape[1]
+    if spec.bits == 4 and count % 2 and int(codes[-1]) >> 4:
+        raise ValueError(f"{name}: the pad nibble after the last of {count} int4 codes is not zero: the data is corrupt")
+    try:
+        want = scale_shape(spec, weight_shape)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    if tuple(scale.shape) != want or not scale.is_floating_point():
+        raise ValueError(
+            f"{name}: {spec.short()} scales of a {list(weight_shape)} weight are floats of shape {list(want)}, "
+            f"got {scale.dtype} of shape {list(scale.shape)}"
+        )
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(f"{name}: scales must be finite and positive; the data is corrupt")
+
+
+class QuantizedWeight(nn.Module):
+    """Shared storage of a quantized 2-D weight: ``codes`` and ``scale`` buffers plus its spec.
+
+    ``KIND`` names the layer kind (``mixle.torch_backend.layer_kinds``) it is saved as.
+    """
+
+    def _set_storage(self, codes, scale, spec, weight_shape):
+        check_quantized_storage(codes, scale, spec, weight_shape, name=type(self).__name__)
+        self.spec = spec
+        self.weight_shape = tuple(int(d) for d in weight_shape)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+
+    def quantized_array(self):
+        """The weight as a QuantizedArray of int8 codes (int4 codes unpacked) and scales."""
+        codes = unpack_int4(self.codes, self.weight_shape) if self.spec.bits == 4 else self.codes
+        return QuantizedArray(codes, self.scale, self.spec, 0, 1)
+
+    def dequantized_weight(self):
+        """The float weight ``codes * scale`` through the shared numerics (``dequantize_array``)."""
+        return dequantize_array(self.quantized_array())
+
+    def _storage_repr(self):
+        packing = "packed int4, 2 per byte" if self.spec.bits == 4 else "int8"
+        return f"{self.spec.short()} ({packing})"
+
+
+def to_storage(q):
+    """Codes to store (int4 packed two per byte, int8 as is) and scales of a QuantizedArray."""
+    codes = pack_int4(q.codes) if q.spec.bits == 4 else q.codes
+    return codes, q.scale
+
+
+class QuantizedLinear(QuantizedWeight):
+    """An inference ``Linear`` that stores integer codes and scales and dequantizes in its forward.
+
+    Buffers: ``codes`` (uint8, two int4 codes per byte in the nibble order of
+    ``mixle.core.packing``; or int8 codes of shape ``(out, in)``), ``scale`` (float, shape
+    ``(1, S, 1)``, see ``block_shape``) and ``bias`` (float, or None). The forward computes
+    ``F.linear(x, dequantize_array(codes, scale), bias)``: exactly the QAT fake-quant forward.
+
+    Args:
+        codes: stored codes as above.
+        scale: scales in the weight's float dtype.
+        spec: the QuantSpec the codes were made with.
+        weight_shape: ``(out_features, in_features)``.
+        bias: float bias of shape ``(out_features,)`` or None.
+
+    >>> from mixle.core.numerics import quantize_linear_weight
+    >>> codes, scale = to_storage(quantize_linear_weight(torch.randn(2, 4), bits=4))
+    >>> layer = QuantizedLinear(codes, scale, QuantSpec(bits=4), (2, 4))
+    >>> layer.codes.dtype, tuple(layer.codes.shape), tuple(layer(torch.ones(3, 4)).shape)
+    (torch.uint8, (4,), (3, 2))
+    """
+
+    KIND = "linear"
+
+    def __init__(self, codes, scale, spec, weight_shape, bias=None):
+        super().__init__()
+        self._set_storage(codes, scale, spec, weight_shape)
+        self.out_features, self.in_features = self.weight_shape
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (self.out_features,):
+                raise ValueError(f"QuantizedLinear: bias must be a float tensor of shape ({self.out_features},), got {bias!r:.80}")
+            bias = bias.detach()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self._storage_repr()}")
+
+
+class QuantizedEmbedding(QuantizedWeight):
+    """An inference ``Embedding`` whose table is stored as integer codes and scales.
+
+    ``convert`` creates one for an embedding tied to a quantized head; both modules then hold
+    the *same* ``codes`` and ``scale`` tensors, so the tied weight is stored once. Lookups use
+    the dequantized table, exactly like ``QATEmbedding``'s fake-quant forward.
+
+    Args:
+        codes, scale, spec: as for ``QuantizedLinear``; codes describe ``(num_embeddings, dim)``.
+        weight_shape: ``(num_embeddings, embedding_dim)``.
+        padding_idx, max_norm, norm_type, scale_grad_by_freq: as for ``nn.Embedding``.
+    """
+
+    KIND = "embedding"
+
+    def __init__(self, codes, scale, spec, weight_shape, padding_idx=None, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False):
+        super().__init__()
+        self._set_storage(codes, scale, spec, weight_shape)
+        self.num_embeddings, self.embedding_dim = self.weight_shape
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+
+    def forward(self, x):
+        return F.embedding(x, self.dequantized_weight(), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, False)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self._storage_repr()}"
