@@ -57,20 +57,6 @@ class QATReport:
                 return d
         raise KeyError(f"no layer {path!r} in the QAT report; layers: {[d.path for d in self.decisions]}")
 
-    def to_dict(self):
-        """JSON-ready list of the decisions."""
-        return [
-            {
-                "path": d.path,
-                "kind": d.kind,
-                "action": d.action,
-                "reason": d.reason,
-                "spec": d.spec.short() if d.spec else None,
-                "note": d.note,
-            }
-            for d in self.decisions
-        ]
-
     def __str__(self):
         rows = [("path", "kind", "action", "spec", "reason")]
         for d in self.decisions:

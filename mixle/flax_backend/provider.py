@@ -31,6 +31,7 @@ from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
 from mixle.core.numerics import block_shape, clip_threshold
+from mixle.flax_backend.rules import range_calibration
 
 QUANTIZED = "quantized"
 FLOAT = "float"
@@ -76,7 +77,8 @@ def clip_live(w, contracting, spec):
     return _straight_through(w, jax.lax.stop_gradient(clipped))
 
 
-def _path_text(path):
+def dotted_path(path):
+    """A Flax module path (a tuple of names and indices) as mixle's dotted text."""
     return ".".join(str(p) for p in path)
 
 
@@ -123,7 +125,7 @@ class QATProvider(qt.QtProvider):
             if isinstance(self._root, nnx.Module):
                 for path, node in nnx.iter_graph(self._root):
                     if isinstance(node, nnx.Param):
-                        self._params_by_id[id(node.get_raw_value())] = (_path_text(path[:-1]), str(path[-1]))
+                        self._params_by_id[id(node.get_raw_value())] = (dotted_path(path[:-1]), str(path[-1]))
         found = self._params_by_id.get(id(x))
         return found if found is not None and found[0] != current else None
 
@@ -150,7 +152,7 @@ class QATProvider(qt.QtProvider):
 
     def _module_and_path(self):
         module = flax_util.get_current_module()
-        return module, _path_text(flax_util.get_current_module_path())
+        return module, dotted_path(flax_util.get_current_module_path())
 
     def _find_weight(self, module, lhs, rhs):
         """``('lhs' | 'rhs' | None, param name)``: which operand is a weight of ``module``.
@@ -248,18 +250,13 @@ class QATProvider(qt.QtProvider):
         config = self._config(rule, side, weight_qtype, tile_size)
         return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
 
-    def _weight_calibration(self, spec):
-        if spec.grid == "symmetric":
-            return f"absmax,{(spec.qmax + 0.5) / spec.qmax!r}"
-        return spec.calibration or "absmax"
-
     def _fake_quantize_tiled(self, w, contracting, rule):
         """Qwix's group-wise quantize-dequantize of a weight, straight-through gradient."""
         spec = rule.spec
         channelwise = [a for a in range(w.ndim) if a not in contracting]
         how = qarray.HowToQuantize(qtype=rule.weight_qtype, channelwise_axes=channelwise,
                                    tiled_axes={contracting[-1]: spec.group_size},
-                                   calibration_method=self._weight_calibration(spec))
+                                   calibration_method=range_calibration(spec))
         deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(w), how))
         return _straight_through(w, deq)
 
@@ -350,8 +347,8 @@ class QATProvider(qt.QtProvider):
             spec = rule.spec
             module, path = self._module_and_path()
             name = self._find_weight(module, lhs, rhs)[1]
-            if name is not None and (spec.grid != "qwix" or spec.granularity != "channel"
-                                     or spec.clip_percentile is not None or spec.calibration is not None):
+            if name is not None and (range_calibration(spec) != "absmax" or spec.granularity != "channel"
+                                     or spec.clip_percentile is not None):
                 self._record(path, name, FLOAT, (
                     "Qwix's ragged_dot has no calibration, tiling or per-tensor option, so "
                     f"{spec.short()} cannot be honoured: use grid='qwix' per channel for this layer"))
@@ -407,7 +404,7 @@ class QATProvider(qt.QtProvider):
 
     def lookup(self, embed, inputs, **kwargs):
         """Lookups of a tied embedding read the same quantized table as its ``attend``."""
-        path = _path_text(flax_util.get_current_module_path())
+        path = dotted_path(flax_util.get_current_module_path())
         # A lookup is not an intercepted op: it must not make an unused rule look used.
         rule = self._peek_rule(path.replace(".", "/"))
         if path not in self.tied or rule is None or rule.weight_qtype is None or embed.num_embeddings == 1:
@@ -423,7 +420,7 @@ class QATProvider(qt.QtProvider):
         else:
             how = qarray.HowToQuantize(qtype=rule.weight_qtype,
                                        channelwise_axes=[] if spec.granularity == "tensor" else [0],
-                                       calibration_method=self._weight_calibration(spec))
+                                       calibration_method=range_calibration(spec))
             deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
             table = _straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)

@@ -24,7 +24,7 @@ import qwix
 from flax import linen as nn
 from flax import nnx
 
-from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider
+from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
@@ -48,10 +48,6 @@ class FlaxQATState:
 
 def _state(model):
     return type(model).__dict__.get(STATE_ATTRIBUTE)
-
-
-def _dotted(path):
-    return ".".join(str(p) for p in path)
 
 
 def _check_inputs(example_inputs, model):
@@ -83,7 +79,7 @@ class _Plan:
 
 
 def _plan(selector, kernels, module_paths, kinds):
-    owners = sorted({_dotted(path[:-1]) for path, _ in kernels})
+    owners = sorted({dotted_path(path[:-1]) for path, _ in kernels})
     selector.check_all_used(owners, module_paths, KERNEL_KIND)
     specs, reasons, rule_of = {}, {}, {}
     for owner in owners:
@@ -141,10 +137,10 @@ def _check_patterns_ran(plan, provider, rules):
 def _decisions(plan, provider, previous):
     decisions = []
     for path, shape in plan.kernels:
-        owner, name = _dotted(path[:-1]), str(path[-1])
+        owner, name = dotted_path(path[:-1]), str(path[-1])
         kind = plan.kinds.get(owner, "Module")
         spec = plan.specs.get(owner)
-        full = _dotted(path)
+        full = dotted_path(path)
         if spec is None:
             decisions.append(LayerDecision(path=full, kind=kind, action="skipped", reason=plan.reasons[owner]))
             continue
@@ -204,7 +200,7 @@ def _nnx_layout(model):
         if isinstance(node, nnx.Param) and _is_kernel(path[-1], node.get_raw_value()):
             kernels.append((tuple(path), tuple(node.get_raw_value().shape)))
     kernels.sort(key=lambda item: [str(p) for p in item[0]])
-    kinds = {_dotted(p): type(m).__name__ for p, m in modules.items()}
+    kinds = {dotted_path(p): type(m).__name__ for p, m in modules.items()}
     return modules, kernels, kinds
 
 
@@ -242,7 +238,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
         )
     float_class = state.float_class if state else type(model)
     modules, kernels, kinds = _nnx_layout(model)
-    plan = _plan(selector, kernels, [_dotted(p) for p in modules], kinds)
+    plan = _plan(selector, kernels, [dotted_path(p) for p in modules], kinds)
     _check_backend_support(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
@@ -296,7 +292,7 @@ def _linen_layout(module, inputs):
     kinds = {}
 
     def record_kinds(next_fun, args, kwargs, context):
-        kinds.setdefault(_dotted(context.module.path), type(context.module).__name__)
+        kinds.setdefault(dotted_path(context.module.path), type(context.module).__name__)
         return next_fun(*args, **kwargs)
 
     key = jax.random.key(0)
@@ -308,7 +304,7 @@ def _linen_layout(module, inputs):
         names = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
         if _is_kernel(names[-1], leaf):
             kernels.append((names, tuple(leaf.shape)))
-    module_paths = {""} | {_dotted(p[:i]) for p, _ in kernels for i in range(len(p))}
+    module_paths = {""} | {dotted_path(p[:i]) for p, _ in kernels for i in range(len(p))}
     module_paths |= set(kinds)
     return kernels, sorted(module_paths), kinds
 

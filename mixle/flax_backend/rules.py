@@ -73,9 +73,20 @@ def weight_qtype(spec):
     return _int_qtype(spec.bits)
 
 
-def _symmetric_factor(bits):
-    qmax = 2 ** (bits - 1) - 1
-    return (qmax + 0.5) / qmax
+def _absmax_calibration(spec, bits):
+    """Qwix's native scale is absmax / (qmax + 0.5); a grid dividing by d is 'absmax,(qmax + 0.5) / d'."""
+    factor = (2 ** (bits - 1) - 0.5) / spec.grid_record.divisor[bits]
+    return "absmax" if factor == 1 else f"absmax,{factor!r}"
+
+
+def range_calibration(spec):
+    """Qwix calibration of the weight range without percentile clipping: the spec's own
+    ``calibration``, or absmax scaled onto the spec's grid.
+
+    >>> range_calibration(QuantSpec(bits=4)), range_calibration(QuantSpec(bits=4, grid="qwix"))
+    ('absmax,1.0714285714285714', 'absmax')
+    """
+    return spec.calibration or _absmax_calibration(spec, spec.bits)
 
 
 def weight_calibration(spec):
@@ -88,16 +99,12 @@ def weight_calibration(spec):
     """
     if spec.clip_percentile is not None and spec.clip_percentile < 100:
         return f"percentile,{spec.clip_percentile!r}"
-    if spec.grid == "symmetric":
-        return f"absmax,{_symmetric_factor(spec.bits)!r}"
-    return spec.calibration or "absmax"
+    return range_calibration(spec)
 
 
 def activation_calibration(spec):
     """Calibration of activations (``act_bits``): absmax per token on the spec's grid."""
-    if spec.grid == "symmetric":
-        return f"absmax,{_symmetric_factor(spec.act_bits)!r}"
-    return "absmax"
+    return _absmax_calibration(spec, spec.act_bits)
 
 
 def module_path_regex(pattern):
