@@ -269,7 +269,7 @@ class QATProvider(qt.QtProvider):
             is_weight = s == side
             per_side[s] = dict(
                 qtype=weight_qtype if is_weight else act_qtype,
-                method=self._weight_calibration(spec) if is_weight else act_method,
+                method=range_calibration(spec) if is_weight else act_method,
                 disable=tensor and is_weight,
             )
         noise_fn = None
@@ -329,7 +329,7 @@ class QATProvider(qt.QtProvider):
             lhs_qtype=rule.act_qtype,
             rhs_qtype=rule.weight_qtype,
             lhs_calibration_method=rule.act_calibration_method or "absmax",
-            rhs_calibration_method=self._weight_calibration(spec),
+            rhs_calibration_method=range_calibration(spec),
             rhs_disable_channelwise_axes=spec.granularity == "tensor",
             dlhs_grad_qtype=rule.bwd_qtype,
             drhs_grad_qtype=rule.bwd_qtype,
