@@ -74,3 +74,23 @@ def test_non_finite_weight_is_refused_inside_the_compiled_graph():
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match="NaN or infinity"):
         compiled(torch.randn(2, 64))
+
+
+def test_the_compiled_graph_runs_the_fused_kernels_through_the_dispatcher(fake_quant_path):
+    """With the kernels built, dynamo records mixle's custom ops in the graph (traced with their
+    fake implementations), so compiled QAT runs the same one-pass kernels as eager."""
+    seen = []
+
+    def recording_backend(graph_module, example_inputs):
+        for module in graph_module.modules():  # autograd.Function bodies are nested graphs
+            if isinstance(module, torch.fx.GraphModule):
+                seen.extend(str(node.target) for node in module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    model = mlp(QuantSpec(bits=4, group_size=32))
+    x = torch.randn(8, 64)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend)
+    assert torch.equal(compiled(x), eager)
+    uses_kernel = any("mixle.fused_fake_quant" in target for target in seen)
+    assert uses_kernel == (fake_quant_path == "fused")

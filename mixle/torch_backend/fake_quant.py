@@ -67,6 +67,14 @@ def _check_finite(block_max, x):
         check_block_max(block_max, x, "weight")
 
 
+def _check_no_bad_blocks(nonfinite, x):
+    """The fused kernel's count of blocks holding NaN or infinity must be 0."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(nonfinite == 0, str(_not_finite_error(x, "weight")))
+    elif int(nonfinite):
+        raise _not_finite_error(x, "weight")
+
+
 class _Entry:
     """One version of one weight, quantized: scales, clip thresholds (for clip_gradient) and the
     int8 codes once the version is reused."""
@@ -85,10 +93,9 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
     if _fused_cpu.applies_to(x):
-        deq, codes, scale, threshold, finite = _fused_cpu.fake_quant(
+        deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
             x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
-        if not finite:
-            raise _not_finite_error(x, "weight")
+        _check_no_bad_blocks(nonfinite, x)
         return deq, _Entry(key, spec, scale, threshold, codes)
     ops, blocks = _blocks(x, spec)
     scale, threshold, block_max = _block_stats(ops, blocks, spec, with_max=True)
@@ -259,12 +266,10 @@ class _SpareBuffer(threading.local):
     def give(self, tensor, holds=None):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
         the cache entry whose fake-quantized weight it is. The oldest buffer beyond two is freed."""
-        storage = tensor.untyped_storage()
-        # 2: the tensor itself and the storage object just made. (A torch without this private
-        # count recycles nothing.)
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        if use_count is not None and use_count(storage._cdata) == 2 and tensor.storage_offset() == 0:
-            self.held.append((storage, holds))
+        # Only buffers this module allocated reach here (a fused kernel's output, never handed
+        # to the caller or saved for backward), so no other tensor can share the storage.
+        if tensor.storage_offset() == 0:
+            self.held.append((tensor.untyped_storage(), holds))
             del self.held[:-self.CAPACITY]
 
     def drop(self, *_):

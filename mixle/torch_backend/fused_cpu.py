@@ -17,6 +17,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -176,27 +177,75 @@ def available():
 
 
 def applies_to(x):
-    """Whether the fused kernels can take tensor x: a contiguous float32/float64 CPU tensor,
-    outside torch.compile and functorch transforms (which need traceable torch ops)."""
+    """Whether the fused kernels can take tensor x: a contiguous float32/float64 CPU tensor.
+
+    The kernels are torch custom operators (``torch.ops.mixle.*``) with fake implementations,
+    so torch.compile traces them like any other op.
+    """
     if torch.compiler.is_compiling():
-        return False
-    return (x.dtype in _DTYPES and x.device.type == "cpu" and x.layout == torch.strided
-            and x.is_contiguous() and not torch._C._functorch.is_functorch_wrapped_tensor(x)
-            and _kernels() is not None)
+        # Traced code cannot build or lock: it uses the kernels if they were decided before (QAT
+        # layers decide when they are created). Nor may it read layout (dynamo's compiled
+        # backward refuses that attribute); traced tensors are strided.
+        ready = _loaded.get("kernels") is not None
+    else:
+        ready = x.layout == torch.strided and _kernels() is not None
+    return ready and x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous()
 
 
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+# The three kernels as torch custom operators: outputs are preallocated by the Python wrappers
+# below and written in place (declared in mutates_args), so a recycled buffer can take them.
+
+@torch.library.custom_op("mixle::fused_fake_quant", mutates_args=("deq", "scale_out", "threshold", "codes"))
+def _fake_quant_op(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Tensor, scale_out: Optional[torch.Tensor],
+                   threshold: Optional[torch.Tensor], codes: Optional[torch.Tensor], width: int, lo: int, hi: int,
+                   frac: float, divisor: float, code_min: float, code_max: float) -> torch.Tensor:
+    bad = _kernels().fake_quant[_DTYPES[x.dtype]](
+        x.data_ptr(), x.numel() // width, width, lo, hi, frac, divisor, code_min, code_max, _ptr(given),
+        _ptr(scale_out), _ptr(threshold), deq.data_ptr(), _ptr(codes), torch.get_num_threads())
+    return torch.tensor(bad, dtype=torch.int64)
+
+
+@_fake_quant_op.register_fake
+def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, code_min, code_max):
+    return x.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("mixle::fused_dequantize", mutates_args=("out",))
+def _dequantize_op(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    _kernels().dequantize[_DTYPES[scale.dtype]](
+        codes.data_ptr(), scale.data_ptr(), scale.numel(), codes.numel() // scale.numel(), out.data_ptr(),
+        torch.get_num_threads())
+
+
+@_dequantize_op.register_fake
+def _(codes, scale, out):
+    return None
+
+
+@torch.library.custom_op("mixle::fused_clip_mask_grad", mutates_args=("out",))
+def _clip_mask_grad_op(grad: torch.Tensor, x: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
+    _kernels().clip_mask_grad[_DTYPES[x.dtype]](
+        grad.data_ptr(), x.data_ptr(), threshold.data_ptr(), threshold.numel(), x.numel() // threshold.numel(),
+        out.data_ptr(), torch.get_num_threads())
+
+
+@_clip_mask_grad_op.register_fake
+def _(grad, x, threshold, out):
+    return None
+
+
 def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, out=None):
-    """One pass over x's blocks: ``(deq, codes, scale, threshold, finite)``.
+    """One pass over x's blocks: ``(deq, codes, scale, threshold, nonfinite)``.
 
     ``scale`` (shape ``(B, S, 1)``) given: only the values/codes on those scales (a rebuild),
-    threshold None. Otherwise the scales are computed, and ``finite`` is False when a block holds
-    NaN or infinity (the other outputs are then meaningless; the caller raises). Codes and
-    threshold not asked for are None; ``out`` (contiguous, shaped like x) receives deq instead of
-    a new tensor. Call ``applies_to`` first.
+    threshold None. Otherwise the scales are computed, and ``nonfinite`` (a 0-d int64 tensor)
+    counts the blocks holding NaN or infinity (the other outputs are then meaningless; the
+    caller raises). Codes and threshold not asked for are None; ``out`` (contiguous, shaped like
+    x) receives deq instead of a new tensor. Call ``applies_to`` first.
     """
     batch, blocks_per_batch, width = block_shape(x.shape, spec)
     percentile = spec.clip_percentile
@@ -209,37 +258,28 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
         scale = computed = torch.empty((batch, blocks_per_batch, 1), dtype=x.dtype)
         threshold = torch.empty_like(scale) if want_threshold else None
     else:
-        given = scale.contiguous()  # held: the kernel reads it
+        given = scale.contiguous()
     deq = torch.empty_like(x) if out is None else out
     codes = torch.empty(x.shape, dtype=torch.int8) if want_codes else None
-    bad = _kernels().fake_quant[_DTYPES[x.dtype]](
-        x.data_ptr(), batch * blocks_per_batch, width, lo, hi, frac, float(spec.scale_divisor),
-        float(spec.code_min), float(spec.code_max), _ptr(given), _ptr(computed), _ptr(threshold),
-        deq.data_ptr(), _ptr(codes), torch.get_num_threads())
-    return deq, codes, scale, threshold, bad == 0
+    nonfinite = torch.ops.mixle.fused_fake_quant(
+        x, given, deq, computed, threshold, codes, width, lo, hi, frac, float(spec.scale_divisor),
+        float(spec.code_min), float(spec.code_max))
+    return deq, codes, scale, threshold, nonfinite
 
 
 def dequantize(codes, scale, spec, out=None):
     """``codes * scale`` per block, in scale's dtype (codes int8 with the weight's shape), into
     ``out`` when given."""
-    batch, blocks_per_batch, width = block_shape(codes.shape, spec)
     if out is None:
         out = torch.empty(codes.shape, dtype=scale.dtype)
-    codes, scale = codes.contiguous(), scale.contiguous()  # held: the kernel reads their memory
-    _kernels().dequantize[_DTYPES[scale.dtype]](
-        codes.data_ptr(), scale.data_ptr(), batch * blocks_per_batch, width, out.data_ptr(),
-        torch.get_num_threads())
+    torch.ops.mixle.fused_dequantize(codes.contiguous(), scale.contiguous(), out)
     return out
 
 
 def clip_mask_grad(grad, x, threshold, spec, out=None):
     """``grad * (|x| <= threshold)`` per block: the clip_gradient straight-through gradient, into
     ``out`` when given (contiguous, shaped like x; may be ``grad`` itself)."""
-    batch, blocks_per_batch, width = block_shape(x.shape, spec)
-    grad, threshold = grad.contiguous(), threshold.contiguous()  # held: the kernel reads them
     if out is None or not out.is_contiguous():
         out = torch.empty_like(x)
-    _kernels().clip_mask_grad[_DTYPES[x.dtype]](
-        grad.data_ptr(), x.data_ptr(), threshold.data_ptr(), batch * blocks_per_batch, width,
-        out.data_ptr(), torch.get_num_threads())
+    torch.ops.mixle.fused_clip_mask_grad(grad.contiguous(), x, threshold.contiguous(), out)
     return out

@@ -9,6 +9,7 @@ from torch import nn
 
 from mixle.core.numerics import _resolve_spec, block_shape
 from mixle.core.spec import WEIGHT_FIELDS
+from mixle.torch_backend import fused_cpu
 from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches, linear
 
 BACKEND = "torch"
@@ -24,6 +25,10 @@ def check_supported(spec):
     >>> check_supported(QuantSpec(bits=8))
     """
     spec.check_backend(BACKEND, SPEC_FIELDS, _DOES)
+
+
+def _decide_kernels():
+    fused_cpu.available()  # build or find the fused kernels now, outside any torch.compile trace
 
 
 def adopt(dst, src, names=()):
@@ -80,6 +85,7 @@ class QATWrapper(nn.Linear):
         adopt(self, linear, ("in_features", "out_features", "weight", "bias"))
         self.spec = spec
         self.enabled = enabled
+        _decide_kernels()
 
     def quantized_weight(self):
         """The fake-quantized weight (with STE gradient) this layer uses while enabled.
@@ -119,6 +125,7 @@ class QATEmbedding(nn.Embedding):
                                 "scale_grad_by_freq", "sparse", "weight"))
         self.spec = spec
         self.enabled = enabled
+        _decide_kernels()
 
     def forward(self, x):
         # shared: the tied head uses this weight too, so its codes are kept for that second use.

@@ -1,0 +1,94 @@
+"""What routing the fused CPU fake-quant kernel through the torch dispatcher would cost.
+
+The same compiled kernel is called two ways, side by side in one run, on the weight shapes of
+``benchmarks/overhead.py``: directly (how QAT calls it today: ctypes, outputs allocated here) and
+as a ``torch.library.custom_op`` with a fake (meta) implementation, which is what torch.compile
+and functorch would need to see it. Prints medians per call, the difference, and that difference
+times the number of kernel calls of one training step of each benchmark model, against the
+model's measured fp32 step time.
+
+    python benchmarks/custom_op_cost.py [--repeats 2000] [--threads 2]
+"""
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from mixle.core.spec import QuantSpec
+from mixle.torch_backend import fused_cpu
+
+SPEC = QuantSpec(bits=4)
+
+
+@torch.library.custom_op("mixle_bench::fake_quant", mutates_args=())
+def fake_quant_op(x: torch.Tensor, divisor: float, code_min: float, code_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    deq, _, scale, _, _ = fused_cpu.fake_quant(x, SPEC)
+    return deq, scale
+
+
+@fake_quant_op.register_fake
+def _(x, divisor, code_min, code_max):
+    return torch.empty_like(x), x.new_empty((1, x.shape[0], 1))
+
+
+def per_call_seconds(fn, repeats):
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_seconds(model, batch, steps=15):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not fused_cpu.available():
+        raise SystemExit("the fused kernels could not be built here (no C++ compiler)")
+    print(f"CPU {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
+          f"{args.repeats} calls per shape, int4 per-channel")
+    mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(),
+                        nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    models = {"mlp 512-2048-512-2048-512, batch 256": (mlp, torch.randn(256, 512))}
+    print(f"{'weight':>12} {'direct us':>10} {'custom op us':>13} {'extra us':>9}")
+    extra_of = {}
+    for shape in ((2048, 512), (512, 2048), (384, 128), (128, 128), (512, 128), (128, 512)):
+        w = torch.randn(shape)
+        direct = per_call_seconds(lambda: fused_cpu.fake_quant(w, SPEC), args.repeats)
+        via_op = per_call_seconds(lambda: fake_quant_op(w, SPEC.scale_divisor, SPEC.code_min, SPEC.code_max),
+                                  args.repeats)
+        extra_of[shape] = via_op - direct
+        print(f"{str(shape):>12} {direct * 1e6:10.1f} {via_op * 1e6:13.1f} {(via_op - direct) * 1e6:9.1f}")
+    # A QAT training step calls the kernel about twice per layer (forward quantize, backward rebuild).
+    for name, (model, batch) in models.items():
+        fp32 = step_seconds(model, batch)
+        extra = sum(2 * extra_of[tuple(m.weight.shape)] for m in model.modules() if isinstance(m, nn.Linear))
+        print(f"{name}: fp32 step {fp32 * 1e3:.2f} ms; dispatcher cost per QAT step {extra * 1e6:.0f} us "
+              f"= {extra / fp32:.2%} of the fp32 step")
+
+
+if __name__ == "__main__":
+    main()
