@@ -1,11 +1,11 @@
-"""What routing the fused CPU fake-quant kernel through the torch dispatcher would cost.
+"""What routing the fused CPU fake-quant kernel through the torch dispatcher costs.
 
 The same compiled kernel is called two ways, side by side in one run, on the weight shapes of
-``benchmarks/overhead.py``: directly (how QAT calls it today: ctypes, outputs allocated here) and
-as a ``torch.library.custom_op`` with a fake (meta) implementation, which is what torch.compile
-and functorch would need to see it. Prints medians per call, the difference, and that difference
-times the number of kernel calls of one training step of each benchmark model, against the
-model's measured fp32 step time.
+``benchmarks/overhead.py``: straight through ctypes (outputs preallocated; what eager QAT does), and through the
+``torch.ops.mixle.fused_fake_quant`` custom operator whose fake (meta) implementation lets
+torch.compile trace it (what compiled QAT records). Prints medians per call, the difference, and
+that difference times the kernel calls of one training step of the MLP benchmark model, against
+its fp32 step time measured in the same run.
 
     python benchmarks/custom_op_cost.py [--repeats 2000] [--threads 2]
 """
@@ -24,15 +24,21 @@ from mixle.torch_backend import fused_cpu
 SPEC = QuantSpec(bits=4)
 
 
-@torch.library.custom_op("mixle_bench::fake_quant", mutates_args=())
-def fake_quant_op(x: torch.Tensor, divisor: float, code_min: float, code_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    deq, _, scale, _, _ = fused_cpu.fake_quant(x, SPEC)
+def raw_call(w):
+    """The kernel straight through ctypes, as before it was a custom operator."""
+    width = w.shape[1]
+    deq, scale = torch.empty_like(w), torch.empty((1, w.shape[0], 1))
+    fused_cpu._kernels().fake_quant["f32"](
+        w.data_ptr(), w.shape[0], width, -1, -1, 0.0, SPEC.scale_divisor, float(SPEC.code_min), float(SPEC.code_max),
+        None, scale.data_ptr(), None, deq.data_ptr(), None, torch.get_num_threads())
     return deq, scale
 
 
-@fake_quant_op.register_fake
-def _(x, divisor, code_min, code_max):
-    return torch.empty_like(x), x.new_empty((1, x.shape[0], 1))
+def via_dispatcher(w):
+    deq, scale = torch.empty_like(w), torch.empty((1, w.shape[0], 1))
+    torch.ops.mixle.fused_fake_quant(w, None, deq, scale, None, None, w.shape[1], -1, -1, 0.0,
+                                     SPEC.scale_divisor, float(SPEC.code_min), float(SPEC.code_max))
+    return deq, scale
 
 
 def per_call_seconds(fn, repeats):
@@ -73,13 +79,14 @@ def main():
     mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.GELU(),
                         nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
     models = {"mlp 512-2048-512-2048-512, batch 256": (mlp, torch.randn(256, 512))}
-    print(f"{'weight':>12} {'direct us':>10} {'custom op us':>13} {'extra us':>9}")
+    probe = torch.randn(4, 8)
+    assert torch.equal(raw_call(probe)[0], via_dispatcher(probe)[0]) and torch.equal(raw_call(probe)[0], fused_cpu.fake_quant(probe, SPEC)[0])
+    print(f"{'weight':>12} {'ctypes us':>10} {'custom op us':>13} {'extra us':>9}")
     extra_of = {}
-    for shape in ((2048, 512), (512, 2048), (384, 128), (128, 128), (512, 128), (128, 512)):
+    for shape in ((2048, 512), (512, 2048)):
         w = torch.randn(shape)
-        direct = per_call_seconds(lambda: fused_cpu.fake_quant(w, SPEC), args.repeats)
-        via_op = per_call_seconds(lambda: fake_quant_op(w, SPEC.scale_divisor, SPEC.code_min, SPEC.code_max),
-                                  args.repeats)
+        direct = per_call_seconds(lambda: raw_call(w), args.repeats)
+        via_op = per_call_seconds(lambda: via_dispatcher(w), args.repeats)
         extra_of[shape] = via_op - direct
         print(f"{str(shape):>12} {direct * 1e6:10.1f} {via_op * 1e6:13.1f} {(via_op - direct) * 1e6:9.1f}")
     # A QAT training step calls the kernel about twice per layer (forward quantize, backward rebuild).

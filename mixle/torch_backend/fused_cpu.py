@@ -196,11 +196,13 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-# The three kernels as torch custom operators: outputs are preallocated by the Python wrappers
-# below and written in place (declared in mutates_args), so a recycled buffer can take them.
+# The three kernels, registered as torch custom operators: outputs are preallocated by the
+# Python wrappers below and written in place (declared in mutates_args), so a recycled buffer
+# can take them. Traced code (torch.compile) calls them through the dispatcher; eager code calls
+# the same functions directly, since a mutating custom op's dispatch costs about as much as the
+# kernel on a small weight (benchmarks/custom_op_cost.py measures it).
 
-@torch.library.custom_op("mixle::fused_fake_quant", mutates_args=("deq", "scale_out", "threshold", "codes"))
-def _fake_quant_op(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Tensor, scale_out: Optional[torch.Tensor],
+def _fake_quant_kernel(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Tensor, scale_out: Optional[torch.Tensor],
                    threshold: Optional[torch.Tensor], codes: Optional[torch.Tensor], width: int, lo: int, hi: int,
                    frac: float, divisor: float, code_min: float, code_max: float) -> torch.Tensor:
     bad = _kernels().fake_quant[_DTYPES[x.dtype]](
@@ -209,16 +211,22 @@ def _fake_quant_op(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Te
     return torch.tensor(bad, dtype=torch.int64)
 
 
+_fake_quant_op = torch.library.custom_op("mixle::fused_fake_quant", _fake_quant_kernel,
+                                         mutates_args=("deq", "scale_out", "threshold", "codes"))
+
+
 @_fake_quant_op.register_fake
 def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, code_min, code_max):
     return x.new_empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("mixle::fused_dequantize", mutates_args=("out",))
-def _dequantize_op(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     _kernels().dequantize[_DTYPES[scale.dtype]](
         codes.data_ptr(), scale.data_ptr(), scale.numel(), codes.numel() // scale.numel(), out.data_ptr(),
         torch.get_num_threads())
+
+
+_dequantize_op = torch.library.custom_op("mixle::fused_dequantize", _dequantize_kernel, mutates_args=("out",))
 
 
 @_dequantize_op.register_fake
@@ -226,16 +234,23 @@ def _(codes, scale, out):
     return None
 
 
-@torch.library.custom_op("mixle::fused_clip_mask_grad", mutates_args=("out",))
-def _clip_mask_grad_op(grad: torch.Tensor, x: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
+def _clip_mask_grad_kernel(grad: torch.Tensor, x: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor) -> None:
     _kernels().clip_mask_grad[_DTYPES[x.dtype]](
         grad.data_ptr(), x.data_ptr(), threshold.data_ptr(), threshold.numel(), x.numel() // threshold.numel(),
         out.data_ptr(), torch.get_num_threads())
 
 
+_clip_mask_grad_op = torch.library.custom_op("mixle::fused_clip_mask_grad", _clip_mask_grad_kernel,
+                                             mutates_args=("out",))
+
+
 @_clip_mask_grad_op.register_fake
 def _(grad, x, threshold, out):
     return None
+
+
+def _traced_or_direct(op, kernel):
+    return op if torch.compiler.is_compiling() else kernel
 
 
 def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, out=None):
@@ -261,7 +276,7 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
         given = scale.contiguous()
     deq = torch.empty_like(x) if out is None else out
     codes = torch.empty(x.shape, dtype=torch.int8) if want_codes else None
-    nonfinite = torch.ops.mixle.fused_fake_quant(
+    nonfinite = _traced_or_direct(torch.ops.mixle.fused_fake_quant, _fake_quant_kernel)(
         x, given, deq, computed, threshold, codes, width, lo, hi, frac, float(spec.scale_divisor),
         float(spec.code_min), float(spec.code_max))
     return deq, codes, scale, threshold, nonfinite
@@ -272,7 +287,7 @@ def dequantize(codes, scale, spec, out=None):
     ``out`` when given."""
     if out is None:
         out = torch.empty(codes.shape, dtype=scale.dtype)
-    torch.ops.mixle.fused_dequantize(codes.contiguous(), scale.contiguous(), out)
+    _traced_or_direct(torch.ops.mixle.fused_dequantize, _dequantize_kernel)(codes.contiguous(), scale.contiguous(), out)
     return out
 
 
@@ -281,5 +296,5 @@ def clip_mask_grad(grad, x, threshold, spec, out=None):
     ``out`` when given (contiguous, shaped like x; may be ``grad`` itself)."""
     if out is None or not out.is_contiguous():
         out = torch.empty_like(x)
-    torch.ops.mixle.fused_clip_mask_grad(grad.contiguous(), x, threshold.contiguous(), out)
+    _traced_or_direct(torch.ops.mixle.fused_clip_mask_grad, _clip_mask_grad_kernel)(grad.contiguous(), x, threshold.contiguous(), out)
     return out
