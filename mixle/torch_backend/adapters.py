@@ -6,7 +6,7 @@ from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
 from mixle.torch_backend.layers import QATWrapper, check_supported, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.qat import float_reason, plan_inputs, repeated_decision
+from mixle.torch_backend.qat import decide_layers, plan_inputs
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_lora_report"
@@ -58,43 +58,35 @@ def apply_lora(model, selector, train_base):
     entries, parent_of, linears = plan_inputs(model, selector)
     holders = _parameter_holders(entries)
 
-    decisions, replacements, seen = [], {}, {}
-    for path, module in linears:
+    replacements = {}
+
+    def choose(path, module, lora, reason):
         kind = type(module).__name__
-        if id(module) in seen:
-            decisions.append(repeated_decision(path, kind, seen[id(module)]))
-            continue
-        lora, reason = selector.decide(path)
-        blocked = float_reason(module, parent_of.get(id(module)))
         shared = _sharing_note(module, holders)
-        if lora is not None and (blocked or shared):
-            lora, reason = None, blocked or f"{shared}: merging an adapter would change it there too"
+        if lora is not None and shared:
+            lora, reason = None, f"{shared}: merging an adapter would change it there too"
         if lora is None:
             if isinstance(module, LoRALinear):
                 raise ValueError(
                     f"layer {path!r} has a LoRA adapter but is not selected now ({reason}); apply_lora "
                     f"does not remove adapters: merge_lora(model) folds them into the weights"
                 )
-            decision = LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+            return LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+        _check_layer(path, module, lora)
+        if isinstance(module, LoRALinear):
+            if module.lora_spec != lora:
+                raise ValueError(
+                    f"layer {path!r} already has an adapter ({module.lora_spec.short()}), not "
+                    f"{lora.short()}: merge_lora(model) first, then apply_lora with the new settings"
+                )
+            return LayerDecision(path=path, kind=kind, action="unchanged", reason=reason, spec=lora)
+        if isinstance(module, QATWrapper):
+            replacements[id(module)] = QATLoRALinear(plain_linear(module), lora, module.spec, enabled=module.enabled)
         else:
-            _check_layer(path, module, lora)
-            if isinstance(module, LoRALinear):
-                if module.lora_spec != lora:
-                    raise ValueError(
-                        f"layer {path!r} already has an adapter ({module.lora_spec.short()}), not "
-                        f"{lora.short()}: merge_lora(model) first, then apply_lora with the new settings"
-                    )
-                action = "unchanged"
-            else:
-                action = "wrapped"
-                if isinstance(module, QATWrapper):
-                    new = QATLoRALinear(plain_linear(module), lora, module.spec, enabled=module.enabled)
-                else:
-                    new = LoRALinear(module, lora)
-                replacements[id(module)] = new
-            decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=lora)
-        seen[id(module)] = decision
-        decisions.append(decision)
+            replacements[id(module)] = LoRALinear(module, lora)
+        return LayerDecision(path=path, kind=kind, action="wrapped", reason=reason, spec=lora)
+
+    decisions = decide_layers(linears, selector, parent_of, choose)
 
     if not any(d.action != "skipped" for d in decisions):
         reasons = sorted({f"{d.path!r}: {d.reason}" for d in decisions})[:6]

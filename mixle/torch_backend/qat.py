@@ -45,10 +45,27 @@ def plan_inputs(model, selector):
     return entries, parent_of, layers
 
 
-def repeated_decision(path, kind, first):
-    """The decision for a module met again under another path: the first one's, by reference."""
-    return LayerDecision(path=path, kind=kind, action=first.action, reason=f"same module as {first.path!r}",
-                         spec=first.spec)
+def decide_layers(layers, selector, parent_of, choose):
+    """One decision per selectable layer (shared by apply_qat and apply_lora).
+
+    ``choose(path, module, spec, reason) -> LayerDecision`` gets the selector's spec, or None
+    with the reason when the layer is not selected or cannot be wrapped (``float_reason``); a
+    module met again under another path repeats its first decision by reference.
+    """
+    decisions, seen = [], {}
+    for path, module in layers:
+        first = seen.get(id(module))
+        if first is not None:
+            decisions.append(LayerDecision(path=path, kind=type(module).__name__, action=first.action,
+                                           reason=f"same module as {first.path!r}", spec=first.spec))
+            continue
+        spec, reason = selector.decide(path)
+        blocked = float_reason(module, parent_of.get(id(module)))
+        if spec is not None and blocked:
+            spec, reason = None, blocked
+        seen[id(module)] = decision = choose(path, module, spec, reason)
+        decisions.append(decision)
+    return decisions
 
 
 def _tie_note(weight, tied):
@@ -69,30 +86,22 @@ def apply(model, selector, reconfigure, example_inputs=None):
     tied = [(p, m) for p, m in entries if getattr(kind_of_qat(m) or kind_of_float(m), "tied_only", False)]
     enabled = _current_enabled(model)
 
-    decisions, replacements, respecs, seen = [], {}, [], {}
-    for path, module in layers:
+    replacements, respecs = {}, []
+
+    def choose(path, module, spec, reason):
         kind = type(module).__name__
-        if id(module) in seen:
-            decisions.append(repeated_decision(path, kind, seen[id(module)]))
-            continue
-        spec, reason = selector.decide(path)
-        blocked = float_reason(module, parent_of.get(id(module)))
-        if spec is not None and blocked:
-            spec, reason = None, blocked
         if spec is None:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(
                     f"layer {path!r} is already fake-quantized but is not selected now ({reason}); "
                     f"apply_qat does not unwrap: use set_fake_quant_enabled(model, False) or rebuild the model"
                 )
-            decision = LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
-        else:
-            action = _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
-            decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec,
-                                     note=_tie_note(module.weight, tied))
-        seen[id(module)] = decision
-        decisions.append(decision)
+            return LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+        action = _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
+        return LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec,
+                             note=_tie_note(module.weight, tied))
 
+    decisions = decide_layers(layers, selector, parent_of, choose)
     decisions += _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled)
 
     with Change() as change:
