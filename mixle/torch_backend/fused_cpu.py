@@ -1,4 +1,4 @@
-"""Fused CPU fake-quant kernels, compiled from ``_fused_fake_quant.cpp`` on first use.
+"""Fused CPU fake-quant kernels, compiled from ``fused_fake_quant.cpp`` on first use.
 
 The kernels compute exactly ``mixle.core.numerics``'s numerics (tests compare both with numpy,
 bit for bit) in one pass over each block of a float32 or float64 CPU tensor. They are built
