@@ -137,8 +137,6 @@ def _args_problems(args):
         problems.append(f"strategy={args.strategy!r}: mixle has per-tensor, per-channel and group scales")
     if args.dynamic is not False:
         problems.append(f"dynamic={args.dynamic!r}: mixle's weight scales are stored, not computed at run time")
-    if args.actorder == "group":
-        problems.append("actorder='group' stores a column permutation (weight_g_idx), which mixle's layers do not apply")
     if args.block_structure is not None:
         problems.append(f"block_structure={args.block_structure}: mixle has no 2-D block scales")
     return problems
@@ -179,7 +177,8 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     >>> from mixle.torch_backend.convert import quantize_model
     >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    >>> quantized = quantize_model(transformers.LlamaForCausalLM(config), bits=4, group_size=8)
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> quantized = quantize_model(model, bits=4, group_size=8, exclude=("lm_head",))
     >>> written = save_pretrained_compressed(quantized, tempfile.mkdtemp() + "/llama-int4")
     >>> written["format"], written["config_groups"]["group_0"]["weights"]["strategy"], written["ignore"]
     ('pack-quantized', 'group', ['lm_head'])
@@ -433,7 +432,11 @@ def _checked_quantization_config(raw, directory):
         if raw.get(key):
             problems.append(f"{key} is set (sparse or transformed weights)")
     fields = {k: v for k, v in raw.items() if k in QuantizationConfig.model_fields}
-    qconfig = QuantizationConfig.model_validate(fields)
+    try:
+        qconfig = QuantizationConfig.model_validate(fields)
+    except ValueError as err:  # pydantic's ValidationError
+        raise ValueError(f"{directory}: config.json's quantization_config is not one this compressed-tensors "
+                         f"reads: {err}") from None
     if qconfig.kv_cache_scheme is not None:
         problems.append("kv_cache_scheme quantizes the KV cache, which mixle's layers do not")
     for name, scheme in qconfig.config_groups.items():
