@@ -155,6 +155,25 @@ def test_mixle_loads_its_checkpoint_into_quantized_linear_layers(saved):
     assert torch.equal(logits(loaded), logits(converted))
 
 
+def test_bfloat16_int8_codes_survive_the_compressor(tmp_path):
+    # In bfloat16, round(bf16(code * scale) / scale) can land on a neighbouring int8 code near
+    # +-127; the export must still store exactly mixle's codes and the bfloat16 scales.
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    qat = apply_qat(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval(), bits=8)
+    save_pretrained_compressed(qat, tmp_path / "bf16")
+    tensors = stored_tensors(tmp_path / "bf16")
+    layer = convert(qat).model.layers[0].mlp.down_proj
+    codes = unpack_from_int32(tensors["model.layers.0.mlp.down_proj.weight_packed"], 8, torch.Size([128, 256]))
+    assert torch.equal(codes, layer.quantized_array().codes)
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert loaded.dtype == torch.bfloat16 and torch.equal(logits(loaded), logits(qat))  # exact: same bf16 ops
+    back = load_pretrained_compressed(tmp_path / "bf16")
+    assert torch.equal(back.model.layers[0].mlp.down_proj.codes, layer.codes)
+
+
 def test_mixed_specs_write_one_group_each_with_named_targets(tmp_path):
     attention, mlp = QuantSpec(bits=4, group_size=16, grid="qwix"), QuantSpec(bits=8)
     qat = trained_qat("qwen2", False, {}, patterns=[(r".*self_attn\..*", attention), (r".*mlp\..*", mlp)],

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from mixle._optional import require
+from mixle.core.grids import grid_named
+from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.convert import check_torch_model, convert
@@ -275,7 +277,13 @@ def _compress_in_place(model, groups, tied):
     for args, members in groups.values():
         targets = ["Linear"] if single else [path for path, _ in members]
         for path, layer in members:
-            linear = _float_linear(layer, nn.Parameter(layer.dequantized_weight(), requires_grad=False))
+            codes = layer.quantized_array().codes
+            # The compressor re-derives codes as round(weight / scale). In bfloat16 that division
+            # can land half a step off for int8 codes near 127, so it gets code * scale in at least
+            # float32, where the product of a 16-bit scale and an 8-bit code is exact.
+            work = torch.promote_types(layer.scale.dtype, torch.float32)
+            weight = dequantize_array(QuantizedArray(codes, layer.scale.to(work), layer.spec, 0, 1))
+            linear = _float_linear(layer, nn.Parameter(weight, requires_grad=False))
             initialize_module_for_quantization(linear, QuantizationScheme(targets=targets, weights=args),
                                                force_zero_point=False)
             if linear.weight_scale.numel() != layer.scale.numel():
@@ -284,10 +292,12 @@ def _compress_in_place(model, groups, tied):
             with torch.no_grad():
                 linear.weight_scale.copy_(layer.scale.reshape(linear.weight_scale.shape))
             compress_module(linear, CompressionFormat.pack_quantized)
+            # Stored in the model's dtype, as compressed-tensors' loaders create weight_scale.
+            linear.weight_scale = nn.Parameter(linear.weight_scale.detach().to(layer.scale.dtype), requires_grad=False)
             packed = unpack_from_int32(linear.weight_packed, args.num_bits, torch.Size(layer.weight_shape))
-            if not torch.equal(packed, layer.quantized_array().codes):
-                raise RuntimeError(f"layer {path!r}: compressed-tensors' compressor re-rounded some of mixle's codes "
-                                   f"(dequantized weight {layer.scale.dtype}); nothing was written")
+            if not torch.equal(packed, codes):
+                raise RuntimeError(f"layer {path!r}: compressed-tensors' compressor re-rounded some of mixle's codes; "
+                                   f"nothing was written")
             replacements[id(layer)] = linear
     for _, embedding, heads in tied:
         table = nn.Parameter(embedding.dequantized_weight(), requires_grad=False)
@@ -404,7 +414,7 @@ def load_pretrained_compressed(directory, *, grid=None, **from_pretrained_kwargs
     """
     transformers = _require_hf("load_pretrained_compressed")
     if grid is not None:
-        QuantSpec(bits=8, grid=grid)  # a clear error for an unknown grid name
+        grid_named(grid)  # a clear error for an unknown grid name
     if "quantization_config" in from_pretrained_kwargs:
         raise TypeError("load_pretrained_compressed reads the checkpoint's own quantization_config: drop the "
                         "quantization_config argument")
