@@ -240,6 +240,12 @@ def test_mixle_loads_a_checkpoint_made_by_compressed_tensors(tmp_path):
     # product for K <= 64 inputs, far below 1e-5 at these logit magnitudes (|logit| < 1).
     assert logits(ours, ids).abs().max() < 1
     torch.testing.assert_close(logits(ours, ids), want, rtol=0, atol=1e-5)
+    # Written back by mixle, the checkpoint holds exactly the tensors compressed-tensors wrote.
+    save_pretrained_compressed(ours, tmp_path / "again")
+    theirs, again = stored_tensors(tmp_path / "ct"), stored_tensors(tmp_path / "again")
+    assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
+    assert quantization_config(tmp_path / "again")["config_groups"]["group_0"]["weights"] == \
+        quantization_config(tmp_path / "ct")["config_groups"]["group_0"]["weights"]
 
 
 def write_config(directory, quantization):
