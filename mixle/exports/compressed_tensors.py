@@ -47,7 +47,7 @@ __all__ = ["save_pretrained_compressed", "load_pretrained_compressed", "weight_a
 
 FORMAT = "pack-quantized"
 QUANT_METHOD = "compressed-tensors"
-# The config_groups fields load_pretrained_compressed reads, with the values it represents.
+# compressed-tensors weight strategies that mixle has as a granularity of the same name.
 _STRATEGIES = ("tensor", "channel", "group")
 
 
@@ -156,7 +156,9 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     QAT model), and vLLM serves the directory. ``config.json`` gets a ``quantization_config``
     (``quant_method: "compressed-tensors"``, ``format: "pack-quantized"``, one config group per
     distinct weight scheme, the float Linear layers in ``ignore``); the weights are written by
-    compressed-tensors' compressor and the model's own ``save_pretrained`` (safetensors).
+    compressed-tensors' compressor and the model's own ``save_pretrained`` (safetensors). An
+    embedding tied to a quantized head is stored once as its dequantized float table (same
+    logits; the head is in ``ignore``), because transformers ties ``lm_head.weight`` to it.
 
     Args:
         model: a transformers ``PreTrainedModel`` with mixle quantized layers (from ``convert``
