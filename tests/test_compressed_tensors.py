@@ -201,9 +201,25 @@ def test_a_converted_or_ptq_model_saves_too_and_the_users_model_is_untouched(tmp
     assert all(torch.equal(before[k], v) for k, v in qat.state_dict().items())
     assert isinstance(converted.lm_head, QuantizedLinear) and isinstance(converted.model.embed_tokens, QuantizedEmbedding)
     ptq = quantize_model(tiny_lm("qwen2"), bits=8)
-    save_pretrained_compressed(ptq, tmp_path / "ptq")
+    save_pretrained_compressed(ptq, tmp_path / "ptq", tokenizer=word_tokenizer())
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "ptq")("a b").input_ids == [1, 2]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ptq").eval()
     assert torch.equal(logits(loaded), logits(ptq))
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+
+
+def test_a_tied_head_alone_is_refused_before_writing(tmp_path):
+    qat = apply_qat(tiny_lm("llama", tied=True), bits=4, patterns=("lm_head",))
+    with pytest.raises(ValueError, match="tied to the embedding"):
+        save_pretrained_compressed(qat, tmp_path / "head")
+    assert os.listdir(tmp_path) == []
 
 
 def make_ct_checkpoint(directory, args):

@@ -261,8 +261,13 @@ def _plan(model):
         if not heads:
             raise ValueError(f"layer {path!r} is a QuantizedEmbedding not tied to a quantized head: compressed-tensors' "
                              f"loaders (transformers, vLLM) read quantized Linear layers only")
-    if not groups and not embeddings:
-        raise ValueError("the model has no quantized layer to export")
+    if not groups:
+        raise ValueError(
+            "the only quantized layer is a head tied to the embedding, which compressed-tensors stores as its "
+            "dequantized float table (transformers ties lm_head.weight to it), so the checkpoint would hold no "
+            "quantized layer: quantize the other Linear layers too (apply_qat patterns), or keep mixle's own file "
+            "(save_quantized)"
+        )
     return groups, list(embeddings.values())
 
 
