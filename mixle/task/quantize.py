@@ -29,6 +29,8 @@ _LAZY = {
     "quantize_mlp": "mixle.torch_backend.convert",
     "QuantizedLinear": "mixle.torch_backend.quantized",
     "QuantizedEmbedding": "mixle.torch_backend.quantized",
+    "save_pretrained_compressed": "mixle.exports.compressed_tensors",
+    "load_pretrained_compressed": "mixle.exports.compressed_tensors",
 }
 
 __all__ = ["QuantSpec", "QuantizedArray", "quantize_array", "dequantize_array", "quantize_dequantize_array",
@@ -42,7 +44,7 @@ def __getattr__(name):
         raise AttributeError(f"module 'mixle.task.quantize' has no attribute {name!r}")
     import importlib
 
-    if module.startswith("mixle.torch_backend"):
+    if module.startswith(("mixle.torch_backend", "mixle.exports")):
         from mixle._optional import require
 
         require("torch", extra="torch", purpose=name)

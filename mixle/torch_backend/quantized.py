@@ -4,6 +4,8 @@ Their forward computes with ``dequantize_array(codes, scale)``, exactly the QAT 
 forward of the same spec.
 """
 
+import sys
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -121,9 +123,30 @@ class QuantizedWeight(nn.Module):
         """The float weight ``codes * scale`` through the shared numerics (``dequantize_array``)."""
         return dequantize_array(self.quantized_array())
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _refuse_transformers_save_pretrained(prefix)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
     def _storage_repr(self):
         packing = "packed int4, 2 per byte" if self.spec.bits == 4 else "int8"
         return f"{self.spec.short()} ({packing})"
+
+
+def _refuse_transformers_save_pretrained(prefix):
+    """Fail inside transformers' ``save_pretrained``, which would write ``codes``/``scale`` tensors that its
+    ``from_pretrained`` skips, giving randomly initialised weights with only a warning. Every other
+    ``state_dict`` caller (torch.save, save_quantized, PEFT's adapter-only saves) is unaffected."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "save_pretrained" and frame.f_globals.get("__name__") == "transformers.modeling_utils":
+            if not getattr(frame.f_locals.get("self"), "_hf_peft_config_loaded", False):
+                raise RuntimeError(
+                    f"transformers' save_pretrained cannot store mixle's quantized layer {prefix.rstrip('.')!r}: "
+                    f"from_pretrained would skip its codes/scale and load random weights. Save with "
+                    f"mixle.task.quantize.save_pretrained_compressed(model, directory) (compressed-tensors: "
+                    f"from_pretrained and vLLM load it) or save_quantized(model, path) (mixle's own file)"
+                )
+        frame = frame.f_back
 
 
 def to_storage(q):
