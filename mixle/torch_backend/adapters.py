@@ -55,7 +55,7 @@ def _check_layer(path, module, lora):
 
 def apply_lora(model, selector, train_base):
     """Torch half of ``apply_lora``: plan every decision, then swap, so failures change nothing."""
-    entries, parent_of, linears = plan_inputs(model, selector)
+    entries, parent_of, linears = plan_inputs(model, selector, lambda m: isinstance(m, torch.nn.Linear), "nn.Linear")
     holders = _parameter_holders(entries)
 
     decisions, replacements, seen = [], {}, {}

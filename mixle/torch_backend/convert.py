@@ -110,7 +110,7 @@ def convert(model):
     return _convert_in_place(copy.deepcopy(model))
 
 
-def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fields):
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), **spec_fields):
     """Post-training quantization: a copy of a float model with real int Linear layers.
 
     It is ``convert(apply_qat(copy, spec=..., patterns=..., exclude=...))``: the same layer
@@ -119,7 +119,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fie
     Args:
         model: a float torch model (not QAT-wrapped: use ``convert`` for that).
         spec: a QuantSpec; or its fields as keywords (default int4 per-channel symmetric).
-        patterns, exclude: layer selection as in ``apply_qat`` (regexes over module paths).
+        patterns, exclude, opt_in: layer selection as in ``apply_qat``.
 
     Returns:
         The quantized copy; ``model`` is untouched.
@@ -134,11 +134,11 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fie
         raise ValueError("quantize_model got a QAT-wrapped model: use convert(model) to keep its trained spec")
     if any(isinstance(m, QUANTIZED_TYPES) for m in model.modules()):
         raise ValueError("quantize_model got a model that already has quantized layers: quantize its float original")
-    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec)
+    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
     prepared = qat.apply(copy.deepcopy(model), selector, reconfigure=False)
     if not qat.qat_layers(prepared):
         raise ValueError(
-            f"quantize_model selected no nn.Linear layer with patterns={tuple(patterns)!r}, "
+            f"quantize_model selected no nn.Linear, Conv1D or nn.Embedding layer with patterns={tuple(patterns)!r}, "
             f"exclude={tuple(exclude)!r}: widen patterns or shrink exclude"
         )
     _check_convertible(prepared)

@@ -206,7 +206,7 @@ def _build_layer(entry, tensors, module, source):
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
             entry.get("scale_nbytes") != scale.numel() * scale.element_size():
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
-    if not isinstance(module, kind.float_types) or tuple(module.weight.shape) != shape or \
+    if not isinstance(module, kind.float_types) or kind.stored_shape(module.weight.shape) != shape or \
             (kind.has_bias and (module.bias is None) != (bias is None)):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")

@@ -147,7 +147,7 @@ class _WeightCache:
         by several layers, or the previous version was reused), so a plain training loop, which
         uses each version once, holds nothing but the scales.
         """
-        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, spec)
+        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride(), spec)
         entry = self.entry
         if entry is not None and entry.key == key:
             self.uses += 1
@@ -210,17 +210,20 @@ def fake_quantize(x, spec):
     return _FakeQuantSTE.apply(x, spec)
 
 
-def fake_quantized_weight(param, spec, *, shared=False):
+def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
-    Under ``torch.compile`` the cache is bypassed (the compiled graph recomputes and fuses it),
-    and for inference tensors, which have no version counter.
+    ``output_axis=1`` (a weight stored ``(in, out)``, e.g. transformers' Conv1D) quantizes and
+    returns the ``(out, in)`` transpose. Under ``torch.compile`` the cache is bypassed (the
+    compiled graph recomputes and fuses it), and for inference tensors, which have no version
+    counter.
     """
     check_array(param, "weight", finite=False)
+    x = param.t() if output_axis == 1 else param
     if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
-        return _FakeQuantSTE.apply(param, spec), None
+        return _FakeQuantSTE.apply(x, spec), None
     cache = _cache_of(param)
-    return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
+    return _FakeQuantSTE.apply(x, spec, cache, shared), cache.entry
 
 
 class _SpareBuffer(threading.local):

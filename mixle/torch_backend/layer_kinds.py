@@ -12,6 +12,7 @@ from typing import Callable
 from torch import nn
 
 from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
+from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, _QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear
@@ -27,13 +28,18 @@ class LayerKind:
         qat_type: the QAT layer class it becomes.
         wrap: ``(module, spec, enabled) -> QAT layer`` sharing the module's Parameters.
         quantize: the core quantizer of its weight (fixes the ``batch + out + in`` layout).
-        output_axis: the weight's output-channel axis (one scale row per output channel).
+        output_axis: the weight's output-channel axis (one scale row per output channel); the
+            codes are stored with it first, ``(out, in)``.
         options: constructor options of the quantized layer, saved in the manifest.
         quantized_type: the real low-bit layer ``convert`` makes, or None.
         not_convertible: why ``convert`` refuses this kind (when ``quantized_type`` is None).
         has_bias: the quantized layer takes the layer's bias.
-        tied_only: wrapped only when its weight is tied to a selected layer of another kind (a
-            tied weight is stored once, so both uses must see the same quantized weight).
+        opt_in: selected only on request (``apply_qat(..., opt_in=(name,))`` or a pattern that
+            matches only opt-in layers), never by a pattern that also matches Linear-like layers
+            (such as the default ``.*``).
+        follows_tie: when its weight is tied to a selected layer of another kind, it is wrapped
+            with that layer's spec (a tied weight is stored once, so both uses must see the same
+            quantized weight).
     """
 
     name: str
@@ -46,14 +52,29 @@ class LayerKind:
     quantized_type: type | None = None
     not_convertible: str = ""
     has_bias: bool = False
-    tied_only: bool = False
+    opt_in: bool = False
+    follows_tie: bool = False
+
+    def stored_shape(self, shape):
+        """The ``(out, in)`` shape the codes are stored in, for a weight of ``shape``.
+
+        >>> kind_named("conv1d").stored_shape((4, 3))
+        (3, 4)
+        """
+        shape = tuple(int(d) for d in shape)
+        return shape[::-1] if self.output_axis == 1 else shape
 
     def to_quantized(self, layer, codes, scale):
         """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
         extra = {name: getattr(layer, name) for name in self.options}
         if self.has_bias:
             extra["bias"] = None if layer.bias is None else layer.bias.detach()
-        return self.quantized_type(codes, scale, layer.spec, tuple(layer.weight.shape), **extra)
+        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(layer.weight.shape), **extra)
+
+
+def _quantize_transposed(w, spec):
+    """A weight stored ``(in, out)``, quantized per output channel (per column)."""
+    return quantize_linear_weight(w.t(), spec)
 
 
 KINDS = (
@@ -66,11 +87,15 @@ KINDS = (
     LayerKind(name="linear", float_types=(nn.Linear,), qat_type=QATWrapper,
               wrap=lambda module, spec, enabled: QATWrapper(module, spec, enabled=enabled),
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
+    LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=_QATConv1DMixin, wrap=wrap_conv1d,
+              quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
               wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),
               quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,
-              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), tied_only=True),
+              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), opt_in=True,
+              follows_tie=True),
 )
+OPT_IN = tuple(kind.name for kind in KINDS if kind.opt_in)
 
 QAT_TYPES = tuple({kind.qat_type for kind in KINDS})
 QUANTIZED_TYPES = tuple({kind.quantized_type for kind in KINDS if kind.quantized_type is not None})
