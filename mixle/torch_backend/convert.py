@@ -60,8 +60,15 @@ def _convert_in_place(model):
 
 
 def _check_convertible(model):
-    """Refuse QAT layers whose forward computes more than the quantized weight (e.g. LoRA)."""
+    """Refuse QAT layers whose forward computes more than the quantized weight (e.g. mixle LoRA),
+    and PEFT DoRA adapters (they read the base weight). PEFT LoRA adapters over a QAT base layer
+    convert: they stay float over the int base, exactly as they ran over the fake-quant one."""
     for path, layer in model.named_modules():
+        dora = getattr(layer, "use_dora", None)
+        if isinstance(dora, dict) and any(dora.values()) and kind_of_qat(layer.get_base_layer()) is not None:
+            raise ValueError(f"layer {path!r} has a PEFT DoRA adapter, whose forward reads the base layer's float "
+                             f"weight, which convert replaces by int codes: merge it first with "
+                             f"model = model.merge_and_unload(), then convert")
         kind = kind_of_qat(layer)
         if kind is None:
             continue
