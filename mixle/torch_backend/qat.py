@@ -107,10 +107,14 @@ def _decide(path, module, selector, opt_in, naming):
     was not asked for."""
     spec, reason = selector.decide(path)
     kind = _kind(module)
-    if spec is not None and kind.opt_in and kind.name not in opt_in and selector.rule_for(path) not in naming:
-        return None, (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) or a "
-                      f"pattern matching only them)")
-    return spec, reason
+    if spec is None or not kind.opt_in:
+        return spec, reason
+    if kind.name in opt_in:
+        return spec, f"{reason}; opt_in={kind.name!r}"
+    if selector.rule_for(path) in naming:
+        return spec, reason
+    return None, (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) or a "
+                  f"pattern matching only them)")
 
 
 def apply(model, selector, reconfigure, example_inputs=None):
