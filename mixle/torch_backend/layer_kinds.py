@@ -6,12 +6,14 @@ apply_qat, convert, save_quantized and load_quantized walk ``KINDS``; adding a l
 Order matters: the first kind whose types match a module takes it (subclasses first).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
 from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
+from mixle.torch_backend.conv_layers import QuantizedConv, _QATConvMixin, quantize_conv_matrix, wrap_conv
 from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, _QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
@@ -56,13 +58,16 @@ class LayerKind:
     follows_tie: bool = False
 
     def stored_shape(self, shape):
-        """The ``(out, in)`` shape the codes are stored in, for a weight of ``shape``.
+        """The ``(out, in)`` shape the codes are stored in, for a weight of ``shape`` (trailing
+        input axes, e.g. a convolution's kernel, flattened into ``in``).
 
-        >>> kind_named("conv1d").stored_shape((4, 3))
-        (3, 4)
+        >>> kind_named("conv1d").stored_shape((4, 3)), kind_named("conv").stored_shape((8, 3, 2, 2))
+        ((3, 4), (8, 12))
         """
         shape = tuple(int(d) for d in shape)
-        return shape[::-1] if self.output_axis == 1 else shape
+        if self.output_axis == 1:
+            shape = shape[::-1]
+        return (shape[0], math.prod(shape[1:]))
 
     def to_quantized(self, layer, codes, scale):
         """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
@@ -89,6 +94,9 @@ KINDS = (
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
     LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=_QATConv1DMixin, wrap=wrap_conv1d,
               quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
+    LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=_QATConvMixin, wrap=wrap_conv,
+              quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True,
+              options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
               wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),
               quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,

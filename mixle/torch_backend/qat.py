@@ -15,7 +15,7 @@ from mixle.torch_backend.lora import LoRALinear
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
-SELECTABLE = "nn.Linear, Conv1D or nn.Embedding"  # what patterns must match, in error messages
+SELECTABLE = "nn.Linear, Conv1D, nn.Embedding or nn.Conv1d/2d"  # what patterns must match, in error messages
 ADAPTER_REASON = "adapter: trained in float beside the quantized base; merge it before convert"
 
 
