@@ -87,6 +87,10 @@ def quantize_conv_matrix(w, spec):
     return QuantizedArray(q.codes.reshape(q.codes.shape[0], -1), q.scale, q.spec, 0, 1)
 
 
+def _per_dim(value, dims):
+    return (int(value),) * dims if isinstance(value, int) else tuple(int(v) for v in value)
+
+
 class QuantizedConv(QuantizedWeight):
     """An inference ``nn.Conv1d``/``nn.Conv2d`` storing integer codes and scales.
 
@@ -122,8 +126,9 @@ class QuantizedConv(QuantizedWeight):
         if bias is not None and (not bias.is_floating_point() or tuple(bias.shape) != (conv_shape[0],)):
             raise ValueError(f"QuantizedConv: bias must be a float tensor of shape ({conv_shape[0]},), got {bias!r:.80}")
         self.conv_shape = conv_shape
-        self.stride, self.dilation = tuple(stride), tuple(dilation)
-        self.padding = padding if isinstance(padding, str) else tuple(padding)
+        dims = len(conv_shape) - 2
+        self.stride, self.dilation = _per_dim(stride, dims), _per_dim(dilation, dims)
+        self.padding = padding if isinstance(padding, str) else _per_dim(padding, dims)
         self.groups, self.padding_mode = int(groups), padding_mode
         self.reversed_padding = None if reversed_padding is None else tuple(reversed_padding)
         self.register_buffer("bias", None if bias is None else bias.detach())
