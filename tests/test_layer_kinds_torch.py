@@ -69,11 +69,58 @@ def test_conv1d_int8_channel_and_gradient():
 
 def test_weights_no_kind_takes_are_reported_with_their_reason():
     model = nn.Sequential(nn.Linear(8, 8))
-    model.attn = nn.MultiheadAttention(8, 2)
+    model.attn = nn.MultiheadAttention(8, 2, kdim=4, vdim=4)  # separate q/k/v weights: not supported
     model.norm = nn.LayerNorm(8)  # 1-D parameters: not weights the report accounts for
     model.table = nn.Parameter(torch.zeros(3, 8))
     report = get_qat_report(apply_qat(model))
-    assert report["attn.in_proj_weight"].reason.startswith("unsupported type: nn.MultiheadAttention")
+    assert report["attn"].reason.startswith("unsupported type: nn.MultiheadAttention with kdim/vdim")
+    assert report["attn.q_proj_weight"].reason == "unsupported type: nn.MultiheadAttention reads q_proj_weight directly"
+    assert "reads this weight directly" in report["attn.out_proj"].reason
     assert report["table"].reason == "unsupported type: mixle has no QAT layer for Sequential"
     assert not any(d.path.startswith("norm") for d in report.decisions)
-    assert report.weight_share == (64, 64 + 3 * 64 + 64 + 24)
+    assert report.weight_share == (64, 64 + (64 + 32 + 32) + 64 + 24)
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=batch_first)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+
+def attention(batch_first, seed=0):
+    torch.manual_seed(seed)
+    return Attention(batch_first).eval()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])  # True: eval under no_grad takes MHA's fast path
+def test_multihead_attention_in_and_out_proj_fake_quantized_toggle_convert_save_load(batch_first, tmp_path):
+    float_model = attention(batch_first)
+    model = apply_qat(copy.deepcopy(float_model), bits=4, group_size=8)
+    assert get_qat_report(model).weight_share == (48 * 16 + 16 * 16 + 4 * 16,) * 2
+    x = torch.randn(2, 5, 16)
+    w_in = reference_codes_scales(model.attn.in_proj_weight.detach().numpy(), 4, "group", 8)[2]
+    w_out = reference_codes_scales(model.attn.out_proj.weight.detach().numpy(), 4, "group", 8)[2]
+    reference = copy.deepcopy(float_model)
+    with torch.no_grad():
+        reference.attn.in_proj_weight.copy_(torch.from_numpy(w_in))
+        reference.attn.out_proj.weight.copy_(torch.from_numpy(w_out))
+        reference.fc.weight.copy_(torch.from_numpy(reference_codes_scales(model.fc.weight.detach().numpy(), 4, "group", 8)[2]))
+        fake = model(x)
+        # the float MHA on the numpy-quantized weights, along the same (fast or slow) path
+        assert torch.equal(fake, reference(x))
+        set_fake_quant_enabled(model, False)
+        assert torch.equal(model(x), float_model(x))
+        set_fake_quant_enabled(model, True)
+        converted = convert(model)
+        assert torch.equal(converted(x), fake)
+        save_quantized(converted, tmp_path / "mha.safetensors")
+        assert torch.equal(load_quantized(tmp_path / "mha.safetensors", attention(batch_first, seed=3))(x), fake)
+    model.train()
+    model(x).sum().backward()  # slow path with grad: STE gradients reach both weights
+    assert model.attn.in_proj_weight.grad is not None and model.attn.out_proj.weight.grad is not None
+    with pytest.raises(ValueError, match="exclude both or neither"):
+        apply_qat(attention(batch_first), exclude=(r"attn\.out_proj",))

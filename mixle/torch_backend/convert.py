@@ -47,9 +47,10 @@ def _convert_in_place(model):
     replacements = {}
     for layer in qat.qat_layers(model):
         kind = kind_of_qat(layer)
-        key = (id(layer.weight), layer.spec)
+        weight = kind.weight_of(layer)
+        key = (id(weight), layer.spec)
         if key not in storage:
-            storage[key] = to_storage(kind.quantize(layer.weight.detach(), layer.spec))
+            storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
         new = kind.to_quantized(layer, *storage[key])
         new.train(layer.training)
         replacements[id(layer)] = new
@@ -75,7 +76,8 @@ def _check_convertible(model):
         if kind.quantized_type is None:
             raise ValueError(f"layer {path!r} is a {type(layer).__name__}: convert refuses it because "
                              f"{kind.not_convertible}")
-        extra = [name for name, _ in layer.named_parameters() if name not in ("weight", "bias")]
+        own = {kind.weight_name, kind.bias_name} | {f"{c}.{n}" for c in kind.linear_children for n in ("weight", "bias")}
+        extra = [name for name, _ in layer.named_parameters() if name not in own]
         if type(layer).forward is not kind.qat_type.forward or extra:
             raise ValueError(
                 f"layer {path!r} is a {type(layer).__name__} whose forward uses more than its quantized "
@@ -145,7 +147,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     prepared = qat.apply(copy.deepcopy(model), selector, reconfigure=False)
     if not qat.qat_layers(prepared):
         raise ValueError(
-            f"quantize_model selected no nn.Linear, Conv1D, nn.Embedding or nn.Conv1d/2d layer with patterns={tuple(patterns)!r}, "
+            f"quantize_model selected no nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d layer with patterns={tuple(patterns)!r}, "
             f"exclude={tuple(exclude)!r}: widen patterns or shrink exclude"
         )
     _check_convertible(prepared)

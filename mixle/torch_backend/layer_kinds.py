@@ -17,7 +17,9 @@ from mixle.torch_backend.conv_layers import QuantizedConv, _QATConvMixin, quanti
 from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, _QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear
+from mixle.torch_backend.mha_layers import OPTIONS as MHA_OPTIONS
+from mixle.torch_backend.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
+from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, to_storage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,9 @@ class LayerKind:
         follows_tie: when its weight is tied to a selected layer of another kind, it is wrapped
             with that layer's spec (a tied weight is stored once, so both uses must see the same
             quantized weight).
+        weight_name, bias_name: the attributes holding its weight and bias.
+        linear_children: child Linear layers whose weights the layer itself reads (and so
+            fake-quantizes with its spec): convert makes each a ``QuantizedLinear``.
     """
 
     name: str
@@ -56,6 +61,16 @@ class LayerKind:
     has_bias: bool = False
     opt_in: bool = False
     follows_tie: bool = False
+    weight_name: str = "weight"
+    bias_name: str = "bias"
+    linear_children: tuple = ()
+
+    def weight_of(self, module):
+        """The module's weight Parameter (``in_proj_weight`` for MHA)."""
+        return getattr(module, self.weight_name)
+
+    def bias_of(self, module):
+        return getattr(module, self.bias_name, None)
 
     def stored_shape(self, shape):
         """The ``(out, in)`` shape the codes are stored in, for a weight of ``shape`` (trailing
@@ -73,8 +88,14 @@ class LayerKind:
         """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
         extra = {name: getattr(layer, name) for name in self.options}
         if self.has_bias:
-            extra["bias"] = None if layer.bias is None else layer.bias.detach()
-        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(layer.weight.shape), **extra)
+            bias = self.bias_of(layer)
+            extra["bias"] = None if bias is None else bias.detach()
+        for name in self.linear_children:
+            child = getattr(layer, name)
+            child_codes, child_scale = to_storage(quantize_linear_weight(child.weight.detach(), layer.spec))
+            extra[name] = QuantizedLinear(child_codes, child_scale, layer.spec, tuple(child.weight.shape),
+                                          bias=None if child.bias is None else child.bias.detach())
+        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(self.weight_of(layer).shape), **extra)
 
 
 def _quantize_transposed(w, spec):
@@ -94,6 +115,10 @@ KINDS = (
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
     LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=_QATConv1DMixin, wrap=wrap_conv1d,
               quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
+    LayerKind(name="multihead_attention", float_types=(nn.MultiheadAttention,), qat_type=QATMultiheadAttention,
+              wrap=wrap_mha, quantize=quantize_linear_weight, quantized_type=QuantizedMultiheadAttention,
+              has_bias=True, weight_name="in_proj_weight", bias_name="in_proj_bias", linear_children=("out_proj",),
+              options=MHA_OPTIONS),
     LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=_QATConvMixin, wrap=wrap_conv,
               quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True,
               options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),

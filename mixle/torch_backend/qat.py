@@ -12,10 +12,11 @@ from mixle.core.report import LayerDecision, QATReport
 from mixle.torch_backend.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
 from mixle.torch_backend.layers import check_supported
 from mixle.torch_backend.lora import LoRALinear
+from mixle.torch_backend.mha_layers import unsupported_reason
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
-SELECTABLE = "nn.Linear, Conv1D, nn.Embedding or nn.Conv1d/2d"  # what patterns must match, in error messages
+SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"  # what patterns must match, in error messages
 ADAPTER_REASON = "adapter: trained in float beside the quantized base; merge it before convert"
 
 
@@ -27,6 +28,8 @@ def float_reason(module, parent):
     """
     if isinstance(parent, nn.MultiheadAttention):
         return "nn.MultiheadAttention reads this weight directly, so a wrapper would never run"
+    if isinstance(module, nn.MultiheadAttention):
+        return unsupported_reason(module)
     kind = kind_of_qat(module) or kind_of_float(module)
     if kind is not None and type(module) not in (kind.qat_type, *kind.float_types) and \
             type(module).forward not in {t.forward for t in (kind.qat_type, *kind.float_types)}:
@@ -36,6 +39,10 @@ def float_reason(module, parent):
 
 def _kind(module):
     return kind_of_qat(module) or kind_of_float(module)
+
+
+def _weight(module):
+    return _kind(module).weight_of(module)
 
 
 def adapter_ids(model):
@@ -83,7 +90,7 @@ def repeated_decision(path, kind, first):
 
 def _tie_note(weight, tied):
     for path, module in tied:
-        if module.weight is weight:
+        if _weight(module) is weight:
             return f"weight tied to embedding {path!r}"
     return ""
 
@@ -127,8 +134,8 @@ def apply(model, selector, reconfigure, example_inputs=None):
     opt_in = _opt_in_names(selector)
     entries, parent_of, layers = plan_inputs(model, selector)
     naming = _naming_rules(selector, layers)
-    leaders = {id(m.weight) for _, m in layers if not _kind(m).follows_tie}
-    tied = [(p, m) for p, m in layers if _kind(m).follows_tie and id(m.weight) in leaders]
+    leaders = {id(_weight(m)) for _, m in layers if not _kind(m).follows_tie}
+    tied = [(p, m) for p, m in layers if _kind(m).follows_tie and id(_weight(m)) in leaders]
     tied_ids = {id(m) for _, m in tied}
     enabled = _current_enabled(model)
 
@@ -140,11 +147,16 @@ def apply(model, selector, reconfigure, example_inputs=None):
         if id(module) in seen:
             decisions.append(repeated_decision(path, kind, seen[id(module)]))
             continue
+        parent = parent_of.get(id(module))
+        if isinstance(parent, nn.MultiheadAttention) and module is parent.out_proj:
+            seen[id(module)] = _out_proj_decision(path, module, seen.get(id(parent)), selector, counted)
+            decisions.append(seen[id(module)])
+            continue
         spec, reason = _decide(path, module, selector, opt_in, naming)
         blocked = float_reason(module, parent_of.get(id(module)))
         if spec is not None and blocked:
             spec, reason = None, blocked
-        elements = _count(module.weight, counted)
+        elements = _count(_weight(module), counted)
         if spec is None:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(
@@ -155,7 +167,7 @@ def apply(model, selector, reconfigure, example_inputs=None):
         else:
             action = _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
             decision = LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec,
-                                     note=_tie_note(module.weight, tied), elements=elements)
+                                     note=_tie_note(_weight(module), tied), elements=elements)
         seen[id(module)] = decision
         decisions.append(decision)
 
@@ -171,9 +183,25 @@ def apply(model, selector, reconfigure, example_inputs=None):
     return root
 
 
+def _out_proj_decision(path, module, attention, selector, counted):
+    """An MHA's ``out_proj`` is read by the MHA itself: it is fake-quantized with it, or not at all."""
+    kind, elements = type(module).__name__, _count(module.weight, counted)
+    if attention is None or attention.spec is None:
+        where = f" {attention.path!r}" if attention is not None else ""
+        return LayerDecision(path=path, kind=kind, action="skipped", elements=elements,
+                             reason=f"nn.MultiheadAttention{where} reads this weight directly and is not "
+                                    f"quantized, so neither is this weight")
+    own = selector.decide(path)[1]
+    if own.startswith("excluded"):
+        raise ValueError(f"layer {path!r} is {own}, but its nn.MultiheadAttention {attention.path!r} is selected "
+                         f"and fake-quantizes in_proj and out_proj together: exclude both or neither")
+    return LayerDecision(path=path, kind=kind, action=attention.action, spec=attention.spec, elements=elements,
+                         reason=f"read by nn.MultiheadAttention {attention.path!r}: quantized with it")
+
+
 def _count(weight, counted):
     """``weight``'s element count the first time it is met, else 0 (a weight is counted once)."""
-    if id(weight) in counted or not weight.is_floating_point() or weight.dim() < 2:
+    if weight is None or id(weight) in counted or not weight.is_floating_point() or weight.dim() < 2:
         return 0
     counted.add(id(weight))
     return weight.numel()
@@ -215,7 +243,7 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
                 f"it is already fake-quantized with {module.spec.short()}, not {spec.short()}: pass "
                 f"reconfigure=True to change the spec"
             )
-        block_shape(kind.stored_shape(module.weight.shape), spec)  # raises if group_size does not divide the input size
+        block_shape(kind.stored_shape(_weight(module).shape), spec)  # raises if group_size does not divide the input size
         respecs.append((module, spec))
         return "reconfigured"
     except ValueError as err:
@@ -227,25 +255,25 @@ def _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled
     module_of, spec_of_weight, path_of_weight = dict(layers), {}, {}
     for path, module in layers:
         if not _kind(module).follows_tie:
-            path_of_weight.setdefault(id(module.weight), path)
+            path_of_weight.setdefault(id(_weight(module)), path)
     for decision in decisions:
         if decision.spec is not None and decision.path in module_of:
-            spec_of_weight.setdefault(id(module_of[decision.path].weight), (decision.path, decision.spec))
+            spec_of_weight.setdefault(id(_weight(module_of[decision.path])), (decision.path, decision.spec))
     extra, seen = [], set()
     for path, module in tied:
         kind_name = type(module).__name__
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if id(module.weight) not in spec_of_weight:
+        if id(_weight(module)) not in spec_of_weight:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(f"embedding {path!r} is fake-quantized but its tied Linear is not selected now")
             if asked(path, module):  # asked for by name or opt_in: say why it stays float
                 extra.append(LayerDecision(path=path, kind=kind_name, action="skipped",
-                                           reason=f"tied: its weight is {path_of_weight[id(module.weight)]!r}'s, "
+                                           reason=f"tied: its weight is {path_of_weight[id(_weight(module))]!r}'s, "
                                                   f"which is not selected"))
             continue
-        head_path, spec = spec_of_weight[id(module.weight)]
+        head_path, spec = spec_of_weight[id(_weight(module))]
         own_reason = selector.decide(path)[1]
         if own_reason.startswith("excluded"):
             raise ValueError(
