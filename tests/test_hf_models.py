@@ -173,7 +173,10 @@ def test_conv1d_is_quantized_per_output_column_and_shares_its_parameters():
 peft = pytest.importorskip("peft")
 
 
-def lora_config():
+def lora_config(name="llama_untied"):
+    if name == "gpt2":  # Conv1D targets: PEFT merges the transposed delta into weight.data
+        return peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True,
+                               init_lora_weights=False)
     return peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
 
@@ -195,9 +198,10 @@ def test_peft_either_order_quantizes_base_layers_never_adapters():
     assert torch.equal(out(first, x), out(second, x))
 
 
-def test_peft_merge_and_unload_matches_a_fresh_qat_model_in_process_and_after_convert():
+@pytest.mark.parametrize("name", ["llama_untied", "gpt2"])
+def test_peft_merge_and_unload_matches_a_fresh_qat_model_in_process_and_after_convert(name):
     x = tokens()
-    model = peft.get_peft_model(apply_qat(build("llama_untied"), **SPEC), lora_config())
+    model = peft.get_peft_model(apply_qat(build(name), **SPEC), lora_config(name))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     for step in range(2):
@@ -214,7 +218,7 @@ def test_peft_merge_and_unload_matches_a_fresh_qat_model_in_process_and_after_co
     fresh_out = out(fresh, x)
     # The merged base is re-quantized: the output moves off the adapter-on-fake-quant-base output
     # and lands exactly on a fresh QAT model of the merged weights.
-    print(f"\nPEFT merge: |merged - fresh QAT| = {(in_process - fresh_out).abs().max():.3g}, "
+    print(f"\nPEFT merge ({name}): |merged - fresh QAT| = {(in_process - fresh_out).abs().max():.3g}, "
           f"|merged - before merge| = {(in_process - before_merge).abs().max():.3g}")
     assert torch.equal(in_process, fresh_out)
     assert torch.equal(out(convert(merged), x), in_process)
