@@ -224,7 +224,7 @@ def test_peft_merge_and_unload_matches_a_fresh_qat_model_in_process_and_after_co
     assert torch.equal(out(convert(merged), x), in_process)
 
 
-def test_peft_unmerged_convert_keeps_float_adapters_over_int_weights_and_errors_name_the_layer():
+def test_peft_unmerged_convert_keeps_float_adapters_over_int_weights_and_errors_name_the_layer(tmp_path):
     x = tokens()
     model = apply_qat(peft.get_peft_model(build("llama_untied"), lora_config()), **SPEC)
     fake = out(model, x)
@@ -232,6 +232,9 @@ def test_peft_unmerged_convert_keeps_float_adapters_over_int_weights_and_errors_
     q_proj = converted.base_model.model.model.layers[0].self_attn.q_proj
     assert type(q_proj.base_layer).__name__ == "QuantizedLinear" and q_proj.lora_A["default"].weight.dtype == torch.float32
     assert torch.equal(out(converted, x), fake)
+    save_quantized(converted, tmp_path / "peft.safetensors")
+    skeleton = peft.get_peft_model(build("llama_untied", seed=5), lora_config())
+    assert torch.equal(out(load_quantized(tmp_path / "peft.safetensors", skeleton), x), fake)
     with pytest.raises(ValueError, match=r"layer '.*q_proj\.base_layer': group_size=64 does not divide"):
         apply_qat(peft.get_peft_model(build("llama_untied"), lora_config()), bits=4, group_size=64)
     dora = apply_qat(peft.get_peft_model(build("llama_untied"), peft.LoraConfig(
