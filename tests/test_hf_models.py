@@ -125,6 +125,8 @@ def test_untied_embeddings_opt_in_per_row(name, tmp_path):
     model = apply_qat(copy.deepcopy(float_model), opt_in=("embedding",), **SPEC)
     report = get_qat_report(model)
     assert report.weight_share[0] == report.weight_share[1]  # nothing left float
+    apply_qat(model, **SPEC)  # applying again without opt_in keeps the opted-in tables
+    assert {d.action for d in get_qat_report(model).decisions} == {"unchanged"}
     table = next(m for p, m in model.named_modules() if p == FLOAT_BY_DEFAULT[name][0])
     w = table.weight.detach().numpy()
     rows = torch.tensor([[3, 0, 63]])

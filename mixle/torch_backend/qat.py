@@ -118,6 +118,8 @@ def _decide(path, module, selector, opt_in, naming):
         return spec, reason
     if kind.name in opt_in:
         return spec, f"{reason}; opt_in={kind.name!r}"
+    if kind_of_qat(module) is not None:  # opted in before: applying again keeps it
+        return spec, f"{reason}; already fake-quantized"
     if selector.rule_for(path) in naming:
         return spec, reason
     return None, (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) or a "
