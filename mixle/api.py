@@ -34,12 +34,14 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
               example_inputs=None, **spec_fields):
     """Make a model's selected layers fake-quantize their weights for quantization-aware training.
 
-    PyTorch: every selected Linear-like layer (``nn.Linear``, transformers' ``Conv1D``) is swapped
-    in place for a QAT layer that shares its Parameters; weights, ``state_dict`` keys, tied
-    weights and optimizers are untouched. Untied ``nn.Embedding`` tables are opt-in (per-row
-    scales): ``opt_in=("embedding",)`` or a pattern matching only embeddings selects them; an
-    embedding tied to a selected head always follows it. PEFT adapters are never quantized. The
-    report lists every floating-point weight (two or more dimensions), quantized or not and why.
+    PyTorch: every selected Linear-like layer (``nn.Linear``, transformers' ``Conv1D``,
+    ``nn.MultiheadAttention``'s in and out projections) is swapped in place for a QAT layer that
+    shares its Parameters; weights, ``state_dict`` keys, tied weights and optimizers are
+    untouched. Untied ``nn.Embedding`` tables (per-row scales) and ``nn.Conv1d``/``nn.Conv2d``
+    (per output channel) are opt-in: ``opt_in=("embedding", "conv")`` or a pattern matching only
+    such layers selects them; an embedding tied to a selected head always follows it. PEFT
+    adapters are never quantized. The report lists every floating-point weight (two or more
+    dimensions), quantized or not and why, and the share of weight elements quantized.
 
     Args:
         model: a ``torch.nn.Module`` (or a Flax module, with the ``jax`` extra).
@@ -49,7 +51,7 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             may be ``(regex, QuantSpec)`` or ``(regex, None)`` (keep float). Each must match a
             layer, so typos fail loudly.
         exclude: regexes of module paths to keep in float; each must match a module.
-        opt_in: layer kinds selected besides the Linear-like ones, e.g. ``("embedding",)``
+        opt_in: layer kinds selected besides the Linear-like ones: ``"embedding"``, ``"conv"``
             (torch only).
         reconfigure: allow changing the spec of layers that are already wrapped.
         example_inputs: Flax only (required there): the positional inputs of one model call,
