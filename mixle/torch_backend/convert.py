@@ -147,7 +147,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     prepared = qat.apply(copy.deepcopy(model), selector, reconfigure=False)
     if not qat.qat_layers(prepared):
         raise ValueError(
-            f"quantize_model selected no nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d layer with patterns={tuple(patterns)!r}, "
+            f"quantize_model selected no {qat.SELECTABLE} layer with patterns={tuple(patterns)!r}, "
             f"exclude={tuple(exclude)!r}: widen patterns or shrink exclude"
         )
     _check_convertible(prepared)

@@ -11,7 +11,9 @@ import sys
 import torch
 from torch import nn
 
+from mixle.core.numerics import block_shape
 from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches
+from mixle.torch_backend.layers import adopt, check_supported
 from mixle.torch_backend.quantized import QuantizedWeight
 
 HF_MODULE, HF_NAME = "transformers.pytorch_utils", "Conv1D"
@@ -54,9 +56,6 @@ class _QATConv1DMixin(nn.Module):
     """
 
     def __init__(self, conv, spec, *, enabled=True):
-        from mixle.core.numerics import block_shape
-        from mixle.torch_backend.layers import adopt, check_supported
-
         check_supported(spec)
         block_shape(tuple(conv.weight.shape[::-1]), spec)  # group_size must divide the input size
         nn.Module.__init__(self)

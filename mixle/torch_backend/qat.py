@@ -16,7 +16,8 @@ from mixle.torch_backend.mha_layers import unsupported_reason
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
-SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"  # what patterns must match, in error messages
+# What patterns must match, in error messages.
+SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"
 ADAPTER_REASON = "adapter: trained in float beside the quantized base; merge it before convert"
 
 
