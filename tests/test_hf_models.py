@@ -43,6 +43,13 @@ def qwen2():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def qwen3():
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=32, tie_word_embeddings=True)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
 def bert():
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=32, num_labels=3)
@@ -50,7 +57,7 @@ def bert():
 
 
 MODELS = {"gpt2": gpt2, "llama_tied": lambda: llama(True), "llama_untied": lambda: llama(False),
-          "qwen2": qwen2, "bert": bert}
+          "qwen2": qwen2, "qwen3": qwen3, "bert": bert}
 
 
 def build(name, seed=0):
@@ -82,6 +89,7 @@ FLOAT_BY_DEFAULT = {
     "llama_tied": [],
     "llama_untied": ["model.embed_tokens"],
     "qwen2": ["model.embed_tokens"],
+    "qwen3": [],  # tied: the table follows lm_head
     "bert": ["bert.embeddings.word_embeddings", "bert.embeddings.position_embeddings",
              "bert.embeddings.token_type_embeddings"],
 }
