@@ -10,6 +10,8 @@ _EXTRA_OF = {
     "optax": "jax",
     "matplotlib": "bench",
     "tqdm": "bench",
+    "transformers": "hf",
+    "peft": "hf",
 }
 
 

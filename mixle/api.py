@@ -30,12 +30,18 @@ __all__ = [
 ]
 
 
-def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=False, example_inputs=None,
-              **spec_fields):
+def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reconfigure=False,
+              example_inputs=None, **spec_fields):
     """Make a model's selected layers fake-quantize their weights for quantization-aware training.
 
-    PyTorch: every selected ``nn.Linear`` is swapped in place for a ``QATWrapper`` that shares
-    its Parameters; weights, ``state_dict`` keys, tied weights and optimizers are untouched.
+    PyTorch: every selected Linear-like layer (``nn.Linear``, transformers' ``Conv1D``,
+    ``nn.MultiheadAttention``'s in and out projections) is swapped in place for a QAT layer that
+    shares its Parameters; weights, ``state_dict`` keys, tied weights and optimizers are
+    untouched. Untied ``nn.Embedding`` tables (per-row scales) and ``nn.Conv1d``/``nn.Conv2d``
+    (per output channel) are opt-in: ``opt_in=("embedding", "conv")`` or a pattern matching only
+    such layers selects them; an embedding tied to a selected head always follows it. PEFT
+    adapters are never quantized. The report lists every floating-point weight (two or more
+    dimensions), quantized or not and why, and the share of weight elements quantized.
 
     Args:
         model: a ``torch.nn.Module`` (or a Flax module, with the ``jax`` extra).
@@ -45,6 +51,8 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=Fal
             may be ``(regex, QuantSpec)`` or ``(regex, None)`` (keep float). Each must match a
             layer, so typos fail loudly.
         exclude: regexes of module paths to keep in float; each must match a module.
+        opt_in: layer kinds selected besides the Linear-like ones: ``"embedding"``, ``"conv"``
+            (torch only).
         reconfigure: allow changing the spec of layers that are already wrapped.
         example_inputs: Flax only (required there): the positional inputs of one model call,
             e.g. ``(x,)``. The model is traced once under ``jax.grad`` (shapes only) to find which
@@ -70,7 +78,7 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), reconfigure=Fal
     if not isinstance(reconfigure, bool):
         raise TypeError(f"reconfigure must be True or False, got {reconfigure!r}")
     backend = backends.for_model(model, "apply_qat")
-    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec)
+    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
     return backend.apply(model, selector, reconfigure, example_inputs)
 
 
@@ -114,7 +122,7 @@ def get_qat_report(model):
     >>> print(get_qat_report(apply_qat(torch.nn.Sequential(torch.nn.Linear(4, 4)))))  # doctest: +NORMALIZE_WHITESPACE
     path  kind    action   spec                  reason
     0     Linear  wrapped  int4/channel/symmetric  matched '.*'
-    1 quantized, 0 left in float
+    1 quantized, 0 left in float; weights quantized: 100.0% of 16 elements
     """
     return backends.for_model(model, "get_qat_report").report(model)
 
@@ -167,7 +175,7 @@ def convert(model):
     return backends.for_model(model, "convert").convert(model)
 
 
-def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fields):
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), **spec_fields):
     """Post-training quantization: ``convert(apply_qat(copy of model, ...))``, same grid as QAT.
 
     >>> import torch
@@ -175,7 +183,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fie
     'QuantizedLinear'
     """
     return backends.for_model(model, "quantize_model").quantize_model(
-        model, spec, patterns=patterns, exclude=exclude, **spec_fields)
+        model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
 
 
 def save_quantized(model, path):

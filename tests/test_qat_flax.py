@@ -543,3 +543,9 @@ def test_fake_quantize_on_jax_arrays_matches_numpy_and_passes_gradients_straight
     masked = jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec.replace(clip_gradient=True))))(w)
     _, scale, _ = reference_codes_scales(W1, 4, "channel", None, 90.0)
     np.testing.assert_array_equal(masked, (np.abs(W1) <= scale * 7).astype(np.float32))
+
+
+def test_opt_in_is_refused_for_flax_models():
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"opt_in=\('embedding',\) is for torch models"):
+        apply_qat(model, opt_in=("embedding",), example_inputs=(jnp.ones((1, 4)),))

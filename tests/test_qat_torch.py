@@ -253,10 +253,16 @@ def test_tied_embedding_follows_its_head():
         apply_qat(make_lm(), bits=4, exclude=("tok",))
 
 
-def test_multihead_attention_out_proj_is_reported_not_wrapped():
+def test_multihead_attention_out_proj_is_quantized_with_its_attention_or_not_at_all():
     model = nn.Sequential(nn.Linear(8, 8))
     model.attn = nn.MultiheadAttention(8, 2)
     apply_qat(model)
+    report = get_qat_report(model)
+    assert report["attn"].action == report["attn.out_proj"].action == "wrapped"
+    assert "read by nn.MultiheadAttention 'attn'" in report["attn.out_proj"].reason
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.attn = nn.MultiheadAttention(8, 2)
+    apply_qat(model, exclude=("attn",))
     report = get_qat_report(model)
     assert report["attn.out_proj"].action == "skipped"
     assert "reads this weight directly" in report["attn.out_proj"].reason

@@ -19,6 +19,8 @@ class LayerDecision:
         reason: why (the pattern that selected it, or why it was skipped).
         spec: the QuantSpec applied, None when skipped.
         note: anything else worth knowing (e.g. a weight shared with an embedding).
+        elements: the element count of its weight, counted once per weight (0 for a repeat of
+            a module or weight already counted, and in reports that do not count weights).
     """
 
     path: str
@@ -27,6 +29,7 @@ class LayerDecision:
     reason: str
     spec: QuantSpec | None = None
     note: str = ""
+    elements: int = 0
 
 
 class QATReport:
@@ -47,6 +50,13 @@ class QATReport:
         return [d.path for d in self.decisions if d.action != "skipped"]
 
     @property
+    def weight_share(self):
+        """``(quantized elements, all weight elements)`` over the floating-point parameters with
+        two or more dimensions (each counted once); ``(0, 0)`` when weights are not counted."""
+        done = sum(d.elements for d in self.decisions if d.action != "skipped")
+        return done, sum(d.elements for d in self.decisions)
+
+    @property
     def skipped(self):
         """Paths left in float."""
         return [d.path for d in self.decisions if d.action == "skipped"]
@@ -64,7 +74,11 @@ class QATReport:
             rows.append((d.path or "<root>", d.kind, d.action, d.spec.short() if d.spec else "-", reason))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
-        lines.append(f"{len(self.wrapped)} {self._words[0]}, {len(self.skipped)} {self._words[1]}")
+        summary = f"{len(self.wrapped)} {self._words[0]}, {len(self.skipped)} {self._words[1]}"
+        done, total = self.weight_share
+        if total:
+            summary += f"; weights {self._words[0]}: {done / total:.1%} of {total:,} elements"
+        lines.append(summary)
         return "\n".join(lines)
 
     def __repr__(self):

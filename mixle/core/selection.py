@@ -25,18 +25,23 @@ class LayerSelector:
         default_spec: the spec for plain-string patterns.
         spec_type: the class of specs allowed in ``(regex, spec)`` pairs (QuantSpec for QAT;
             other layer transforms, such as LoRA, pass their own).
+        opt_in: names of layer kinds selected beyond the default ones (e.g. ``("embedding",)``);
+            the backend checks the names and refuses those it does not have.
 
     >>> s = LayerSelector(patterns=[("head", None), ".*"], exclude=(), default_spec=QuantSpec())
     >>> s.decide("head")[0] is None, s.decide("blocks.0.fc")[0].bits
     (True, 4)
     """
 
-    def __init__(self, *, patterns, exclude, default_spec, spec_type=QuantSpec):
+    def __init__(self, *, patterns, exclude, default_spec, spec_type=QuantSpec, opt_in=()):
         if isinstance(patterns, (str, bytes)) or isinstance(exclude, (str, bytes)):
             raise TypeError(
                 "patterns and exclude take a sequence of regexes, e.g. patterns=('.*',) or "
                 "exclude=('head',); a bare string would be read one character at a time"
             )
+        if isinstance(opt_in, (str, bytes)) or not all(isinstance(name, str) for name in opt_in):
+            raise TypeError(f"opt_in takes a sequence of layer kind names, e.g. opt_in=('embedding',), got {opt_in!r}")
+        self.opt_in = tuple(opt_in)
         self.rules = []
         for entry in patterns:
             if isinstance(entry, tuple):
@@ -51,6 +56,14 @@ class LayerSelector:
         self.excludes = [(regex, _compile(regex, "exclude")) for regex in exclude]
         if not self.rules:
             raise ValueError("patterns is empty, so no layer could be selected: pass e.g. patterns=('.*',)")
+
+    def rule_for(self, path):
+        """The regex of the first pattern matching ``path`` in full, or None."""
+        return next((regex for regex, compiled, _ in self.rules if compiled.fullmatch(path)), None)
+
+    def matching_rules(self, paths):
+        """The regexes of the patterns that match at least one of ``paths``."""
+        return {regex for regex, compiled, _ in self.rules if any(compiled.fullmatch(p) for p in paths)}
 
     def decide(self, path):
         """``(spec or None, reason)`` for a layer path."""

@@ -369,6 +369,9 @@ def _apply_linen(module, selector, reconfigure, inputs):
 
 def apply(model, selector, reconfigure, example_inputs=None):
     """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``)."""
+    if selector.opt_in:
+        raise ValueError(f"opt_in={selector.opt_in!r} is for torch models: the Flax backend quantizes the kernels "
+                         f"Qwix's rules select; drop opt_in")
     inputs = _check_inputs(example_inputs, model)
     if isinstance(model, nnx.Module):
         return _apply_nnx(model, selector, reconfigure, inputs)

@@ -6,7 +6,7 @@ from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
 from mixle.torch_backend.layers import QATWrapper, check_supported, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.qat import decide_layers, plan_inputs
+from mixle.torch_backend.qat import decide_layers, plan_inputs, unblocked
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_lora_report"
@@ -55,13 +55,14 @@ def _check_layer(path, module, lora):
 
 def apply_lora(model, selector, train_base):
     """Torch half of ``apply_lora``: plan every decision, then swap, so failures change nothing."""
-    entries, parent_of, linears = plan_inputs(model, selector)
+    entries, parent_of, linears = plan_inputs(model, selector, lambda m: isinstance(m, torch.nn.Linear), "nn.Linear")
     holders = _parameter_holders(entries)
 
     replacements = {}
 
-    def choose(path, module, lora, reason):
+    def choose(path, module, decided):
         kind = type(module).__name__
+        lora, reason = unblocked(selector.decide(path), module, parent_of.get(id(module)))
         shared = _sharing_note(module, holders)
         if lora is not None and shared:
             lora, reason = None, f"{shared}: merging an adapter would change it there too"
@@ -86,7 +87,7 @@ def apply_lora(model, selector, train_base):
             replacements[id(module)] = LoRALinear(module, lora)
         return LayerDecision(path=path, kind=kind, action="wrapped", reason=reason, spec=lora)
 
-    decisions = decide_layers(linears, selector, parent_of, choose)
+    decisions = decide_layers(linears, choose)
 
     if not any(d.action != "skipped" for d in decisions):
         reasons = sorted({f"{d.path!r}: {d.reason}" for d in decisions})[:6]

@@ -47,9 +47,10 @@ def _convert_in_place(model):
     replacements = {}
     for layer in qat.qat_layers(model):
         kind = kind_of_qat(layer)
-        key = (id(layer.weight), layer.spec)
+        weight = kind.weight_of(layer)
+        key = (id(weight), layer.spec)
         if key not in storage:
-            storage[key] = to_storage(kind.quantize(layer.weight.detach(), layer.spec))
+            storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
         new = kind.to_quantized(layer, *storage[key])
         new.train(layer.training)
         replacements[id(layer)] = new
@@ -60,15 +61,23 @@ def _convert_in_place(model):
 
 
 def _check_convertible(model):
-    """Refuse QAT layers whose forward computes more than the quantized weight (e.g. LoRA)."""
+    """Refuse QAT layers whose forward computes more than the quantized weight (e.g. mixle LoRA),
+    and PEFT DoRA adapters (they read the base weight). PEFT LoRA adapters over a QAT base layer
+    convert: they stay float over the int base, exactly as they ran over the fake-quant one."""
     for path, layer in model.named_modules():
+        dora = getattr(layer, "use_dora", None)
+        if isinstance(dora, dict) and any(dora.values()) and kind_of_qat(layer.get_base_layer()) is not None:
+            raise ValueError(f"layer {path!r} has a PEFT DoRA adapter, whose forward reads the base layer's float "
+                             f"weight, which convert replaces by int codes: merge it first with "
+                             f"model = model.merge_and_unload(), then convert")
         kind = kind_of_qat(layer)
         if kind is None:
             continue
         if kind.quantized_type is None:
             raise ValueError(f"layer {path!r} is a {type(layer).__name__}: convert refuses it because "
                              f"{kind.not_convertible}")
-        extra = [name for name, _ in layer.named_parameters() if name not in ("weight", "bias")]
+        own = {kind.weight_name, kind.bias_name} | {f"{c}.{n}" for c in kind.linear_children for n in ("weight", "bias")}
+        extra = [name for name, _ in layer.named_parameters() if name not in own]
         if type(layer).forward is not kind.qat_type.forward or extra:
             raise ValueError(
                 f"layer {path!r} is a {type(layer).__name__} whose forward uses more than its quantized "
@@ -110,7 +119,7 @@ def convert(model):
     return _convert_in_place(copy.deepcopy(model))
 
 
-def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fields):
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), **spec_fields):
     """Post-training quantization: a copy of a float model with real int Linear layers.
 
     It is ``convert(apply_qat(copy, spec=..., patterns=..., exclude=...))``: the same layer
@@ -119,7 +128,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fie
     Args:
         model: a float torch model (not QAT-wrapped: use ``convert`` for that).
         spec: a QuantSpec; or its fields as keywords (default int4 per-channel symmetric).
-        patterns, exclude: layer selection as in ``apply_qat`` (regexes over module paths).
+        patterns, exclude, opt_in: layer selection as in ``apply_qat``.
 
     Returns:
         The quantized copy; ``model`` is untouched.
@@ -134,11 +143,11 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), **spec_fie
         raise ValueError("quantize_model got a QAT-wrapped model: use convert(model) to keep its trained spec")
     if any(isinstance(m, QUANTIZED_TYPES) for m in model.modules()):
         raise ValueError("quantize_model got a model that already has quantized layers: quantize its float original")
-    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec)
+    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
     prepared = qat.apply(copy.deepcopy(model), selector, reconfigure=False)
     if not qat.qat_layers(prepared):
         raise ValueError(
-            f"quantize_model selected no nn.Linear layer with patterns={tuple(patterns)!r}, "
+            f"quantize_model selected no {qat.SELECTABLE} layer with patterns={tuple(patterns)!r}, "
             f"exclude={tuple(exclude)!r}: widen patterns or shrink exclude"
         )
     _check_convertible(prepared)

@@ -206,14 +206,15 @@ def _build_layer(entry, tensors, module, source):
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
             entry.get("scale_nbytes") != scale.numel() * scale.element_size():
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
-    if not isinstance(module, kind.float_types) or tuple(module.weight.shape) != shape or \
-            (kind.has_bias and (module.bias is None) != (bias is None)):
+    if not isinstance(module, kind.float_types) or kind.stored_shape(kind.weight_of(module).shape) != shape or \
+            (kind.has_bias and (kind.bias_of(module) is None) != (bias is None)):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")
     extra = {name: entry.get(name) for name in kind.options}
+    extra.update({name: getattr(module, name) for name in kind.linear_children})  # replaced by their own entries
     if kind.has_bias:
         extra["bias"] = bias
-    return kind.quantized_type(codes, scale, spec, shape, **extra)
+    return kind.quantized_type(codes, scale, spec, shape, **extra).train(module.training)  # MHA's path depends on it
 
 
 def load_quantized(path, model):

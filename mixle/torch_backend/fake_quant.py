@@ -15,9 +15,10 @@ float weight for its backward, a second copy of every weight alive from forward 
 ``linear`` instead rebuilds that weight in the backward, just for the input gradient, inside the
 buffer that then receives the weight gradient.
 
-Limitation: in-place edits that bypass the version counter (``param.data.add_(...)`` by hand)
-are seen only at the next optimizer step or ``load_state_dict``; call
-``mixle.models.qat.invalidate_fake_quant_caches()`` after such edits.
+In-place edits that bypass the version counter (``param.data.add_(...)``, PEFT's
+``merge_and_unload``) are caught by a fingerprint of the weight (per-row sums of its bits),
+checked whenever a cached version is reused: the first reuse of a version quantizes afresh
+and records it. ``mixle.models.qat.invalidate_fake_quant_caches()`` still forces a fresh start.
 """
 
 import functools
@@ -76,13 +77,36 @@ def _check_no_bad_blocks(nonfinite, x):
 
 
 class _Entry:
-    """One version of one weight, quantized: scales, clip thresholds (for clip_gradient) and the
-    int8 codes once the version is reused."""
+    """One version of one weight, quantized: scales, clip thresholds (for clip_gradient) and,
+    once the version is reused, the int8 codes and the weight's fingerprint."""
 
-    __slots__ = ("key", "spec", "scale", "threshold", "codes")
+    __slots__ = ("key", "spec", "scale", "threshold", "codes", "fingerprint")
 
     def __init__(self, key, spec, scale, threshold, codes):
         self.key, self.spec, self.scale, self.threshold, self.codes = key, spec, scale, threshold, codes
+        self.fingerprint = None
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(x):
+    """``(wrapping integer sum of x's bit patterns, x's row sums)``: a reused entry is trusted
+    only while both match, so ``.data`` edits, which leave the version counter alone, are seen.
+    Two reads of x, paid only when a version is reused (eval forwards, micro-batches, tied
+    weights), never by a plain training step. An edit that keeps both sums (two elements of a
+    row swapped) is not seen.
+
+    >>> [t.tolist() for t in _fingerprint(torch.ones(2, 3))]
+    [2097152000, [3.0, 3.0]]
+    """
+    x = x.detach()
+    bits = x.view(_BITS[x.element_size()])
+    return bits.sum(dtype=torch.int64 if x.element_size() == 8 else torch.int32), x.sum(-1)
+
+
+def _same_content(entry, x):
+    return entry.fingerprint is not None and all(map(torch.equal, entry.fingerprint, _fingerprint(x)))
 
 
 def _blocks(x, spec):
@@ -154,15 +178,22 @@ class _WeightCache:
         by several layers, or the previous version was reused), so a plain training loop, which
         uses each version once, holds nothing but the scales.
         """
-        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, spec)
+        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride(), spec)
         entry = self.entry
         if entry is not None and entry.key == key:
             self.uses += 1
-            return _rebuild(entry, x, keep_codes=True, out=out), entry
-        keep = shared or self.uses > 1
+            if _same_content(entry, x):
+                return _rebuild(entry, x, keep_codes=True, out=out), entry
+            # The first reuse of this version, or its content changed behind the version counter
+            # (a ``.data`` edit, e.g. PEFT's merge_and_unload): quantize afresh and keep the codes.
+            uses, keep = self.uses, True
+        else:
+            uses, keep = 1, shared or self.uses > 1
         self.entry = None  # free a stale entry's codes before quantizing again
         deq, self.entry = _quantize(x, spec, key, keep, out)
-        self.uses = 1
+        if keep:
+            self.entry.fingerprint = _fingerprint(x)
+        self.uses = uses
         return deq, self.entry
 
 
@@ -217,17 +248,20 @@ def fake_quantize(x, spec):
     return _FakeQuantSTE.apply(x, spec)
 
 
-def fake_quantized_weight(param, spec, *, shared=False):
+def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
-    Under ``torch.compile`` the cache is bypassed (the compiled graph recomputes and fuses it),
-    and for inference tensors, which have no version counter.
+    ``output_axis=1`` (a weight stored ``(in, out)``, e.g. transformers' Conv1D) quantizes and
+    returns the ``(out, in)`` transpose. Under ``torch.compile`` the cache is bypassed (the
+    compiled graph recomputes and fuses it), and for inference tensors, which have no version
+    counter.
     """
     check_array(param, "weight", finite=False)
+    x = param.t() if output_axis == 1 else param
     if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
-        return _FakeQuantSTE.apply(param, spec), None
+        return _FakeQuantSTE.apply(x, spec), None
     cache = _cache_of(param)
-    return _FakeQuantSTE.apply(param, spec, cache, shared), cache.entry
+    return _FakeQuantSTE.apply(x, spec, cache, shared), cache.entry
 
 
 class _SpareBuffer(threading.local):

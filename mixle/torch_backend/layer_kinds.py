@@ -6,15 +6,20 @@ apply_qat, convert, save_quantized and load_quantized walk ``KINDS``; adding a l
 Order matters: the first kind whose types match a module takes it (subclasses first).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
 
 from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
+from mixle.torch_backend.conv_layers import QuantizedConv, _QATConvMixin, quantize_conv_matrix, wrap_conv
+from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, _QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear
+from mixle.torch_backend.mha_layers import OPTIONS as MHA_OPTIONS
+from mixle.torch_backend.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
+from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, to_storage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,13 +32,21 @@ class LayerKind:
         qat_type: the QAT layer class it becomes.
         wrap: ``(module, spec, enabled) -> QAT layer`` sharing the module's Parameters.
         quantize: the core quantizer of its weight (fixes the ``batch + out + in`` layout).
-        output_axis: the weight's output-channel axis (one scale row per output channel).
+        output_axis: the weight's output-channel axis (one scale row per output channel); the
+            codes are stored with it first, ``(out, in)``.
         options: constructor options of the quantized layer, saved in the manifest.
         quantized_type: the real low-bit layer ``convert`` makes, or None.
         not_convertible: why ``convert`` refuses this kind (when ``quantized_type`` is None).
         has_bias: the quantized layer takes the layer's bias.
-        tied_only: wrapped only when its weight is tied to a selected layer of another kind (a
-            tied weight is stored once, so both uses must see the same quantized weight).
+        opt_in: selected only on request (``apply_qat(..., opt_in=(name,))`` or a pattern that
+            matches only opt-in layers), never by a pattern that also matches Linear-like layers
+            (such as the default ``.*``).
+        follows_tie: when its weight is tied to a selected layer of another kind, it is wrapped
+            with that layer's spec (a tied weight is stored once, so both uses must see the same
+            quantized weight).
+        weight_name, bias_name: the attributes holding its weight and bias.
+        linear_children: child Linear layers whose weights the layer itself reads (and so
+            fake-quantizes with its spec): convert makes each a ``QuantizedLinear``.
     """
 
     name: str
@@ -46,14 +59,48 @@ class LayerKind:
     quantized_type: type | None = None
     not_convertible: str = ""
     has_bias: bool = False
-    tied_only: bool = False
+    opt_in: bool = False
+    follows_tie: bool = False
+    weight_name: str = "weight"
+    bias_name: str = "bias"
+    linear_children: tuple = ()
+
+    def weight_of(self, module):
+        """The module's weight Parameter (``in_proj_weight`` for MHA)."""
+        return getattr(module, self.weight_name)
+
+    def bias_of(self, module):
+        return getattr(module, self.bias_name, None)
+
+    def stored_shape(self, shape):
+        """The ``(out, in)`` shape the codes are stored in, for a weight of ``shape`` (trailing
+        input axes, e.g. a convolution's kernel, flattened into ``in``).
+
+        >>> kind_named("conv1d").stored_shape((4, 3)), kind_named("conv").stored_shape((8, 3, 2, 2))
+        ((3, 4), (8, 12))
+        """
+        shape = tuple(int(d) for d in shape)
+        if self.output_axis == 1:
+            shape = shape[::-1]
+        return (shape[0], math.prod(shape[1:]))
 
     def to_quantized(self, layer, codes, scale):
         """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
         extra = {name: getattr(layer, name) for name in self.options}
         if self.has_bias:
-            extra["bias"] = None if layer.bias is None else layer.bias.detach()
-        return self.quantized_type(codes, scale, layer.spec, tuple(layer.weight.shape), **extra)
+            bias = self.bias_of(layer)
+            extra["bias"] = None if bias is None else bias.detach()
+        for name in self.linear_children:
+            child = getattr(layer, name)
+            child_codes, child_scale = to_storage(quantize_linear_weight(child.weight.detach(), layer.spec))
+            extra[name] = QuantizedLinear(child_codes, child_scale, layer.spec, tuple(child.weight.shape),
+                                          bias=None if child.bias is None else child.bias.detach())
+        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(self.weight_of(layer).shape), **extra)
+
+
+def _quantize_transposed(w, spec):
+    """A weight stored ``(in, out)``, quantized per output channel (per column)."""
+    return quantize_linear_weight(w.t(), spec)
 
 
 KINDS = (
@@ -66,11 +113,22 @@ KINDS = (
     LayerKind(name="linear", float_types=(nn.Linear,), qat_type=QATWrapper,
               wrap=lambda module, spec, enabled: QATWrapper(module, spec, enabled=enabled),
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
+    LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=_QATConv1DMixin, wrap=wrap_conv1d,
+              quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
+    LayerKind(name="multihead_attention", float_types=(nn.MultiheadAttention,), qat_type=QATMultiheadAttention,
+              wrap=wrap_mha, quantize=quantize_linear_weight, quantized_type=QuantizedMultiheadAttention,
+              has_bias=True, weight_name="in_proj_weight", bias_name="in_proj_bias", linear_children=("out_proj",),
+              options=MHA_OPTIONS),
+    LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=_QATConvMixin, wrap=wrap_conv,
+              quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True,
+              options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
               wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),
               quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,
-              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), tied_only=True),
+              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), opt_in=True,
+              follows_tie=True),
 )
+OPT_IN = tuple(kind.name for kind in KINDS if kind.opt_in)
 
 QAT_TYPES = tuple({kind.qat_type for kind in KINDS})
 QUANTIZED_TYPES = tuple({kind.quantized_type for kind in KINDS if kind.quantized_type is not None})

@@ -110,11 +110,12 @@ class QATWrapper(nn.Linear):
 
 
 class QATEmbedding(nn.Embedding):
-    """An ``nn.Embedding`` tied to a fake-quantized head: lookups use the same quantized weight.
+    """An ``nn.Embedding`` whose table is fake-quantized per row (one scale row per token).
 
-    A tied weight is stored once as integers after conversion, so training must see the
-    quantized table in both uses. Created by ``apply_qat`` only for embeddings whose weight is
-    shared with a wrapped Linear; shares the Parameter like ``QATWrapper``.
+    ``apply_qat`` makes one for an embedding tied to a fake-quantized head (lookups then use the
+    same quantized weight, which is stored once as integers after conversion) and for an untied
+    embedding selected with ``opt_in=("embedding",)`` or a pattern naming it. Shares the
+    Parameter like ``QATWrapper``.
     """
 
     def __init__(self, embedding, spec, *, enabled=True):
@@ -139,7 +140,7 @@ class QATEmbedding(nn.Embedding):
 
     def extra_repr(self):
         state = "on" if self.enabled else "off"
-        return f"{super().extra_repr()}, qat={self.spec.short()} ({state}, tied)"
+        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
 
 
 QAT_LAYERS = (QATWrapper, QATEmbedding)

@@ -9,12 +9,16 @@ from torch import nn
 
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
-from mixle.torch_backend.layer_kinds import QAT_TYPES, kind_of_float, kind_of_qat
+from mixle.torch_backend.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
 from mixle.torch_backend.layers import check_supported
+from mixle.torch_backend.lora import LoRALinear
+from mixle.torch_backend.mha_layers import unsupported_reason
 from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
-SELECTABLE = "nn.Linear"  # what patterns must match, in error messages
+# What patterns must match, in error messages.
+SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"
+ADAPTER_REASON = "adapter: trained in float beside the quantized base; merge it before convert"
 
 
 def float_reason(module, parent):
@@ -25,54 +29,123 @@ def float_reason(module, parent):
     """
     if isinstance(parent, nn.MultiheadAttention):
         return "nn.MultiheadAttention reads this weight directly, so a wrapper would never run"
+    if isinstance(module, nn.MultiheadAttention):
+        return unsupported_reason(module)
     kind = kind_of_qat(module) or kind_of_float(module)
     if kind is not None and type(module) not in (kind.qat_type, *kind.float_types) and \
-            type(module).forward not in {t.forward for t in kind.float_types}:
+            type(module).forward not in {t.forward for t in (kind.qat_type, *kind.float_types)}:
         return f"{type(module).__name__} overrides {kind.float_types[0].__name__}.forward; wrapping would change its maths"
     return None
 
 
-def plan_inputs(model, selector):
+def _kind(module):
+    return kind_of_qat(module) or kind_of_float(module)
+
+
+def _weight(module):
+    return _kind(module).weight_of(module)
+
+
+def adapter_ids(model):
+    """``(module ids, parameter ids)`` of the adapters in ``model``: PEFT tuner layers' adapter
+    modules (found by PEFT's ``adapter_layer_names``, without importing peft) and mixle LoRA's."""
+    modules, params = set(), set()
+    for module in model.modules():
+        names = getattr(module, "adapter_layer_names", None)
+        if isinstance(names, tuple) and hasattr(module, "get_base_layer"):
+            for name in names:
+                holder = getattr(module, name, None)
+                if isinstance(holder, nn.Module):
+                    modules |= {id(m) for m in holder.modules()}
+                    params |= {id(p) for p in holder.parameters()}
+        if isinstance(module, LoRALinear):
+            params |= {id(module.lora_A), id(module.lora_B)}
+    return modules, params
+
+
+def plan_inputs(model, selector, selectable=None, label=SELECTABLE):
     """``(named modules with repeats, parent of each module by id, its selectable layers)``, once
-    every selector pattern is known to match a path (shared by apply_qat and apply_lora)."""
+    every selector pattern is known to match a path (shared by apply_qat and apply_lora).
+
+    ``selectable(module)`` picks the layers (default: every module a layer kind takes, adapters
+    excepted); ``label`` names them in the error for a pattern that matches none.
+    """
     entries = list(model.named_modules(remove_duplicate=False))
     parent_of = {}
     for _, module in entries:
         for child in module.children():
             parent_of.setdefault(id(child), module)
-    layers = [(p, m) for p, m in entries if isinstance(m, nn.Linear)]
-    selector.check_all_used([p for p, _ in layers], [p for p, _ in entries], SELECTABLE)
+    if selectable is None:
+        adapters = adapter_ids(model)[0]
+        selectable = lambda m: _kind(m) is not None and id(m) not in adapters  # noqa: E731
+    layers = [(p, m) for p, m in entries if selectable(m)]
+    selector.check_all_used([p for p, _ in layers], [p for p, _ in entries], label)
     return entries, parent_of, layers
 
 
-def decide_layers(layers, selector, parent_of, choose):
+def decide_layers(layers, choose, skip=frozenset()):
     """One decision per selectable layer (shared by apply_qat and apply_lora).
 
-    ``choose(path, module, spec, reason) -> LayerDecision`` gets the selector's spec, or None
-    with the reason when the layer is not selected or cannot be wrapped (``float_reason``); a
-    module met again under another path repeats its first decision by reference.
+    ``choose(path, module, decided) -> LayerDecision`` decides a layer met for the first time
+    (``decided``: the decisions so far, by module id); a module met again under another path
+    repeats its first decision by reference; modules whose id is in ``skip`` are left out.
     """
-    decisions, seen = [], {}
+    decisions, decided = [], {}
     for path, module in layers:
-        first = seen.get(id(module))
+        if id(module) in skip:
+            continue
+        first = decided.get(id(module))
         if first is not None:
             decisions.append(LayerDecision(path=path, kind=type(module).__name__, action=first.action,
                                            reason=f"same module as {first.path!r}", spec=first.spec))
             continue
-        spec, reason = selector.decide(path)
-        blocked = float_reason(module, parent_of.get(id(module)))
-        if spec is not None and blocked:
-            spec, reason = None, blocked
-        seen[id(module)] = decision = choose(path, module, spec, reason)
+        decided[id(module)] = decision = choose(path, module, decided)
         decisions.append(decision)
     return decisions
 
 
+def unblocked(choice, module, parent):
+    """The selector's ``(spec, reason)`` for a layer, or ``(None, why)`` when it cannot be wrapped."""
+    blocked = float_reason(module, parent)
+    return (None, blocked) if choice[0] is not None and blocked else choice
+
+
 def _tie_note(weight, tied):
     for path, module in tied:
-        if module.weight is weight:
+        if _weight(module) is weight:
             return f"weight tied to embedding {path!r}"
     return ""
+
+
+def _opt_in_names(selector):
+    unknown = [name for name in selector.opt_in if name not in OPT_IN]
+    if unknown:
+        raise ValueError(f"opt_in={selector.opt_in!r} names {unknown}, which are not opt-in layer kinds of the "
+                         f"torch backend: choose from {list(OPT_IN)}")
+    return set(selector.opt_in)
+
+
+def _naming_rules(selector, layers):
+    """Patterns that match only opt-in layers: they select them even without ``opt_in``."""
+    broad = selector.matching_rules([p for p, m in layers if not _kind(m).opt_in])
+    return selector.matching_rules([p for p, m in layers if _kind(m).opt_in]) - broad
+
+
+def _decide(path, module, selector, opt_in, naming):
+    """``(spec or None, reason)`` for one layer: the selector's, unless its kind is opt-in and
+    was not asked for."""
+    spec, reason = selector.decide(path)
+    kind = _kind(module)
+    if spec is None or not kind.opt_in:
+        return spec, reason
+    if kind.name in opt_in:
+        return spec, f"{reason}; opt_in={kind.name!r}"
+    if kind_of_qat(module) is not None:  # opted in before: applying again keeps it
+        return spec, f"{reason}; already fake-quantized"
+    if selector.rule_for(path) in naming:
+        return spec, reason
+    return None, (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) or a "
+                  f"pattern matching only them)")
 
 
 def apply(model, selector, reconfigure, example_inputs=None):
@@ -82,27 +155,39 @@ def apply(model, selector, reconfigure, example_inputs=None):
             "example_inputs is only used for Flax models: the PyTorch backend wraps nn.Linear layers "
             "without running the model; drop example_inputs"
         )
+    opt_in = _opt_in_names(selector)
     entries, parent_of, layers = plan_inputs(model, selector)
-    tied = [(p, m) for p, m in entries if getattr(kind_of_qat(m) or kind_of_float(m), "tied_only", False)]
+    naming = _naming_rules(selector, layers)
+    leaders = {id(_weight(m)) for _, m in layers if not _kind(m).follows_tie}
+    tied = [(p, m) for p, m in layers if _kind(m).follows_tie and id(_weight(m)) in leaders]
+    tied_ids = {id(m) for _, m in tied}
     enabled = _current_enabled(model)
 
-    replacements, respecs = {}, []
+    replacements, respecs, counted = {}, [], set()
 
-    def choose(path, module, spec, reason):
+    def choose(path, module, decided):
         kind = type(module).__name__
+        parent = parent_of.get(id(module))
+        if isinstance(parent, nn.MultiheadAttention) and module is parent.out_proj:
+            return _out_proj_decision(path, module, decided.get(id(parent)), selector, counted)
+        spec, reason = unblocked(_decide(path, module, selector, opt_in, naming), module, parent)
+        elements = _count(_weight(module), counted)
         if spec is None:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(
                     f"layer {path!r} is already fake-quantized but is not selected now ({reason}); "
                     f"apply_qat does not unwrap: use set_fake_quant_enabled(model, False) or rebuild the model"
                 )
-            return LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+            return LayerDecision(path=path, kind=kind, action="skipped", reason=reason, elements=elements)
         action = _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
         return LayerDecision(path=path, kind=kind, action=action, reason=reason, spec=spec,
-                             note=_tie_note(module.weight, tied))
+                             note=_tie_note(_weight(module), tied), elements=elements)
 
-    decisions = decide_layers(layers, selector, parent_of, choose)
-    decisions += _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled)
+    # tied modules follow the layer they share their weight with: planned below
+    decisions = decide_layers(layers, choose, skip=tied_ids)
+    asked = lambda path, module: _decide(path, module, selector, opt_in, naming)[0] is not None  # noqa: E731
+    decisions += _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled, asked)
+    decisions += _unquantizable(model, counted)
 
     with Change() as change:
         root = change.swap(model, replacements)
@@ -110,6 +195,51 @@ def apply(model, selector, reconfigure, example_inputs=None):
             change.set(layer, "spec", spec)
         change.set(root, REPORT_ATTRIBUTE, QATReport(decisions))
     return root
+
+
+def _out_proj_decision(path, module, attention, selector, counted):
+    """An MHA's ``out_proj`` is read by the MHA itself: it is fake-quantized with it, or not at all."""
+    kind, elements = type(module).__name__, _count(module.weight, counted)
+    if attention is None or attention.spec is None:
+        where = f" {attention.path!r}" if attention is not None else ""
+        return LayerDecision(path=path, kind=kind, action="skipped", elements=elements,
+                             reason=f"nn.MultiheadAttention{where} reads this weight directly and is not "
+                                    f"quantized, so neither is this weight")
+    own = selector.decide(path)[1]
+    if own.startswith("excluded"):
+        raise ValueError(f"layer {path!r} is {own}, but its nn.MultiheadAttention {attention.path!r} is selected "
+                         f"and fake-quantizes in_proj and out_proj together: exclude both or neither")
+    return LayerDecision(path=path, kind=kind, action=attention.action, spec=attention.spec, elements=elements,
+                         reason=f"read by nn.MultiheadAttention {attention.path!r}: quantized with it")
+
+
+def _count(weight, counted):
+    """``weight``'s element count the first time it is met, else 0 (a weight is counted once)."""
+    if weight is None or id(weight) in counted or not weight.is_floating_point() or weight.dim() < 2:
+        return 0
+    counted.add(id(weight))
+    return weight.numel()
+
+
+def _unquantizable(model, counted):
+    """Decisions for the floating-point parameters of two or more dimensions no layer kind took:
+    adapters and the weights of layer types mixle does not quantize."""
+    modules = dict(model.named_modules())
+    adapters = adapter_ids(model)[1]
+    extra = []
+    for name, param in model.named_parameters():
+        if id(param) in counted or not param.is_floating_point() or param.dim() < 2:
+            continue
+        owner = modules.get(name.rpartition(".")[0], model)
+        if id(param) in adapters:
+            reason = ADAPTER_REASON
+        elif isinstance(owner, nn.MultiheadAttention):
+            reason = f"unsupported type: nn.MultiheadAttention reads {name.rpartition('.')[2]} directly"
+        else:
+            reason = f"unsupported type: mixle has no QAT layer for {type(owner).__name__}"
+        extra.append(LayerDecision(path=name, kind=type(owner).__name__, action="skipped", reason=reason,
+                                   elements=_count(param, counted)))
+    return extra
 
 
 def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs):
@@ -127,29 +257,37 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
                 f"it is already fake-quantized with {module.spec.short()}, not {spec.short()}: pass "
                 f"reconfigure=True to change the spec"
             )
-        block_shape(module.weight.shape, spec)  # raises if group_size does not divide the input size
+        block_shape(kind.stored_shape(_weight(module).shape), spec)  # raises if group_size does not divide the input size
         respecs.append((module, spec))
         return "reconfigured"
     except ValueError as err:
         raise ValueError(f"layer {path!r}: {err}") from None
 
 
-def _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled):
+def _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled, asked):
     """Modules sharing a weight with a quantized layer get the same spec (one stored copy)."""
-    spec_of_weight = {}
-    for (path, module), decision in zip(layers, decisions):
-        if decision.spec is not None:
-            spec_of_weight.setdefault(id(module.weight), (path, decision.spec))
+    module_of, spec_of_weight, path_of_weight = dict(layers), {}, {}
+    for path, module in layers:
+        if not _kind(module).follows_tie:
+            path_of_weight.setdefault(id(_weight(module)), path)
+    for decision in decisions:
+        if decision.spec is not None and decision.path in module_of:
+            spec_of_weight.setdefault(id(_weight(module_of[decision.path])), (decision.path, decision.spec))
     extra, seen = [], set()
     for path, module in tied:
+        kind_name = type(module).__name__
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if id(module.weight) not in spec_of_weight:
+        if id(_weight(module)) not in spec_of_weight:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(f"embedding {path!r} is fake-quantized but its tied Linear is not selected now")
+            if asked(path, module):  # asked for by name or opt_in: say why it stays float
+                extra.append(LayerDecision(path=path, kind=kind_name, action="skipped",
+                                           reason=f"tied: its weight is {path_of_weight[id(_weight(module))]!r}'s, "
+                                                  f"which is not selected"))
             continue
-        head_path, spec = spec_of_weight[id(module.weight)]
+        head_path, spec = spec_of_weight[id(_weight(module))]
         own_reason = selector.decide(path)[1]
         if own_reason.startswith("excluded"):
             raise ValueError(
@@ -163,8 +301,11 @@ def _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled
                 respecs.append((module, spec))
         else:
             action = "wrapped"
-            replacements[id(module)] = kind_of_float(module).wrap(module, spec, enabled)
-        extra.append(LayerDecision(path=path, kind=type(module).__name__, action=action, reason=reason, spec=spec))
+            try:
+                replacements[id(module)] = kind_of_float(module).wrap(module, spec, enabled)
+            except ValueError as err:
+                raise ValueError(f"layer {path!r}: {err}") from None
+        extra.append(LayerDecision(path=path, kind=kind_name, action=action, reason=reason, spec=spec))
     return extra
 
 

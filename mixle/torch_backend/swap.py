@@ -85,7 +85,10 @@ class Change:
         Returns:
             The new root: ``replacements[id(model)]`` if the root itself is replaced, else ``model``.
         """
-        parents = {id(m): m for m in model.modules()}.values()
+        parents = {id(m): m for m in model.modules()}
+        for new in replacements.values():  # a replacement may hold replaced children (an MHA's out_proj)
+            parents.update({id(m): m for m in new.modules()})
+        parents = parents.values()
         for parent in list(parents):
             for name, child in list(parent.named_children()):
                 if id(child) in replacements:
