@@ -1,6 +1,10 @@
 """The fused CPU fake-quant kernels: bit-identical to plain numpy, every selection path, the build."""
 
+import hashlib
+import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,6 +17,7 @@ from torch import nn
 
 import mixle.torch_backend.fake_quant as fq
 from mixle.torch_backend import fused_cpu as _fused_cpu
+from mixle.torch_backend import kernel_cache
 from mixle.models.qat import apply_qat
 from mixle.core.spec import QuantSpec
 from tests.test_numerics import reference_codes_scales
@@ -246,8 +251,146 @@ def test_switched_off_kernels_stay_quiet(tmp_path):
 def test_built_once_per_source_and_reused(tmp_path):
     _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
     built = sorted(p.name for p in tmp_path.iterdir())
-    assert len(built) == 1 and built[0].startswith("fused_fake_quant_") and built[0].endswith(".so")
-    stamp = (tmp_path / built[0]).stat().st_mtime_ns
+    assert len(built) == 2 and built[0].startswith("fused_fake_quant_") and built[0].endswith(".json")
+    assert built[1].startswith(built[0][:-5] + "_") and built[1].endswith(".so")  # the record and its library
+    stamp = (tmp_path / built[1]).stat().st_mtime_ns
     assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == built  # no second build, no leftovers
-    assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
+    assert (tmp_path / built[1]).stat().st_mtime_ns == stamp
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel cache loads only what this user built (each load runs in a subprocess: a crash
+# inside dlopen fails the test instead of killing pytest)
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("MIXLE_TEST_MARKER"), "w");
+    if (f) { fputs("foreign code ran", f); fclose(f); }
+}
+"""
+
+
+def _plant_library(tmp_path, *targets):
+    """A foreign library whose constructor writes a marker file, copied to every target path."""
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED)
+    built = tmp_path / "planted.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
+    for target in targets:
+        target.write_bytes(built.read_bytes())
+    return built
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache holding one recorded build (made once; tests copy it)."""
+    directory = tmp_path_factory.mktemp("built")
+    _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(directory))
+    return directory
+
+
+def _copy_cache(built_cache, directory):
+    for path in built_cache.iterdir():
+        shutil.copy2(path, directory / path.name)  # keeps the 0600 modes
+
+
+def _recorded_names(directory):
+    key = kernel_cache.build_key(_fused_cpu.SOURCE.read_bytes(), "c++", _fused_cpu.FLAGS + ("-fopenmp",))
+    return directory / f"fused_fake_quant_{key}.json", key
+
+
+def test_a_library_planted_in_a_world_writable_cache_never_runs(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # like /tmp: anyone may drop files here
+    record, key = _recorded_names(shared)
+    planted = shared / f"fused_fake_quant_{key}_0000000000000000.so"
+    built = _plant_library(tmp_path, planted)
+    # A forged record naming the planted library with its true digest.
+    digest = hashlib.sha256(built.read_bytes()).hexdigest()
+    record.write_text(json.dumps({"version": 1, "library": planted.name, "size": built.stat().st_size,
+                                  "sha256": digest}))
+    for path in (record, planted):
+        path.chmod(0o666)
+    marker = tmp_path / "marker"
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(shared), CXX="c++", MIXLE_TEST_MARKER=str(marker))
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert "available True" in out  # built afresh in the private per-user subdirectory
+    private = shared / f"mixle-{os.getuid()}"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert len(list(private.glob("fused_fake_quant_*.so"))) == 1
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting files owned by another user needs root")
+def test_a_cache_directory_owned_by_another_user_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    foreign = shared / f"mixle-{os.getuid()}"  # pre-created by another user, with a planted build
+    foreign.mkdir(mode=0o700)
+    record, key = _recorded_names(foreign)
+    planted = foreign / f"fused_fake_quant_{key}_0000000000000000.so"
+    built = _plant_library(tmp_path, planted)
+    record.write_text(json.dumps({"version": 1, "library": planted.name, "size": built.stat().st_size,
+                                  "sha256": hashlib.sha256(built.read_bytes()).hexdigest()}))
+    for path in (foreign, record, planted):
+        os.chown(path, 65534, 65534)
+    marker = tmp_path / "marker"
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(shared), MIXLE_TEST_MARKER=str(marker))
+    assert not marker.exists()
+    assert "available False" in out and out.count("could not build its fused CPU") == 1
+    assert "not this user's private directory" in out
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting files owned by another user needs root")
+def test_a_record_owned_by_another_user_is_not_trusted(tmp_path, built_cache):
+    _copy_cache(built_cache, tmp_path)
+    record, _ = _recorded_names(tmp_path)
+    (library,) = tmp_path.glob("fused_fake_quant_*.so")
+    marker = tmp_path / "marker"
+    _plant_library(tmp_path, library)
+    entry = json.loads(record.read_text())
+    entry.update(size=library.stat().st_size, sha256=hashlib.sha256(library.read_bytes()).hexdigest())
+    record.write_text(json.dumps(entry))
+    os.chown(record, 65534, 65534)
+    assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path), MIXLE_TEST_MARKER=str(marker))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "loose-record"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, damage, built_cache):
+    _copy_cache(built_cache, tmp_path)
+    record, _ = _recorded_names(tmp_path)
+    (library,) = tmp_path.glob("fused_fake_quant_*.so")
+    good = library.read_bytes()
+    marker = tmp_path / "marker"
+    if damage == "truncated":
+        library.write_bytes(good[: len(good) // 2])
+    elif damage == "foreign":
+        _plant_library(tmp_path, library)
+    else:  # a record anyone may write is not trusted, whatever it says
+        _plant_library(tmp_path, library)
+        entry = json.loads(record.read_text())
+        entry.update(size=library.stat().st_size, sha256=hashlib.sha256(library.read_bytes()).hexdigest())
+        record.write_text(json.dumps(entry))
+        record.chmod(0o666)
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path), MIXLE_TEST_MARKER=str(marker))
+    assert "available True" in out and "Warning" not in out
+    assert not marker.exists()
+    entry = json.loads(record.read_text())
+    rebuilt = tmp_path / entry["library"]
+    assert hashlib.sha256(rebuilt.read_bytes()).hexdigest() == entry["sha256"]
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+
+
+def test_a_recorded_build_is_used_without_a_compiler_on_path(tmp_path, built_cache):
+    _copy_cache(built_cache, tmp_path)
+    built = sorted(p.name for p in tmp_path.iterdir())
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path), PATH=str(empty))
+    assert "available True" in out and "Warning" not in out
+    assert sorted(p.name for p in tmp_path.iterdir() if p != empty) == built
