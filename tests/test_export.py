@@ -369,7 +369,7 @@ def test_a_bad_scale_is_rejected(lm_file):
     [
         (lambda: TinyCausalLM(dim=16), r"layer 'tok'|fc1"),
         (lambda: nn.Sequential(nn.Linear(32, 64)), "has no module"),
-        (lambda: make_lm().to(torch.float64), "float32 .* in the file, torch.float64"),
+        (lambda: make_lm().to(torch.float64), "float32 but the model's weight is torch.float64"),
     ],
     ids=["other-sizes", "other-architecture", "other-dtype"],
 )
@@ -578,3 +578,65 @@ def test_saving_to_a_symlink_writes_through_it(tmp_path):
     assert stat.S_IMODE(target.stat().st_mode) == 0o644
     assert_same_model(model, load_quantized(target, make_mlp()))
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["real.safetensors"]  # no temporary left
+
+
+# ----------------------------------------------------------------------------------------------
+# Load-time checks against the target model: dtypes of every tensor, every layer option
+
+
+def test_a_float32_file_into_a_float64_model_is_refused_at_load(tmp_path):
+    # No float tensor outside the quantized layer: only the scale's dtype tells the two apart.
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(nn.Sequential(nn.Linear(8, 4, bias=False)), bits=4), path)
+    with pytest.raises(ValueError, match=r"layer '0'.*scales are torch.float32 but the model's weight is torch.float64"):
+        load_quantized(path, nn.Sequential(nn.Linear(8, 4, bias=False)).double())
+
+
+def _cast(name, dtype):
+    def edit(tensors):
+        tensors[name] = tensors[name].astype(dtype)
+    return edit
+
+
+@pytest.mark.parametrize(
+    "tensor,dtype,st_dtype,words",
+    [("q.scale", np.float16, "F16", r"layer 'q'.*scales are torch.float16 but the model's weight is torch.float32"),
+     ("q.scale", np.float64, "F64", r"layer 'q'.*scales are torch.float64"),
+     ("q.bias", np.float16, "F16", r"layer 'q'.*bias is torch.float16 but the model's is torch.float32")],
+    ids=["scale-f16", "scale-f64", "bias-f16"],
+)
+def test_a_self_consistent_file_with_other_dtypes_is_refused_at_load(lm_file, tensor, dtype, st_dtype, words):
+    _, path, _ = lm_file
+
+    def edit_manifest(m):
+        m["tensors"][tensor]["dtype"] = st_dtype
+        if tensor.endswith("scale"):
+            layer(m, "q")["scale_nbytes"] = 32 * 4 * np.dtype(dtype).itemsize  # 32 rows x 4 groups of 8
+
+    resign(path, edit_manifest=edit_manifest, edit_tensors=_cast(tensor, dtype))
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, make_lm())
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("padding_idx", 3), ("max_norm", 1.0), ("norm_type", 1.0), ("scale_grad_by_freq", True)],
+)
+def test_forged_embedding_options_are_refused(lm_file, option, value):
+    _, path, _ = lm_file
+    resign(path, edit_manifest=lambda m: layer(m, "tok").update({option: value}))
+    with pytest.raises(ValueError, match=rf"layer 'tok'.*{option}={value!r} in the file but {option}=.* in the model"):
+        load_quantized(path, make_lm())
+
+
+def test_embedding_options_of_the_model_are_kept(tmp_path):
+    def build():
+        model = make_lm()
+        model.tok.padding_idx = 0
+        return model
+
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(build(), bits=4), path)
+    assert load_quantized(path, build()).tok.padding_idx == 0
+    with pytest.raises(ValueError, match=r"layer 'tok'.*padding_idx=0 in the file but padding_idx=None in the model"):
+        load_quantized(path, make_lm())

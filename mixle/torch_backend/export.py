@@ -229,7 +229,17 @@ def _build_layer(entry, tensors, module, source):
             (kind.has_bias and (module.bias is None) != (bias is None)):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")
-    extra = {name: entry.get(name) for name in kind.options}
+    if scale.dtype != module.weight.dtype:
+        raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {module.weight.dtype}: "
+                         f"pass a model built like the saved one (in {scale.dtype})")
+    if bias is not None and bias.dtype != module.bias.dtype:
+        raise ValueError(f"{where}: its bias is {bias.dtype} but the model's is {module.bias.dtype}: "
+                         f"pass a model built like the saved one")
+    for name in kind.options:
+        if name not in entry or entry[name] != getattr(module, name):
+            raise ValueError(f"{where}: {name}={entry.get(name, '<missing>')!r:.40} in the file but "
+                             f"{name}={getattr(module, name)!r} in the model: pass a model built like the saved one")
+    extra = {name: getattr(module, name) for name in kind.options}
     if kind.has_bias:
         extra["bias"] = bias
     return kind.quantized_type(codes, scale, spec, shape, **extra)
@@ -240,8 +250,9 @@ def load_quantized(path, model):
 
     Everything is validated before it is used: the safetensors structure, the manifest's format
     version and sha256, each tensor's dtype, shape and sha256, each layer's spec, bits, shapes
-    and code range, and that the tensors match the model's state_dict names, shapes and dtypes
-    exactly. Tied layers come back sharing one codes+scales tensor.
+    and code range, its scale and bias dtypes and its options (e.g. an embedding's padding_idx)
+    against the model's layer, and that the tensors match the model's state_dict names, shapes
+    and dtypes exactly. Tied layers come back sharing one codes+scales tensor.
 
     Args:
         path: a file written by ``save_quantized``.
