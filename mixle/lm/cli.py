@@ -70,9 +70,9 @@ def main(argv=None):
     Bad flags exit with status 2 and a usage line; a failed run prints one ``mixle: error:`` line
     (no traceback) and exits 1; Ctrl-C exits 130.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
         if args.command == "compare":
             return _compare(args)
     except KeyboardInterrupt:
