@@ -1,7 +1,10 @@
 """The main job: QAT beats PTQ at int4 on real text, the CLI writes its outputs, bad input is refused."""
 
+import errno
+import hashlib
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -152,3 +155,80 @@ def test_bad_input_gets_clear_errors(tmp_path, capsys):
     smoke = PRESETS["smoke"]
     with pytest.raises(ValueError, match="data was prepared for another corpus, split, seed or block"):
         run_compare(smoke.replace(seed=5), data=prepare_data(smoke))
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI never throws a finished run away: output folder checked first, table printed before
+# files, each file atomic, complete.json last; known failures are one line, no traceback
+
+TINY = ["compare", "--preset", "smoke", "--steps", "4", "--finetune-steps", "2", "--bits", "4",
+        "--eval-windows", "4", "--threads", "1", "--no-progress"]
+
+
+def _no_training(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("training started before the output folder was checked")
+
+    monkeypatch.setattr("mixle.lm.compare.run_compare", refuse)
+
+
+def test_an_unusable_out_dir_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    _no_training(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker, blocker / "sub"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*TINY, "--out-dir", str(out)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--out-dir '{out}' cannot be created" in err and "Traceback" not in err
+
+
+def test_a_failed_write_keeps_the_printed_table_and_leaves_no_complete_set(tmp_path, capsys, monkeypatch):
+    import mixle.lm.compare as compare
+
+    out = tmp_path / "out"
+    assert cli.main([*TINY, "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+    complete = json.loads((out / "complete.json").read_text())["files"]
+    assert sorted(complete) == ["compare.png", "results.json", "table.txt"]
+    for name, digest in complete.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    earlier_png = (out / "compare.png").read_bytes()
+
+    def disk_full(results, path):
+        with open(path, "wb") as handle:
+            handle.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(compare, "save_plot", disk_full)
+    assert cli.main([*TINY, "--seed", "1", "--out-dir", str(out)]) == 1
+    captured = capsys.readouterr()
+    table = (out / "table.txt").read_text()
+    assert table.strip() in captured.out  # printed before the writes
+    assert captured.err.count("\n") == 1 and "No space left on device" in captured.err
+    assert "Traceback" not in captured.err
+    assert not (out / "complete.json").exists()  # the mixed folder does not look complete
+    assert (out / "compare.png").read_bytes() == earlier_png  # never a half-written file
+    assert sorted(p.name for p in out.iterdir()) == ["compare.png", "results.json", "table.txt"]
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mixle.lm.compare.run_compare", interrupted)
+    assert cli.main([*TINY, "--out-dir", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
+
+
+def test_divergence_is_one_line_naming_only_cli_options(tmp_path, capsys):
+    assert cli.main([*TINY, "--lr", "1e30", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training diverged" in err and "--lr" in err
+    assert "grad_clip" not in err
+    flags = {action for option in cli.build_parser()._subparsers._group_actions[0].choices["compare"]._actions
+             for action in option.option_strings}
+    assert set(re.findall(r"--[a-z-]+", err)) <= flags
+    assert not (tmp_path / "complete.json").exists()

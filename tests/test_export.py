@@ -3,7 +3,13 @@
 import hashlib
 import json
 import math
+import os
+import re
+import stat
 import struct
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -363,7 +369,7 @@ def test_a_bad_scale_is_rejected(lm_file):
     [
         (lambda: TinyCausalLM(dim=16), r"layer 'tok'|fc1"),
         (lambda: nn.Sequential(nn.Linear(32, 64)), "has no module"),
-        (lambda: make_lm().to(torch.float64), "float32 .* in the file, torch.float64"),
+        (lambda: make_lm().to(torch.float64), "float32 but the model's weight is torch.float64"),
     ],
     ids=["other-sizes", "other-architecture", "other-dtype"],
 )
@@ -407,3 +413,230 @@ def test_the_package_causal_lm_converts_saves_and_loads_exactly(tmp_path):
     names = [path for path, m in qat.named_modules() if isinstance(m, nn.Linear)]
     fp32 = float_weight_bytes(qat, names)
     assert abs(nb.int4_code_bytes + nb.scale_bytes - (fp32 / 8 + nb.scale_bytes)) <= 0.02 * (fp32 / 8 + nb.scale_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile headers: only the documented ValueError, naming the file and the field
+
+
+def _tensor(dtype="F32", shape=(1,), offsets=(0, 4)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+def _header_file(header, data=b"\0" * 4):
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+HOSTILE_HEADERS = {
+    "huge-length": (struct.pack("<Q", 2**63) + b"{}", "header length field claims 9223372036854775808"),
+    "length-past-end": (struct.pack("<Q", 1000) + b"{}", "header length field claims 1000"),
+    "short": (b"\1\0\0", "truncated to 3 bytes"),
+    "nested-lists": (_header_file(b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+    "nested-objects": (_header_file(b'{"a":' * 100_000 + b"1" + b"}" * 100_000), "nested too deeply"),
+    "not-utf8": (_header_file(b'{"\xff": 1}'), "does not parse"),
+    "huge-integer": (_header_file(b'{"w": {"dtype": "F32", "shape": [1' + b"0" * 5000 + b'], "data_offsets": [0, 4]}}'),
+                     "does not parse"),
+    "not-an-object": (_header_file([1, 2]), "header is a JSON list, not an object"),
+    "duplicate-field": (_header_file(b'{"w": ' + json.dumps(_tensor()).encode() + b', "w": '
+                                     + json.dumps(_tensor()).encode() + b"}"), "field 'w' appears more than once"),
+    "metadata-list": (_header_file({"__metadata__": [1]}, b""), "field '__metadata__' must map strings to strings"),
+    "metadata-number": (_header_file({"__metadata__": {"k": 1}}, b""), "field '__metadata__'.'k' must be a string"),
+    "metadata-object": (_header_file({"__metadata__": {"k": {"a": "b"}}}, b""), "field '__metadata__'.'k' must be a string"),
+    "entry-number": (_header_file({"w": 5}), "field 'w' needs exactly dtype, shape and data_offsets"),
+    "entry-extra-field": (_header_file({"w": {**_tensor(), "x": 1}}), "field 'w' needs exactly"),
+    "dtype-number": (_header_file({"w": _tensor(dtype=5)}), "field 'w'.dtype 5 is not one"),
+    "dtype-unknown": (_header_file({"w": _tensor(dtype="Q4")}), "field 'w'.dtype 'Q4' is not one"),
+    "shape-string": (_header_file({"w": {**_tensor(), "shape": "abc"}}), "field 'w'.shape must be a list"),
+    "shape-negative": (_header_file({"w": _tensor(shape=(-1,))}), "field 'w'.shape"),
+    "shape-float": (_header_file({"w": _tensor(shape=(1.0,))}), "field 'w'.shape"),
+    "shape-bool": (_header_file({"w": _tensor(shape=(True,))}), "field 'w'.shape"),
+    "shape-huge": (_header_file({"w": _tensor(shape=(2**62, 2**62))}), r"field 'w': F32 \[4611686018427387904"),
+    "offsets-string": (_header_file({"w": {**_tensor(), "data_offsets": "0:4"}}), "field 'w'.data_offsets must be"),
+    "offsets-reversed": (_header_file({"w": _tensor(shape=(0,), offsets=(4, 0))}), "field 'w'.data_offsets must be"),
+    "offsets-three": (_header_file({"w": {**_tensor(), "data_offsets": [0, 2, 4]}}), "field 'w'.data_offsets must be"),
+    "offsets-float": (_header_file({"w": _tensor(offsets=(0.0, 4.0))}), "field 'w'.data_offsets must be"),
+    "overlapping": (_header_file({"w": _tensor(), "v": _tensor(offsets=(2, 6))}, b"\0" * 6),
+                    "field 'v'.data_offsets starts at byte 2, expected 4"),
+    "gap": (_header_file({"w": _tensor(), "v": _tensor(offsets=(8, 12))}, b"\0" * 12),
+            "field 'v'.data_offsets starts at byte 8, expected 4"),
+    "past-the-data": (_header_file({"w": _tensor(shape=(4,), offsets=(0, 16))}), "truncated"),
+    "manifest-nested": (_header_file({"__metadata__": {MANIFEST_KEY: "[" * 100_000 + "]" * 100_000}}, b""),
+                        "manifest's JSON is nested too deeply"),
+    "manifest-not-json": (_header_file({"__metadata__": {MANIFEST_KEY: "{"}}, b""), "manifest is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("reader", ["read_manifest", "read_safetensors", "load_quantized"])
+@pytest.mark.parametrize("case", list(HOSTILE_HEADERS))
+def test_a_hostile_header_yields_only_a_value_error_naming_the_file_and_field(tmp_path, case, reader):
+    content, words = HOSTILE_HEADERS[case]
+    if reader == "read_safetensors" and case.startswith("manifest"):
+        pytest.skip("a plain safetensors reader does not parse the manifest")
+    path = tmp_path / f"hostile-{case}.safetensors"
+    path.write_bytes(content)
+    call = {"read_manifest": read_manifest, "read_safetensors": read_safetensors,
+            "load_quantized": lambda p: load_quantized(p, make_mlp())}[reader]
+    with pytest.raises(ValueError) as error:
+        call(path)
+    assert str(path) in str(error.value)
+    assert re.search(words, str(error.value)), str(error.value)
+
+
+def _resigned_with(lm_file, edit):
+    _, path, _ = lm_file
+    resign(path, edit_manifest=edit)
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda m: m["aliases"].update({"head.codes": ["tok.codes"]}), r"alias 'head.codes' -> \['tok.codes'\]"),
+        (lambda m: layer(m, "fc1").update(path=["fc1"]), r"no module \['fc1'\]"),
+        (lambda m: m["layers"].append(7), "no module None"),
+        (lambda m: m["tensors"]["fc1.codes"].update(dtype=["U8"]), r"tensor 'fc1.codes' is U8 \[2048\] in the file but \['U8'\]"),
+        (lambda m: layer(m, "fc1").update(spec=[1, 2]), r"layer 'fc1'.*manifest entry is incomplete or invalid"),
+        (lambda m: layer(m, "fc1").update(weight_shape=5), r"layer 'fc1'.*manifest entry is incomplete or invalid"),
+        (lambda m: layer(m, "fc1").update(codes=["fc1.codes"]), r"layer 'fc1'.*manifest entry is incomplete or invalid"),
+    ],
+    ids=["alias-list", "path-list", "layer-number", "tensor-string", "spec-list", "shape-number", "codes-list"],
+)
+def test_a_signed_manifest_with_wrong_field_types_is_a_value_error(lm_file, edit, words):
+    path = _resigned_with(lm_file, edit)
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, make_lm())
+
+
+PEAK_MEMORY = """
+    import json, os, resource, sys, torch
+    from torch import nn
+    from mixle.task.quantize import load_quantized, model_nbytes
+    torch.set_num_threads(1)
+    skeleton = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(20)])
+    def rss(field):
+        return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+    before = rss("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current RSS
+    loaded = load_quantized(sys.argv[1], skeleton)
+    print(json.dumps({"extra": rss("VmHWM:") - before, "model": model_nbytes(loaded).total}))
+"""
+
+
+def test_load_quantized_peak_memory_stays_near_the_models_size(tmp_path):
+    # 20 int8 layers of 1024x1024: a 20 MiB model (+ 80 KiB scales) loaded into an 80 MiB skeleton.
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(20)])
+    path = tmp_path / "big.safetensors"
+    save_quantized(quantize_model(model, bits=8), path)
+    del model
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK_MEMORY), str(path)], capture_output=True,
+                          text=True, timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    numbers = json.loads(done.stdout.splitlines()[-1])
+    assert numbers["model"] == 20 * (1024 * 1024 + 1024 * 4)
+    assert numbers["extra"] < 2.5 * numbers["model"], numbers
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving over a file keeps its mode; a symlinked path is written through
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o600])
+def test_saving_over_a_file_keeps_its_mode(tmp_path, mode):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"old")
+    path.chmod(mode)
+    save_quantized(quantize_model(make_mlp(), bits=4), path)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    write_safetensors(path, {"w": np.zeros(2, np.float32)})
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_new_file_gets_the_umask_default(tmp_path):
+    old = os.umask(0o027)
+    try:
+        save_quantized(quantize_model(make_mlp(), bits=4), tmp_path / "m.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m.safetensors").stat().st_mode) == 0o640
+
+
+def test_saving_to_a_symlink_writes_through_it(tmp_path):
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "real.safetensors"
+    target.write_bytes(b"old")
+    target.chmod(0o644)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    model = quantize_model(make_mlp(), bits=4)
+    save_quantized(model, link)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert_same_model(model, load_quantized(target, make_mlp()))
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["real.safetensors"]  # no temporary left
+
+
+# ----------------------------------------------------------------------------------------------
+# Load-time checks against the target model: dtypes of every tensor, every layer option
+
+
+def test_a_float32_file_into_a_float64_model_is_refused_at_load(tmp_path):
+    # No float tensor outside the quantized layer: only the scale's dtype tells the two apart.
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(nn.Sequential(nn.Linear(8, 4, bias=False)), bits=4), path)
+    with pytest.raises(ValueError, match=r"layer '0'.*scales are torch.float32 but the model's weight is torch.float64"):
+        load_quantized(path, nn.Sequential(nn.Linear(8, 4, bias=False)).double())
+
+
+def _cast(name, dtype):
+    def edit(tensors):
+        tensors[name] = tensors[name].astype(dtype)
+    return edit
+
+
+@pytest.mark.parametrize(
+    "tensor,dtype,st_dtype,words",
+    [("q.scale", np.float16, "F16", r"layer 'q'.*scales are torch.float16 but the model's weight is torch.float32"),
+     ("q.scale", np.float64, "F64", r"layer 'q'.*scales are torch.float64"),
+     ("q.bias", np.float16, "F16", r"layer 'q'.*bias is torch.float16 but the model's is torch.float32")],
+    ids=["scale-f16", "scale-f64", "bias-f16"],
+)
+def test_a_self_consistent_file_with_other_dtypes_is_refused_at_load(lm_file, tensor, dtype, st_dtype, words):
+    _, path, _ = lm_file
+
+    def edit_manifest(m):
+        m["tensors"][tensor]["dtype"] = st_dtype
+        if tensor.endswith("scale"):
+            layer(m, "q")["scale_nbytes"] = 32 * 4 * np.dtype(dtype).itemsize  # 32 rows x 4 groups of 8
+
+    resign(path, edit_manifest=edit_manifest, edit_tensors=_cast(tensor, dtype))
+    with pytest.raises(ValueError, match=words):
+        load_quantized(path, make_lm())
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("padding_idx", 3), ("max_norm", 1.0), ("norm_type", 1.0), ("scale_grad_by_freq", True)],
+)
+def test_forged_embedding_options_are_refused(lm_file, option, value):
+    _, path, _ = lm_file
+    resign(path, edit_manifest=lambda m: layer(m, "tok").update({option: value}))
+    with pytest.raises(ValueError, match=rf"layer 'tok'.*{option}={value!r} in the file but {option}=.* in the model"):
+        load_quantized(path, make_lm())
+
+
+def test_embedding_options_of_the_model_are_kept(tmp_path):
+    def build():
+        model = make_lm()
+        model.tok.padding_idx = 0
+        return model
+
+    path = tmp_path / "m.safetensors"
+    save_quantized(quantize_model(build(), bits=4), path)
+    assert load_quantized(path, build()).tok.padding_idx == 0
+    with pytest.raises(ValueError, match=r"layer 'tok'.*padding_idx=0 in the file but padding_idx=None in the model"):
+        load_quantized(path, make_lm())

@@ -1,9 +1,14 @@
 """The fused CPU fake-quant kernels: bit-identical to plain numpy, every selection path, the build."""
 
+import hashlib
+import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,7 @@ from torch import nn
 
 import mixle.torch_backend.fake_quant as fq
 from mixle.torch_backend import fused_cpu as _fused_cpu
+from mixle.torch_backend import kernel_cache
 from mixle.models.qat import apply_qat
 from mixle.core.spec import QuantSpec
 from tests.test_numerics import reference_codes_scales
@@ -246,8 +252,153 @@ def test_switched_off_kernels_stay_quiet(tmp_path):
 def test_built_once_per_source_and_reused(tmp_path):
     _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
     built = sorted(p.name for p in tmp_path.iterdir())
-    assert len(built) == 1 and built[0].startswith("fused_fake_quant_") and built[0].endswith(".so")
-    stamp = (tmp_path / built[0]).stat().st_mtime_ns
+    assert len(built) == 2 and built[0].startswith("fused_fake_quant_") and built[0].endswith(".json")
+    assert built[1].startswith(built[0][:-5] + "_") and built[1].endswith(".so")  # the record and its library
+    stamp = (tmp_path / built[1]).stat().st_mtime_ns
     assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == built  # no second build, no leftovers
-    assert (tmp_path / built[0]).stat().st_mtime_ns == stamp
+    assert (tmp_path / built[1]).stat().st_mtime_ns == stamp
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel cache loads only what this user built (each load runs in a subprocess: a crash
+# inside dlopen fails the test instead of killing pytest). A stand-in compiler "builds" by copying
+# the library this process already loaded, so the tests run the cache's logic without compiling.
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("MIXLE_TEST_MARKER"), "w");
+    if (f) { fputs("foreign code ran", f); fclose(f); }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory):
+    """A foreign library whose constructor writes the file named by MIXLE_TEST_MARKER."""
+    directory = tmp_path_factory.mktemp("planted")
+    (directory / "planted.c").write_text(PLANTED)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(directory / "planted.so"), str(directory / "planted.c")],
+                   check=True)
+    return (directory / "planted.so").read_bytes()
+
+
+def _stand_in_compiler(directory):
+    compiler = directory / "stand-in-c++"
+    compiler.write_text(f"""#!/bin/sh
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+cp '{_fused_cpu.library_path()}' "$out"
+""")
+    compiler.chmod(0o755)
+    return str(compiler)
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """``(cache holding one recorded build, the compiler it was recorded for)``; tests copy it."""
+    directory = tmp_path_factory.mktemp("built")
+    compiler = _stand_in_compiler(tmp_path_factory.mktemp("bin"))
+    assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(directory), CXX=compiler)
+    return directory, compiler
+
+
+def _copy_cache(built_cache, directory):
+    for path in built_cache[0].iterdir():
+        shutil.copy2(path, directory / path.name)  # keeps the 0600 modes
+
+
+def _record_of(directory, compiler):
+    key = kernel_cache.build_key(_fused_cpu.SOURCE.read_bytes(), compiler, _fused_cpu.FLAGS + ("-fopenmp",))
+    return directory / f"fused_fake_quant_{key}.json", key
+
+
+def _forge_record(record, library):
+    """A record naming ``library`` with its true size and digest (what a forger would write)."""
+    record.write_text(json.dumps({"version": 1, "library": library.name, "size": library.stat().st_size,
+                                  "sha256": hashlib.sha256(library.read_bytes()).hexdigest()}))
+
+
+def test_a_library_planted_in_a_world_writable_cache_never_runs(tmp_path, built_cache, planted_library):
+    compiler = built_cache[1]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # like /tmp: anyone may drop files here
+    record, key = _record_of(shared, compiler)
+    planted = shared / f"fused_fake_quant_{key}_0000000000000000.so"
+    planted.write_bytes(planted_library)
+    _forge_record(record, planted)
+    for path in (record, planted):
+        path.chmod(0o666)
+    marker = tmp_path / "marker"
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(shared), CXX=compiler, MIXLE_TEST_MARKER=str(marker))
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert "available True" in out  # built afresh in the private per-user subdirectory
+    private = shared / f"mixle-{os.getuid()}"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert len(list(private.glob("fused_fake_quant_*.so"))) == 1
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting files owned by another user needs root")
+def test_a_cache_directory_owned_by_another_user_is_refused(tmp_path, built_cache, planted_library):
+    compiler = built_cache[1]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    foreign = shared / f"mixle-{os.getuid()}"  # pre-created by another user, with a planted build
+    foreign.mkdir(mode=0o700)
+    record, key = _record_of(foreign, compiler)
+    planted = foreign / f"fused_fake_quant_{key}_0000000000000000.so"
+    planted.write_bytes(planted_library)
+    _forge_record(record, planted)
+    for path in (foreign, record, planted):
+        os.chown(path, 65534, 65534)
+    marker = tmp_path / "marker"
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(shared), CXX=compiler, MIXLE_TEST_MARKER=str(marker))
+    assert not marker.exists()
+    assert "available False" in out and out.count("could not build its fused CPU") == 1
+    assert "not this user's private directory" in out
+
+
+DAMAGES = ["truncated", "foreign", "loose-record"] + (["foreign-owner-record"] if os.getuid() == 0 else [])
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, damage, built_cache, planted_library):
+    _copy_cache(built_cache, tmp_path)
+    record, _ = _record_of(tmp_path, built_cache[1])
+    (library,) = tmp_path.glob("fused_fake_quant_*.so")
+    marker = tmp_path / "marker"
+    if damage == "truncated":
+        library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    else:
+        library.write_bytes(planted_library)
+    if damage == "loose-record":  # a record anyone may write is not trusted, whatever it says
+        _forge_record(record, library)
+        record.chmod(0o666)
+    elif damage == "foreign-owner-record":
+        _forge_record(record, library)
+        os.chown(record, 65534, 65534)
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(tmp_path), CXX=built_cache[1], MIXLE_TEST_MARKER=str(marker))
+    assert "available True" in out and "Warning" not in out
+    assert not marker.exists()
+    entry = json.loads(record.read_text())
+    rebuilt = tmp_path / entry["library"]
+    assert hashlib.sha256(rebuilt.read_bytes()).hexdigest() == entry["sha256"]
+    assert rebuilt.read_bytes() == Path(_fused_cpu.library_path()).read_bytes()
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600 and record.stat().st_uid == os.getuid()
+
+
+def test_a_recorded_build_is_used_without_a_compiler_on_path(tmp_path):
+    cache, bin_dir = tmp_path / "cache", tmp_path / "bin"
+    bin_dir.mkdir()
+    compiler = bin_dir / "c++"  # the default compiler name, found on PATH for the first build only
+    compiler.symlink_to(_stand_in_compiler(tmp_path))
+    assert "available True" in _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(cache), CXX="c++",
+                                    PATH=f"{bin_dir}:{os.environ['PATH']}")
+    built = sorted(p.name for p in cache.iterdir())
+    compiler.unlink()
+    out = _run(TRAIN_ONE_STEP, MIXLE_CACHE_DIR=str(cache), CXX="c++", PATH=str(bin_dir))  # no compiler anywhere
+    assert "available True" in out and "Warning" not in out
+    assert sorted(p.name for p in cache.iterdir()) == built

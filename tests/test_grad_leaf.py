@@ -197,3 +197,30 @@ def test_seed_usage_qat_causal_lm_trains_through_grad_leaf_unchanged():
     wrappers = [m for m in trained.module.modules() if isinstance(m, QATWrapper)]
     assert len(wrappers) == 5 and all(w.enabled for w in wrappers)
     assert lm.head.weight is lm.tok.weight
+
+
+class Exploding(nn.Module):
+    """A linear read-out whose gradient (1e35) sends the weights to inf in one SGD step at lr 1e10,
+    while the loss of the step that made that update is finite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def log_density(self, x):
+        return self.lin(x).sum(-1) * 1e38
+
+
+@pytest.mark.parametrize("qat", [False, True], ids=["float", "qat"])
+def test_a_diverged_model_is_restored_to_its_last_finite_state_with_or_without_qat(qat):
+    module = Exploding()
+    if qat:
+        module.lin = apply_qat(module.lin, bits=4)
+    before = [p.detach().clone() for p in module.parameters()]
+    leaf = GradLeaf(module, m_steps=5, lr=1e10, optimizer=torch.optim.SGD)
+    with pytest.raises(NonFiniteLossError, match=r"at step 2 of 5: stopped.*restored.*set grad_clip"):
+        leaf.fit(torch.full((3, 4), 1e-3))
+    assert leaf.history and all(math.isfinite(v) for v in leaf.history)
+    for p, b in zip(module.parameters(), before):
+        assert torch.equal(p, b)  # back to the weights of the last finite loss (here: the start)

@@ -374,6 +374,43 @@ def test_merge_without_adapters_raises_and_leaves_model_untouched():
     assert_same(model, snap)
 
 
+def test_merge_interrupted_at_the_second_layer_leaves_everything_as_it_was(monkeypatch):
+    model = apply_lora(make_lm(), rank=2, alpha=4)
+    randomize_adapters(model)
+    snap, report, out = snapshot(model), get_lora_report(model), model(ids()).detach()
+    merged_weight, calls = LoRALinear.merged_weight, []
+
+    def fails_second(self):
+        calls.append(self)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted while merging the second layer")
+        return merged_weight(self)
+
+    monkeypatch.setattr(LoRALinear, "merged_weight", fails_second)
+    with pytest.raises(RuntimeError, match="second layer"):
+        merge_lora(model)
+    assert len(calls) == 2  # the first layer had been folded when the second failed
+    assert_same(model, snap)
+    assert [type(model.body[i]) for i in (0, 2)] == [LoRALinear, LoRALinear]
+    assert get_lora_report(model) is report
+    torch.testing.assert_close(model(ids()), out, rtol=0, atol=0)  # same ops, same order: exact
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_merge_refuses_a_non_finite_adapter_and_leaves_the_model(bad):
+    model = apply_lora(make_lm(), rank=2, alpha=4)
+    randomize_adapters(model)
+    with torch.no_grad():
+        model.body[2].lora_B[1, 0] = bad
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"'body\.2'.*NaN or infinity"):
+        merge_lora(model)
+    types, state, params = snapshot(model)
+    assert types == snap[0] and params == snap[2]
+    assert all(torch.allclose(state[k], snap[1][k], rtol=0, atol=0, equal_nan=True) for k in state)
+    assert all(bool(torch.isfinite(model.body[i].weight).all()) for i in (0, 2))
+
+
 # ------------------------------------------------------------- train, merge, convert (real int4)
 
 

@@ -549,3 +549,42 @@ def test_opt_in_is_refused_for_flax_models():
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"opt_in=\('embedding',\) is for torch models"):
         apply_qat(model, opt_in=("embedding",), example_inputs=(jnp.ones((1, 4)),))
+
+
+# ------------------------------------------------------------------------ bad weights and inputs
+
+
+@pytest.mark.parametrize("granularity", [dict(), dict(group_size=8)], ids=["channel", "group"])
+def test_a_nan_kernel_raises_like_torch_naming_the_module(granularity):
+    model = Stack()
+    apply_qat(model, bits=4, example_inputs=(jnp.asarray(X),), **granularity)
+    model.fc2.kernel[...] = model.fc2.kernel[...].at[3, 1].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"module 'fc2', weight 'kernel' contains NaN or infinity"):
+        model(jnp.asarray(X))
+    set_fake_quant_enabled(model, False)
+    assert np.isnan(np.asarray(model(jnp.asarray(X)))).any()  # QAT off: the float model's NaN, as torch
+
+
+def test_a_nan_embedding_table_raises_in_its_lookup():
+    model = TiedLM(nnx.Rngs(0))
+    ids = jnp.arange(6).reshape(2, 3)
+    apply_qat(model, bits=8, example_inputs=(ids,))
+    model.emb.embedding[...] = model.emb.embedding[...].at[0, 0].set(jnp.inf)
+    with pytest.raises(ValueError, match=r"module 'emb', embedding contains NaN or infinity"):
+        model(ids)
+
+
+@pytest.mark.parametrize(
+    "inputs,words",
+    [((jnp.ones((2, 5)),), r"\(\w+ float32\[2, 5\]\) \(dot_general requires contracting dimensions"),
+     (("text",), r"\(str 'text'\) \(Value 'text'"),
+     ((jnp.ones((2, 48)), jnp.ones(3)), r"\(.*float32\[3\]\) \(.*takes 2 positional arguments but 3 were given")],
+    ids=["wrong-shape", "not-an-array", "extra-argument"],
+)
+def test_bad_example_inputs_get_a_clear_error_and_leave_the_model(inputs, words):
+    model = Stack()
+    before = nnx.state(model)
+    with pytest.raises(TypeError, match=r"apply_qat could not trace Stack on example_inputs=" + words):
+        apply_qat(model, bits=4, example_inputs=inputs)
+    assert type(model) is Stack
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), nnx.state(model), before))

@@ -333,3 +333,26 @@ def test_user_hooks_keep_working_on_the_wrapper():
     apply_qat(model, bits=4)
     model(ids())
     assert seen == ["QATWrapper"]
+
+
+def test_a_meta_device_model_runs_the_qat_forward_and_backward_as_shapes():
+    with torch.device("meta"):
+        float_model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+        qat = apply_qat(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)), bits=4)
+    ids_ = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    expected = float_model(ids_)
+    out = qat(ids_)
+    assert out.device.type == "meta" and out.shape == expected.shape and out.dtype == expected.dtype
+    out.sum().backward()
+    assert qat[1].weight.grad.shape == (4, 8)
+    with torch.no_grad():
+        assert qat(ids_).shape == expected.shape
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0)])
+def test_an_empty_linear_is_refused_at_apply_qat_with_its_name(shape):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(*shape))
+    with pytest.raises(ValueError, match=r"layer '1': its weight is empty .*exclude=\['1'\]"):
+        apply_qat(model, bits=4)
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear  # nothing half-applied
+    assert type(apply_qat(model, bits=4, exclude=("1",))[0]).__name__ == "QATWrapper"

@@ -2,7 +2,8 @@
 
 File format: a standard safetensors file (8-byte little-endian header length, a JSON header
 giving each tensor's dtype, shape and data offsets, then the raw little-endian tensor bytes),
-written here with numpy alone, never pickle. Its ``__metadata__`` holds one JSON manifest under
+read and written with the ``safetensors`` library (memory-mapped; never pickle) after mixle has
+checked every header field itself. Its ``__metadata__`` holds one JSON manifest under
 the key ``"mixle_manifest"``: format and mixle versions, every quantized layer (path, kind,
 spec, bits, weight shape, tensor names, byte counts), every stored tensor's dtype, shape and
 sha256, the names that alias a shared (tied) tensor, ``model_nbytes`` and ``manifest_sha256``,
@@ -10,11 +11,13 @@ the sha256 of the manifest itself serialized as
 ``json.dumps(manifest_without_that_key, sort_keys=True, separators=(",", ":"))``.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -22,18 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "write_raw", "parse_raw",
-           "Raw", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION", "MANIFEST_KEY"]
+__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors",
+           "TensorInfo", "replace_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
+           "MANIFEST_KEY", "DTYPE_ITEMSIZE"]
 
 FORMAT = "mixle.quantized"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "mixle_manifest"
 _MAX_HEADER_BYTES = 100 * 2**20
 
-# safetensors dtype name -> little-endian numpy dtype (BF16 travels as its raw 16-bit pattern).
-_NUMPY_OF = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<i2", "I64": "<i8", "I32": "<i4",
-             "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
-_ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in _NUMPY_OF.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,115 +73,173 @@ class ModelBytes:
 
 
 # ----------------------------------------------------------------------------------------------
-# The safetensors format, with numpy
+# The safetensors format: the ``safetensors`` library reads and writes the tensors; mixle checks
+# the header first (bounded reads, every field), so a hostile header is a ValueError naming the
+# file and the field before the library maps anything.
+
+# safetensors dtype name -> item size in bytes (the dtypes mixle stores).
+DTYPE_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                  "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 
 @dataclass(frozen=True)
-class Raw:
-    """One tensor as safetensors stores it: dtype name, shape and little-endian bytes."""
+class TensorInfo:
+    """One tensor's header entry: safetensors dtype name, shape, byte span in the data section."""
 
     dtype: str
     shape: tuple
-    data: bytes
+    begin: int
+    end: int
 
 
-def raw_from_numpy(array, name):
-    array = np.asarray(array)
-    for st_name, np_name in _NUMPY_OF.items():
-        if st_name != "BF16" and np.dtype(np_name) == array.dtype.newbyteorder("<"):
-            little = np.ascontiguousarray(array).astype(np.dtype(np_name), copy=False)
-            return Raw(st_name, tuple(array.shape), little.tobytes())
-    raise TypeError(f"tensor {name!r} has dtype {array.dtype}, which safetensors cannot store here: "
-                    f"use one of float16/32/64, (u)int8/16/32/64 or bool")
+def _no_duplicate_keys(pairs):
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        duplicated = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"field {duplicated[0]!r} appears more than once")
+    return dict(pairs)
 
 
-def write_raw(path, raws, metadata):
-    """Write ``{name: Raw}`` (in order of decreasing item size, keeping 8-byte alignment)."""
-    order = sorted(raws, key=lambda name: -_ITEMSIZE[raws[name].dtype])
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = metadata
-    for name in order:
-        raw = raws[name]
-        header[name] = {"dtype": raw.dtype, "shape": list(raw.shape), "data_offsets": [offset, offset + len(raw.data)]}
-        offset += len(raw.data)
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    path = Path(path)
+def read_header(path):
+    """``(metadata, {name: TensorInfo})`` of a safetensors file, every header field checked.
+
+    Reads only the 8-byte length and the header (at most 100 MiB), never the tensor data.
+
+    Raises:
+        ValueError: the file is truncated or its header is malformed; the message names the file
+            and the field.
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+    >>> write_safetensors(path, {"w": np.zeros((2, 3), np.float32)})
+    >>> read_header(path)
+    ({}, {'w': TensorInfo(dtype='F32', shape=(2, 3), begin=0, end=24)})
+    """
+    source = str(path)
+
+    def bad(why):
+        return ValueError(f"{source} is not a valid safetensors file: {why}")
+
+    try:
+        with open(path, "rb") as handle:
+            total = os.fstat(handle.fileno()).st_size
+            first = handle.read(8)
+            if len(first) < 8:
+                raise bad(f"it is truncated to {len(first)} bytes, shorter than the 8-byte header length")
+            (size,) = struct.unpack("<Q", first)
+            if size > _MAX_HEADER_BYTES or 8 + size > total:
+                raise bad(f"the header length field claims {size} bytes but the file has {total - 8} after it "
+                          f"(truncated or corrupt; mixle reads headers up to {_MAX_HEADER_BYTES} bytes)")
+            text = handle.read(size)
+    except OSError as error:
+        raise ValueError(f"{source} cannot be read ({error})") from None
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except RecursionError:
+        raise bad("its JSON header is nested too deeply; the file is corrupt") from None
+    except ValueError as err:  # undecodable bytes, bad JSON, duplicate fields, oversized numbers
+        raise bad(f"its JSON header does not parse ({err}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise bad(f"its header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):
+        raise bad(f"field '__metadata__' must map strings to strings, got a {type(metadata).__name__}")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise bad(f"field '__metadata__'.{key!r} must be a string, got a {type(value).__name__}")
+    infos = {}
+    for name, entry in header.items():
+        field = f"field {name!r}"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise bad(f"{field} needs exactly dtype, shape and data_offsets, got {got!s:.120}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise bad(f"{field}.dtype {dtype!r:.40} is not one of the dtypes mixle reads ({', '.join(DTYPE_ITEMSIZE)})")
+        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"{field}.shape must be a list of at most 64 non-negative integers, got {shape!r:.80}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"{field}.data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.80}")
+        needed = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != needed:
+            raise bad(f"{field}: {dtype} {shape} needs {needed} bytes, its data_offsets span {offsets[1] - offsets[0]}")
+        infos[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+    end = 0
+    for name, info in sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if info.begin != end:
+            raise bad(f"field {name!r}.data_offsets starts at byte {info.begin}, expected {end}: tensors must be "
+                      f"contiguous and must not overlap")
+        end = info.end
+    data = total - 8 - size
+    if end != data:
+        state = "truncated" if end > data else "followed by unexpected bytes"
+        raise bad(f"the header describes {end} bytes of tensor data, the file holds {data} ({state})")
+    return metadata, infos
+
+
+@contextlib.contextmanager
+def open_tensors(path, framework="numpy"):
+    """Check the header, then memory-map the file with ``safetensors.safe_open``.
+
+    Yields ``(metadata, {name: TensorInfo}, handle)``; ``handle.get_tensor(name)`` reads one
+    tensor. ``framework`` is safetensors' ("numpy", "pt", ...).
+
+    Raises:
+        ValueError: as ``read_header``, or the safetensors library refuses the file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    metadata, infos = read_header(path)
+    try:
+        with safe_open(str(path), framework=framework) as handle:
+            yield metadata, infos, handle
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a valid safetensors file: {error}") from None
+
+
+def _umask():
+    try:  # Linux states it; os.umask's set-and-restore would race with other threads
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def replace_atomically(path, write):
+    """Write a file through ``write(temporary_path)`` and move it over ``path`` in one step.
+
+    A crash never leaves a half-written file under ``path``. The new file keeps the mode of the
+    file it replaces (else the umask's default), and a symbolic link at ``path`` is written
+    through: its target is replaced, the link stays.
+    """
+    path = Path(os.path.realpath(path))
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(struct.pack("<Q", len(text)))
-            out.write(text)
-            for name in order:
-                out.write(raws[name].data)
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written file under `path`
+        os.close(handle)
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
 
 
-def parse_raw(data, source):
-    """``(metadata, {name: Raw})`` from the bytes of a safetensors file; ValueError if malformed."""
-    def bad(why):
-        return ValueError(f"{source} is not a valid safetensors file: {why}")
-
-    if len(data) < 8:
-        raise bad(f"it is truncated to {len(data)} bytes, shorter than the 8-byte header length")
-    (size,) = struct.unpack("<Q", data[:8])
-    if size > _MAX_HEADER_BYTES or 8 + size > len(data):
-        raise bad(f"the header claims {size} bytes but the file has {len(data) - 8} after the length field "
-                  f"(truncated or corrupt)")
-    try:
-        header = json.loads(data[8 : 8 + size].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad(f"its JSON header does not parse ({err}); the file is corrupt") from None
-    if not isinstance(header, dict):
-        raise bad("its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise bad("__metadata__ must map strings to strings")
-    buffer = memoryview(data)[8 + size :]
-    spans, raws = [], {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {name!r} needs exactly dtype, shape and data_offsets, got {entry!r:.120}")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in _NUMPY_OF:
-            raise bad(f"tensor {name!r} has unsupported dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r} has invalid data_offsets {offsets!r}")
-        if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise bad(f"tensor {name!r} of {dtype} {shape} needs {math.prod(shape) * _ITEMSIZE[dtype]} bytes, "
-                      f"its data_offsets span {offsets[1] - offsets[0]}")
-        spans.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise bad(f"tensor {name!r} starts at byte {begin}, expected {end}: tensors must be contiguous")
-        end = stop
-    if end != len(buffer):
-        state = "truncated" if end > len(buffer) else "followed by unexpected bytes"
-        raise bad(f"the header describes {end} bytes of tensor data, the file holds {len(buffer)} ({state})")
-    for begin, stop, name in spans:
-        entry = header[name]
-        raws[name] = Raw(entry["dtype"], tuple(entry["shape"]), bytes(buffer[begin:stop]))
-    return metadata, raws
-
-
-def numpy_from_raw(raw):
-    return np.frombuffer(raw.data, dtype=_NUMPY_OF[raw.dtype]).reshape(raw.shape)
-
-
 def write_safetensors(path, arrays, metadata=None):
-    """Write numpy arrays to a safetensors file (no pickle; readable by the ``safetensors`` package).
+    """Write numpy arrays to a safetensors file with the ``safetensors`` library (no pickle).
 
     Args:
-        path: the file to write (replaced atomically).
+        path: the file to write (replaced atomically, see ``replace_atomically``).
         arrays: ``{name: numpy array}``.
         metadata: optional ``{str: str}`` stored as ``__metadata__``.
 
@@ -191,21 +249,32 @@ def write_safetensors(path, arrays, metadata=None):
     >>> read_safetensors(path)
     ({'w': array([0, 1, 2], dtype=int8)}, {'note': 'hi'})
     """
+    import safetensors.numpy
+
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("metadata must map strings to strings")
-    write_raw(path, {name: raw_from_numpy(a, name) for name, a in arrays.items()}, metadata)
+    arrays = {name: np.array(a, order="C", copy=not np.asarray(a).flags.c_contiguous) for name, a in arrays.items()}
+    replace_atomically(path, lambda tmp: safetensors.numpy.save_file(arrays, tmp, metadata=metadata))
 
 
 def read_safetensors(path):
-    """``({name: numpy array}, metadata)`` from a safetensors file, validating its structure.
+    """``({name: numpy array}, metadata)`` from a safetensors file, its header checked first.
 
     BF16 tensors are returned as their raw int16 bit patterns (numpy has no bfloat16).
 
     Raises:
         ValueError: the file is truncated or its header is malformed.
     """
-    metadata, raws = parse_raw(Path(path).read_bytes(), str(path))
-    return {name: numpy_from_raw(raw) for name, raw in raws.items()}, metadata
+    arrays = {}
+    with open_tensors(path, "numpy") as (metadata, infos, handle):
+        for name, info in infos.items():
+            if info.dtype != "BF16":
+                arrays[name] = handle.get_tensor(name)
+                continue
+            with open(path, "rb") as raw:  # the library has no numpy bfloat16: read the bits
+                raw.seek(8 + struct.unpack("<Q", raw.read(8))[0] + info.begin)
+                arrays[name] = np.frombuffer(raw.read(info.end - info.begin), "<i2").reshape(info.shape).copy()
+    return arrays, metadata
 
 
 def canonical_manifest(manifest):
@@ -221,7 +290,9 @@ def manifest_from(metadata, source):
         raise bad(f"no {MANIFEST_KEY!r} in the safetensors metadata: it was not written by save_quantized")
     try:
         manifest = json.loads(metadata[MANIFEST_KEY])
-    except json.JSONDecodeError as err:
+    except RecursionError:
+        raise bad("the manifest's JSON is nested too deeply; the file is corrupt") from None
+    except ValueError as err:
         raise bad(f"the manifest is not valid JSON ({err}); the file is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise bad(f"the manifest's format is not {FORMAT!r}: not a mixle quantized model")
@@ -243,6 +314,5 @@ def read_manifest(path):
     Raises:
         ValueError: not a (valid) mixle quantized safetensors file.
     """
-    source = str(path)
-    metadata, _ = parse_raw(Path(path).read_bytes(), source)
-    return manifest_from(metadata, source)
+    metadata, _ = read_header(path)
+    return manifest_from(metadata, str(path))

@@ -30,7 +30,7 @@ from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_r
 from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
-from mixle.core.numerics import block_shape, clip_threshold
+from mixle.core.numerics import block_shape, check_array, clip_threshold
 from mixle.flax_backend.rules import range_calibration
 
 QUANTIZED = "quantized"
@@ -228,6 +228,8 @@ class QATProvider(qt.QtProvider):
         weight_qtype = None
         tile_size = spec.group_size if spec.granularity == "group" else None
         if side is not None:
+            # As torch's QAT forward: NaN/inf weights raise (eagerly; traced values are abstract).
+            check_array(w, f"module {path!r}, weight {name!r}")
             if tile_size is not None and len(contracting) != 1:
                 self._record(path, name, FLOAT, (
                     f"group_size needs one input axis, but this weight is contracted over {len(contracting)} "
@@ -412,6 +414,7 @@ class QATProvider(qt.QtProvider):
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError("Input type must be an integer or unsigned integer.")
         (table,) = self._table(embed, inexact=False)
+        check_array(table, f"module {path!r}, embedding")
         spec = rule.spec
         if spec.clip_percentile is not None and spec.clip_percentile < 100:
             table = clip_live(table, (1,), spec)

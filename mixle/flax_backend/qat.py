@@ -373,11 +373,23 @@ def apply(model, selector, reconfigure, example_inputs=None):
         raise ValueError(f"opt_in={selector.opt_in!r} is for torch models: the Flax backend quantizes the kernels "
                          f"Qwix's rules select; drop opt_in")
     inputs = _check_inputs(example_inputs, model)
-    if isinstance(model, nnx.Module):
-        return _apply_nnx(model, selector, reconfigure, inputs)
-    if isinstance(model, nn.Module):
+    if not isinstance(model, (nnx.Module, nn.Module)):
+        raise TypeError(f"expected a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
+    try:
+        if isinstance(model, nnx.Module):
+            return _apply_nnx(model, selector, reconfigure, inputs)
         return _apply_linen(model, selector, reconfigure, inputs)
-    raise TypeError(f"expected a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
+    except TypeError as err:  # JAX's own errors of tracing the model on inputs it does not take
+        raise TypeError(
+            f"apply_qat could not trace {type(model).__name__} on example_inputs={_describe(inputs)} ({err}): "
+            f"pass the positional arguments of one forward call, e.g. example_inputs=(x,) with x an array of "
+            f"the shape and dtype the model takes") from err
+
+
+def _describe(inputs):
+    parts = [f"{type(x).__name__} {getattr(x, 'dtype', '')}{list(getattr(x, 'shape', ()))}" if hasattr(x, "shape")
+             else f"{type(x).__name__} {x!r:.20}" for x in inputs]
+    return f"({', '.join(parts)})"
 
 
 def set_enabled(model, enabled):

@@ -1,6 +1,7 @@
 """The ``mixle`` command line: ``mixle compare`` runs the QAT-vs-PTQ comparison on real text."""
 
 import argparse
+import sys
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -22,8 +23,8 @@ def build_parser():
         "compare", help="train a small causal LM, then compare PTQ, fine-tune + PTQ and QAT at int4/int8",
         description="Train a causal LM in fp32 on real text, then for each bit width compare PTQ of it, "
                     "a fine-tune for N more steps followed by PTQ, and QAT for the same N steps; all "
-                    "evaluated as real int weights on held-out text. Writes table.txt, results.json and "
-                    "compare.png into the output directory.")
+                    "evaluated as real int weights on held-out text. Writes table.txt, results.json, "
+                    "compare.png and, last, complete.json (their sha256) into the output directory.")
     cmp.add_argument("--preset", choices=sorted(PRESETS), default="default",
                      help="starting configuration; the flags below override it (default: %(default)s)")
     cmp.add_argument("--steps", type=_positive_int, help="fp32 training steps from scratch")
@@ -64,24 +65,48 @@ def config_from_args(args):
 
 
 def main(argv=None):
-    """Entry point of ``mixle`` / ``python -m mixle``; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "compare":
-        return _compare(args)
+    """Entry point of ``mixle`` / ``python -m mixle``; returns the exit status.
+
+    Bad flags exit with status 2 and a usage line; a failed run prints one ``mixle: error:`` line
+    (no traceback) and exits 1; Ctrl-C exits 130.
+    """
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "compare":
+            return _compare(args)
+    except KeyboardInterrupt:
+        return _fail("interrupted (Ctrl-C); no complete run was written", status=130)
     parser.error(f"unknown command {args.command!r}")
 
 
+def _fail(message, status=1):
+    print(f"mixle: error: {message}", file=sys.stderr)
+    return status
+
+
 def _compare(args):
-    from mixle.lm.compare import format_table, prepare_data, run_compare, write_outputs
+    from mixle.lm.compare import check_out_dir, format_table, prepare_data, run_compare, write_outputs
+    from mixle.lm.grad_leaf import NonFiniteLossError
 
     try:
         config = config_from_args(args)
         data = prepare_data(config)  # missing corpus, empty text, block larger than the data
+        check_out_dir(args.out_dir)  # before training: a finished run is never lost to a bad --out-dir
     except (FileNotFoundError, ValueError, TypeError) as err:
-        args.subparser.error(str(err))
-    results = run_compare(config, data=data, progress=not args.no_progress)
-    paths = write_outputs(results, args.out_dir)
-    print(format_table(results))
-    print(f"\nwrote {paths['table.txt']}, {paths['results.json']} and {paths['compare.png']}")
+        args.subparser.error(str(err).replace("out_dir=", "--out-dir "))
+    except ImportError as err:
+        return _fail(str(err))
+    try:
+        results = run_compare(config, data=data, progress=not args.no_progress)
+    except NonFiniteLossError as err:
+        what = str(err).split(": stopped")[0]
+        return _fail(f"training diverged ({what}): lower --lr or --finetune-lr, or check the corpus")
+    print(format_table(results), flush=True)  # the result is shown before anything can fail to write
+    try:
+        paths = write_outputs(results, args.out_dir)
+    except OSError as err:
+        return _fail(f"could not write the outputs into {args.out_dir} ({err.strerror or err}); the table above is "
+                     f"this run's result, and the folder holds no complete.json for it")
+    print(f"\nwrote {paths['table.txt']}, {paths['results.json']}, {paths['compare.png']} and {paths['complete.json']}")
     return 0

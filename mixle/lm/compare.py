@@ -7,12 +7,15 @@ on the same held-out windows, and its size is the real bytes of those weights.
 
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +23,7 @@ from mixle._optional import require
 from mixle.core.spec import SUPPORTED_BITS, QuantSpec
 
 __all__ = ["CompareConfig", "PRESETS", "ExternalQAT", "run_compare", "format_table", "save_plot",
-           "write_outputs", "prepare_data", "held_out_loss", "held_out_windows", "warmup_cosine", "MIN_DEGRADATION"]
+           "write_outputs", "check_out_dir", "prepare_data", "held_out_loss", "held_out_windows", "warmup_cosine", "MIN_DEGRADATION"]
 
 # Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
 MIN_DEGRADATION = 0.005
@@ -512,17 +515,64 @@ def save_plot(results, path):
     right.set_title("held-out perplexity by method and bits (lower is better)")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     return path
 
 
+OUTPUTS = ("results.json", "table.txt", "compare.png")
+COMPLETE = "complete.json"  # written last: the outputs beside it are one finished run's
+
+
+def check_out_dir(out_dir):
+    """Create ``out_dir`` if needed and check that files can be written there, before any training.
+
+    Also checks that matplotlib (for ``compare.png``) is installed.
+
+    Raises:
+        ValueError: the directory cannot be created or written (the message says why).
+        ImportError: matplotlib is missing (names the extra to install).
+
+    >>> import tempfile, os
+    >>> check_out_dir(os.path.join(tempfile.mkdtemp(), "new", "run"))
+    """
+    require("matplotlib", extra="bench", purpose="the comparison plot")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"out_dir={str(out_dir)!r} cannot be created ({err.strerror or err}): "
+                         f"choose a directory you can write") from None
+    try:
+        handle, probe = tempfile.mkstemp(dir=out_dir, prefix=".mixle-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"out_dir={str(out_dir)!r} is not writable ({err.strerror or err}): "
+                         f"choose a directory you can write") from None
+
+
 def write_outputs(results, out_dir):
-    """Write ``results.json``, ``table.txt`` and ``compare.png`` into ``out_dir``; returns their paths."""
+    """Write ``results.json``, ``table.txt``, ``compare.png`` and then ``complete.json`` into ``out_dir``.
+
+    Each file is replaced atomically. ``complete.json`` (each output's sha256) is removed first and
+    written last, so outputs without it, or whose hashes disagree with it, are not one finished
+    run's set (e.g. a run that failed while writing over an earlier run's folder).
+
+    Returns:
+        ``{name: path}`` of the four files.
+    """
+    from mixle.core.fileformat import replace_atomically
+
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, name) for name in ("results.json", "table.txt", "compare.png")}
-    with open(paths["results.json"], "w") as handle:
-        json.dump(results, handle, indent=1)
-    with open(paths["table.txt"], "w") as handle:
-        handle.write(format_table(results) + "\n")
-    save_plot(results, paths["compare.png"])
+    paths = {name: os.path.join(out_dir, name) for name in OUTPUTS + (COMPLETE,)}
+    if os.path.lexists(paths[COMPLETE]):
+        os.remove(paths[COMPLETE])
+    writers = {
+        "results.json": lambda tmp: Path(tmp).write_text(json.dumps(results, indent=1)),
+        "table.txt": lambda tmp: Path(tmp).write_text(format_table(results) + "\n"),
+        "compare.png": lambda tmp: save_plot(results, tmp),
+    }
+    for name in OUTPUTS:
+        replace_atomically(paths[name], writers[name])
+    digests = {name: hashlib.sha256(Path(paths[name]).read_bytes()).hexdigest() for name in OUTPUTS}
+    replace_atomically(paths[COMPLETE], lambda tmp: Path(tmp).write_text(json.dumps({"files": digests}, indent=1)))
     return paths

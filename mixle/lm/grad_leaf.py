@@ -68,6 +68,11 @@ def _positive_int(name, value, allow_none=False):
     return int(value)
 
 
+def _all_finite(module):
+    return all(bool(torch.isfinite(t).all()) for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point())
+
+
 class _Snapshot:
     """A copy of a module's parameters and buffers and an optimizer's state, to roll back to."""
 
@@ -233,6 +238,11 @@ class GradLeaf:
         fields = _as_fields(data)
         return self.estimator().estimate(None, (fields, weights))
 
+    def _diverged(self, what, step, base_lrs):
+        return (f"{what} at step {step + 1} of {self.m_steps}: stopped, and the module's weights and optimizer "
+                f"state were restored to the last step with a finite loss. Lower lr (now {base_lrs}), set "
+                f"grad_clip, or check the data for NaN/inf")
+
     def _m_step(self, fields, weights):
         rows = len(fields[0])
         norm = weights / weights.sum()
@@ -257,7 +267,16 @@ class GradLeaf:
                 idx = None if batch == rows else torch.randperm(rows, generator=self.generator)[:batch]
                 x = tuple((f if idx is None else f[idx]).to(device) for f in fields)
                 w = (norm if idx is None else norm[idx]).to(device) * (rows / batch)
-                log_density = self.module.log_density(*x)
+                try:
+                    log_density = self.module.log_density(*x)
+                except Exception as error:
+                    # A step left a weight non-finite and the forward refused it (e.g. a QAT
+                    # quantizer's ValueError) before the loss could show NaN: the same divergence.
+                    if step and not _all_finite(self.module):
+                        snapshot.restore()
+                        raise NonFiniteLossError(self._diverged(f"the module's weights became non-finite and "
+                                                                f"its forward failed ({error})", step, base_lrs)) from error
+                    raise
                 if log_density.shape != (batch,):
                     raise ValueError(
                         f"module.log_density returned shape {tuple(log_density.shape)} for {batch} rows: "
@@ -267,11 +286,7 @@ class GradLeaf:
                 value = loss.item()
                 if not math.isfinite(value):
                     snapshot.restore()
-                    raise NonFiniteLossError(
-                        f"the M-step loss became {value} at step {step + 1} of {self.m_steps}: stopped, and the "
-                        f"module's weights and optimizer state were restored to the last step with a finite "
-                        f"loss. Lower lr (now {base_lrs}), set grad_clip, or check the data for NaN/inf"
-                    )
+                    raise NonFiniteLossError(self._diverged(f"the M-step loss became {value}", step, base_lrs))
                 if step:
                     snapshot.take()
                 optimizer.zero_grad(set_to_none=True)

@@ -8,13 +8,13 @@ import copy
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
 
+import safetensors.torch
 import torch
 
 import mixle
-from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, Raw, canonical_manifest,
-                                   manifest_from, numpy_from_raw, parse_raw, raw_from_numpy, write_raw)
+from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, canonical_manifest,
+                                   manifest_from, open_tensors, replace_atomically)
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
 from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage
@@ -68,22 +68,18 @@ def _st_dtype(dtype):
     return names.get(dtype)
 
 
-def _raw_from_torch(tensor, name):
+def _stored(tensor, name):
+    """The tensor as it is written: detached, on the CPU, contiguous, of a storable dtype."""
     tensor = tensor.detach().cpu().contiguous()
-    st_dtype = _st_dtype(tensor.dtype)
-    if st_dtype is None:
+    if _st_dtype(tensor.dtype) is None:
         raise TypeError(f"tensor {name!r} has dtype {tensor.dtype}, which save_quantized cannot store: "
                         f"cast that module to float32 first")
-    array = tensor.view(torch.int16).numpy() if st_dtype == "BF16" else tensor.numpy()
-    raw = raw_from_numpy(array, name)
-    return Raw(st_dtype, tuple(tensor.shape), raw.data)
+    return tensor
 
 
-def _torch_from_raw(raw):
-    array = numpy_from_raw(raw)
-    array = array.astype(array.dtype.newbyteorder("="))  # a native-order, writable copy
-    tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if raw.dtype == "BF16" else tensor
+def _sha256(tensor):
+    """sha256 of a contiguous CPU tensor's bytes as safetensors stores them (no copy)."""
+    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def _layer_entry(path, module, names):
@@ -101,7 +97,7 @@ def _layer_entry(path, module, names):
     }
     if kind.has_bias:
         entry["bias"] = names.get("bias")
-    entry.update({name: getattr(module, name) for name in kind.options})
+    entry.update(kind.options_of(module))
     return entry
 
 
@@ -136,13 +132,17 @@ def save_quantized(model, path):
         raise ValueError("the model has no quantized layer: make one with quantize_model(model) or convert(qat_model)")
 
     state = model.state_dict(keep_vars=True)
-    first_name, aliases, raws = {}, {}, {}
+    first_name, aliases, stored, storages = {}, {}, {}, set()
     for name, tensor in state.items():
         if id(tensor) in first_name:
             aliases[name] = first_name[id(tensor)]
             continue
         first_name[id(tensor)] = name
-        raws[name] = _raw_from_torch(tensor, name)
+        tensor = _stored(tensor, name)
+        if tensor.numel() and tensor.untyped_storage().data_ptr() in storages:
+            tensor = tensor.clone()  # a view of a stored tensor's memory: safetensors stores each once
+        storages.add(tensor.untyped_storage().data_ptr())
+        stored[name] = tensor
     layers = []
     for path_, module in model.named_modules():
         if isinstance(module, QuantizedWeight):
@@ -157,37 +157,56 @@ def save_quantized(model, path):
         "format_version": FORMAT_VERSION,
         "mixle_version": mixle.__version__,
         "layers": layers,
-        "tensors": {name: {"dtype": raw.dtype, "shape": list(raw.shape),
-                           "sha256": hashlib.sha256(raw.data).hexdigest()} for name, raw in raws.items()},
+        "tensors": {name: {"dtype": _st_dtype(t.dtype), "shape": list(t.shape), "sha256": _sha256(t)}
+                    for name, t in stored.items()},
         "aliases": aliases,
         "nbytes": model_nbytes(model).as_dict(),
     }
     manifest["manifest_sha256"] = hashlib.sha256(canonical_manifest(manifest)).hexdigest()
-    write_raw(path, raws, {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)})
+    metadata = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)}
+    replace_atomically(path, lambda tmp: safetensors.torch.save_file(stored, tmp, metadata=metadata))
     return manifest
 
 
-def _checked_tensors(manifest, raws, source):
+def _checked_tensors(manifest, infos, handle, source):
     """``{state_dict name: tensor}`` (aliases share one tensor) after dtype/shape/sha256 checks."""
     listed = manifest["tensors"]
-    if set(listed) != set(raws):
-        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(raws))} missing from the "
-                         f"file and the file has unlisted tensors {sorted(set(raws) - set(listed))}")
+    if set(listed) != set(infos):
+        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(infos))} missing from the "
+                         f"file and the file has unlisted tensors {sorted(set(infos) - set(listed))}")
     tensors = {}
-    for name, raw in raws.items():
-        info = listed[name]
-        if not isinstance(info, dict) or info.get("dtype") != raw.dtype or info.get("shape") != list(raw.shape):
-            raise ValueError(f"{source}: tensor {name!r} is {raw.dtype} {list(raw.shape)} in the file but "
-                             f"{info.get('dtype') if isinstance(info, dict) else info} "
-                             f"{info.get('shape') if isinstance(info, dict) else ''} in the manifest")
-        if hashlib.sha256(raw.data).hexdigest() != info.get("sha256"):
+    for name, info in infos.items():
+        entry = listed[name]
+        if not isinstance(entry, dict) or entry.get("dtype") != info.dtype or entry.get("shape") != list(info.shape):
+            said = f"{entry.get('dtype')} {entry.get('shape')}" if isinstance(entry, dict) else repr(entry)
+            raise ValueError(f"{source}: tensor {name!r} is {info.dtype} {list(info.shape)} in the file but "
+                             f"{said:.80} in the manifest")
+        tensor = handle.get_tensor(name)
+        if _st_dtype(tensor.dtype) != info.dtype or tuple(tensor.shape) != info.shape:
+            raise ValueError(f"{source}: tensor {name!r} reads as {tensor.dtype} {list(tensor.shape)}, its header "
+                             f"says {info.dtype} {list(info.shape)}")
+        if _sha256(tensor) != entry.get("sha256"):
             raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
-        tensors[name] = _torch_from_raw(raw)
+        tensors[name] = tensor
     for alias, target in manifest["aliases"].items():
-        if alias in tensors or target not in tensors:
-            raise ValueError(f"{source}: alias {alias!r} -> {target!r} does not name one stored tensor")
+        if not isinstance(target, str) or alias in tensors or target not in tensors:
+            raise ValueError(f"{source}: alias {alias!r} -> {target!r:.80} does not name one stored tensor")
         tensors[alias] = tensors[target]
     return tensors
+
+
+def _skeleton_copy(model, replaced_paths):
+    """A deep copy of ``model`` whose weights held only by layers about to be replaced are
+    meta-device placeholders (their shape and dtype, no memory): the copy costs only what stays."""
+    holders = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for _, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), (param, set()))[1].add(path)
+    memo = {}
+    for param, paths in holders.values():
+        if paths <= replaced_paths:
+            memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    return copy.deepcopy(model, memo)
 
 
 def _build_layer(entry, tensors, module, source):
@@ -210,8 +229,19 @@ def _build_layer(entry, tensors, module, source):
             (kind.has_bias and (kind.bias_of(module) is None) != (bias is None)):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")
-    extra = {name: entry.get(name) for name in kind.options}
-    extra.update({name: getattr(module, name) for name in kind.linear_children})  # replaced by their own entries
+    weight, own_bias = kind.weight_of(module), kind.bias_of(module)
+    if scale.dtype != weight.dtype:
+        raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {weight.dtype}: "
+                         f"pass a model built like the saved one (in {scale.dtype})")
+    if bias is not None and bias.dtype != own_bias.dtype:
+        raise ValueError(f"{where}: its bias is {bias.dtype} but the model's is {own_bias.dtype}: "
+                         f"pass a model built like the saved one")
+    extra = kind.options_of(module)
+    for name, value in extra.items():
+        if name not in entry or entry[name] != json.loads(json.dumps(value)):  # as the manifest holds it
+            raise ValueError(f"{where}: {name}={entry.get(name, '<missing>')!r:.40} in the file but "
+                             f"{name}={value!r} in the model: pass a model built like the saved one")
+    extra.update({name: getattr(module, name) for name in kind.linear_children})
     if kind.has_bias:
         extra["bias"] = bias
     return kind.quantized_type(codes, scale, spec, shape, **extra).train(module.training)  # MHA's path depends on it
@@ -222,8 +252,9 @@ def load_quantized(path, model):
 
     Everything is validated before it is used: the safetensors structure, the manifest's format
     version and sha256, each tensor's dtype, shape and sha256, each layer's spec, bits, shapes
-    and code range, and that the tensors match the model's state_dict names, shapes and dtypes
-    exactly. Tied layers come back sharing one codes+scales tensor.
+    and code range, its scale and bias dtypes and its options (e.g. an embedding's padding_idx)
+    against the model's layer, and that the tensors match the model's state_dict names, shapes
+    and dtypes exactly. Tied layers come back sharing one codes+scales tensor.
 
     Args:
         path: a file written by ``save_quantized``.
@@ -249,22 +280,24 @@ def load_quantized(path, model):
     if any(isinstance(m, QAT_TYPES + QUANTIZED_TYPES) for m in model.modules()):
         raise ValueError("load_quantized needs a float model (no QAT or quantized layers) built like the saved one")
     source = str(path)
-    metadata, raws = parse_raw(Path(path).read_bytes(), source)
-    manifest = manifest_from(metadata, source)
-    tensors = _checked_tensors(manifest, raws, source)
+    with open_tensors(path, "pt") as (metadata, infos, handle):
+        manifest = manifest_from(metadata, source)
+        tensors = _checked_tensors(manifest, infos, handle, source)
     device = next(iter(model.parameters()), torch.empty(0)).device
     moved = {}
     tensors = {name: moved.setdefault(id(t), t.to(device)) for name, t in tensors.items()}  # ties survive
 
-    new = copy.deepcopy(model)
+    paths = [entry.get("path") if isinstance(entry, dict) else None for entry in manifest["layers"]]
+    modules = dict(model.named_modules())
+    for path_ in paths:
+        if not isinstance(path_, str) or path_ not in modules:
+            raise ValueError(f"{source}: the model has no module {path_!r:.80} for a saved layer: "
+                             f"pass a model built like the saved one")
+    new = _skeleton_copy(model, set(paths))
     modules = dict(new.named_modules())
     replacements = {}
     for entry in manifest["layers"]:
-        path_ = entry.get("path") if isinstance(entry, dict) else None
-        if path_ not in modules:
-            raise ValueError(f"{source}: the model has no module {path_!r} for a saved layer: "
-                             f"pass a model built like the saved one")
-        replacements[id(modules[path_])] = _build_layer(entry, tensors, modules[path_], source)
+        replacements[id(modules[entry["path"]])] = _build_layer(entry, tensors, modules[entry["path"]], source)
     with Change() as change:
         new = change.swap(new, replacements)
 

@@ -256,6 +256,8 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
     compiled graph recomputes and fuses it), and for inference tensors, which have no version
     counter.
     """
+    if param.is_meta:  # no values to quantize: shapes only, as the float layer gives
+        return param, None
     check_array(param, "weight", finite=False)
     x = param.t() if output_axis == 1 else param
     if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
@@ -382,10 +384,11 @@ def linear(x, weight, bias, spec):
 
     The quantized weight comes from the per-version cache; training runs as one autograd node
     (``_QATLinear``). Under autocast, torch.compile, no-grad or mixed dtypes the stock
-    ``F.linear`` runs on the same fake-quantized weight.
+    ``F.linear`` runs on the same fake-quantized weight (on meta tensors, which have no values,
+    it gives the float layer's shapes).
     """
-    if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled()
-            or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type)):
+    if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled() or weight.is_meta
+            or x.is_meta or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
     check_array(weight, "weight", finite=False)
     return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight))

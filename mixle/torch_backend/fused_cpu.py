@@ -2,18 +2,15 @@
 
 The kernels compute exactly ``mixle.core.numerics``'s numerics (tests compare both with numpy,
 bit for bit) in one pass over each block of a float32 or float64 CPU tensor. They are built
-once per machine with the system C++ compiler into a cache directory (``MIXLE_CACHE_DIR``, else
-``~/.cache/mixle``); without a compiler mixle warns once and QAT runs the same numerics as
+once per machine with the system C++ compiler into a private cache directory (``MIXLE_CACHE_DIR``,
+else ``~/.cache/mixle``; only libraries this user built and recorded are loaded, see
+``kernel_cache``); without a compiler mixle warns once and QAT runs the same numerics as
 separate torch ops. ``MIXLE_FUSED_KERNELS=0`` turns the kernels off.
 """
 
 import contextlib
 import ctypes
-import hashlib
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -22,6 +19,7 @@ from typing import Optional
 import torch
 
 from mixle.core.numerics import block_shape, percentile_positions
+from mixle.torch_backend import kernel_cache
 
 SOURCE = Path(__file__).with_name("fused_fake_quant.cpp")
 # -ffp-contract=off: no fused multiply-add, every operation rounds as numpy's does.
@@ -33,60 +31,31 @@ _lock = threading.Lock()
 _loaded = {}  # "kernels" -> _Kernels or None, once decided
 
 
-def _cache_dir():
-    root = os.environ.get("MIXLE_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mixle"
+_cache_dir = kernel_cache.cache_dir
 
 
-def _cpu_signature():
-    """What -march=native depends on: the CPU's feature flags (a shared cache may span machines)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
+def _build(compiler, source=SOURCE):
+    """Path of the verified library built from ``source`` (building it if no recorded build of this
+    source, compiler command, flags and CPU checks out), or raise RuntimeError with the reason.
 
-    return platform.machine() + platform.processor()
-
-
-def _build(compiler):
-    """Path of the built library (building it if needed), or raise RuntimeError with the reason."""
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise RuntimeError(f"no C++ compiler {compiler!r} ({error})") from None
-    source = SOURCE.read_bytes()
+    A recorded build is found without running the compiler; see ``kernel_cache``.
+    """
+    source = Path(source)
+    code = source.read_bytes()
+    directory = kernel_cache.private_dir(_cache_dir())
     # Without OpenMP (e.g. Apple clang) the kernels still build, and run on one thread.
-    targets = []
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
-                                         _cpu_signature().encode(), sys.platform.encode()])).hexdigest()[:20]
-        targets.append((flags, _cache_dir() / f"fused_fake_quant_{key}.so"))
-    for _, target in targets:
-        if target.exists():
-            return target
+    keyed = [(flags, kernel_cache.build_key(code, compiler, flags)) for flags in (FLAGS + ("-fopenmp",), FLAGS)]
+    for _, key in keyed:
+        found = kernel_cache.find(directory, source.stem, key)
+        if found is not None:
+            return found
     error = None
-    for flags, target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
+    for flags, key in keyed:
         try:
-            done = subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True,
-                                  text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(partial, target)  # atomic: concurrent builders agree on the result
-                return target
-            error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        except (OSError, subprocess.SubprocessError) as failure:
-            error = str(failure)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    raise RuntimeError(f"{compiler} failed: {error}")
+            return kernel_cache.build(directory, source, compiler, flags, key)
+        except RuntimeError as failure:
+            error = failure
+    raise error
 
 
 class _Kernels:
@@ -96,7 +65,7 @@ class _Kernels:
         # torch is imported first, so the library's libgomp.so.1 resolves to the copy torch has
         # loaded and both share one OpenMP thread pool.
         self.path = str(path)
-        lib = ctypes.CDLL(self.path)
+        lib = kernel_cache.load(path)  # only a library this user built, re-verified on dlopen's descriptor
         p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self.fake_quant, self.dequantize, self.clip_mask_grad = {}, {}, {}
         for suffix in _DTYPES.values():

@@ -84,9 +84,22 @@ class LayerKind:
             shape = shape[::-1]
         return (shape[0], math.prod(shape[1:]))
 
+    def options_of(self, module):
+        """The quantized layer's ``options`` as ``module`` (float, QAT or quantized) has them; an
+        option a float module lacks is derived as the QAT class derives it (a property, e.g. a
+        convolution's ``conv_shape``)."""
+        values = {}
+        for name in self.options:
+            derived = getattr(self.qat_type, name, None)
+            if not hasattr(module, name) and isinstance(derived, property):
+                values[name] = derived.fget(module)
+            else:
+                values[name] = getattr(module, name)
+        return values
+
     def to_quantized(self, layer, codes, scale):
         """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
-        extra = {name: getattr(layer, name) for name in self.options}
+        extra = self.options_of(layer)
         if self.has_bias:
             bias = self.bias_of(layer)
             extra["bias"] = None if bias is None else bias.detach()

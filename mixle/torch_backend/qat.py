@@ -247,6 +247,9 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
     try:
         check_supported(spec)
         kind = kind_of_qat(module)
+        if _weight(module).numel() == 0:
+            raise ValueError(f"its weight is empty (shape {list(_weight(module).shape)}): there is nothing to "
+                             f"quantize; leave it out with exclude=[{path!r}] or drop the layer")
         if kind is None:
             replacements[id(module)] = kind_of_float(module).wrap(module, spec, enabled)
             return "wrapped"
