@@ -17,7 +17,7 @@ from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBy
                                    manifest_from, numpy_from_raw, parse_raw, raw_from_numpy, write_raw)
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
-from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage
+from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage, file_scale_dtype, scale_nbytes
 from mixle.torch_backend.swap import Change
 
 __all__ = ["model_nbytes", "save_quantized", "load_quantized"]
@@ -52,7 +52,7 @@ def model_nbytes(model):
             if isinstance(module, QuantizedWeight) and name == "codes":
                 kind = "int4_code_bytes" if module.spec.bits == 4 else "int8_code_bytes"
             elif isinstance(module, QuantizedWeight) and name == "scale":
-                kind = "scale_bytes"
+                kind, size = "scale_bytes", scale_nbytes(module.spec, tensor)  # float16 on llama.cpp's grids
             elif tensor.is_floating_point():
                 kind = "float_bytes"
             else:
@@ -97,7 +97,7 @@ def _layer_entry(path, module, names):
         "codes": names["codes"],
         "scale": names["scale"],
         "codes_nbytes": module.codes.numel() * module.codes.element_size(),
-        "scale_nbytes": module.scale.numel() * module.scale.element_size(),
+        "scale_nbytes": scale_nbytes(module.spec, module.scale),
     }
     if kind.has_bias:
         entry["bias"] = names.get("bias")
@@ -136,13 +136,16 @@ def save_quantized(model, path):
         raise ValueError("the model has no quantized layer: make one with quantize_model(model) or convert(qat_model)")
 
     state = model.state_dict(keep_vars=True)
+    # Scales of float16 grids (llama.cpp's) are written as the float16 values they hold.
+    narrow = {id(m.scale): file_scale_dtype(m.spec) for m in model.modules()
+              if isinstance(m, QuantizedWeight) and file_scale_dtype(m.spec) is not None}
     first_name, aliases, raws = {}, {}, {}
     for name, tensor in state.items():
         if id(tensor) in first_name:
             aliases[name] = first_name[id(tensor)]
             continue
         first_name[id(tensor)] = name
-        raws[name] = _raw_from_torch(tensor, name)
+        raws[name] = _raw_from_torch(tensor.to(narrow[id(tensor)]) if id(tensor) in narrow else tensor, name)
     layers = []
     for path_, module in model.named_modules():
         if isinstance(module, QuantizedWeight):
@@ -190,8 +193,11 @@ def _checked_tensors(manifest, raws, source):
     return tensors
 
 
-def _build_layer(entry, tensors, module, source):
-    """The quantized module for one manifest layer, checked against the skeleton's module."""
+def _build_layer(entry, tensors, module, source, widened):
+    """The quantized module for one manifest layer, checked against the skeleton's module.
+
+    Float16-stored scales come back in the skeleton weight's dtype, one copy per stored tensor
+    (``widened``: id of the file's tensor -> its copy), so tied layers still share it."""
     where = f"{source}: layer {entry.get('path')!r}"
     try:
         spec = QuantSpec(**entry["spec"])
@@ -202,9 +208,16 @@ def _build_layer(entry, tensors, module, source):
         raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
     if bits != spec.bits:
         raise ValueError(f"{where}: bits={bits!r} disagrees with its spec's bits={spec.bits}")
+    stored_dtype = file_scale_dtype(spec)
+    if stored_dtype is not None:
+        if scale.dtype != stored_dtype:
+            raise ValueError(f"{where}: grid={spec.grid!r} stores {stored_dtype} scales, the file has "
+                             f"{scale.dtype}: the data is corrupt or was written by another tool")
+        if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.is_floating_point():
+            scale = widened.setdefault(id(scale), scale.to(module.weight.dtype))
     check_quantized_storage(codes, scale, spec, shape, name=where)
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
-            entry.get("scale_nbytes") != scale.numel() * scale.element_size():
+            entry.get("scale_nbytes") != scale_nbytes(spec, scale):
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
     if not isinstance(module, kind.float_types) or tuple(module.weight.shape) != shape or \
             (kind.has_bias and (module.bias is None) != (bias is None)):
@@ -257,13 +270,13 @@ def load_quantized(path, model):
 
     new = copy.deepcopy(model)
     modules = dict(new.named_modules())
-    replacements = {}
+    replacements, widened = {}, {}
     for entry in manifest["layers"]:
         path_ = entry.get("path") if isinstance(entry, dict) else None
         if path_ not in modules:
             raise ValueError(f"{source}: the model has no module {path_!r} for a saved layer: "
                              f"pass a model built like the saved one")
-        replacements[id(modules[path_])] = _build_layer(entry, tensors, modules[path_], source)
+        replacements[id(modules[path_])] = _build_layer(entry, tensors, modules[path_], source, widened)
     with Change() as change:
         new = change.swap(new, replacements)
 

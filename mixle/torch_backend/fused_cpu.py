@@ -175,10 +175,12 @@ def available():
     return _kernels() is not None
 
 
-def applies_to(x):
-    """Whether the fused kernels can take tensor x: a contiguous float32/float64 CPU tensor,
-    outside torch.compile and functorch transforms (which need traceable torch ops)."""
-    if torch.compiler.is_compiling():
+def applies_to(x, spec=None):
+    """Whether the fused kernels can take tensor x (quantized with ``spec``, when given): a
+    contiguous float32/float64 CPU tensor on a plain grid (``Grid.is_plain``: the only grids the
+    kernels implement), outside torch.compile and functorch transforms (which need traceable
+    torch ops)."""
+    if torch.compiler.is_compiling() or (spec is not None and not spec.grid_record.is_plain()):
         return False
     return (x.dtype in _DTYPES and x.device.type == "cpu" and x.layout == torch.strided
             and x.is_contiguous() and not torch._C._functorch.is_functorch_wrapped_tensor(x)
