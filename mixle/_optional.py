@@ -10,6 +10,7 @@ _EXTRA_OF = {
     "optax": "jax",
     "matplotlib": "bench",
     "tqdm": "bench",
+    "gguf": "gguf",
 }
 
 

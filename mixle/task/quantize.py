@@ -26,6 +26,7 @@ _LAZY = {
     "save_quantized": "mixle.api",
     "load_quantized": "mixle.api",
     "model_nbytes": "mixle.api",
+    "save_gguf": "mixle.exports.gguf",
     "quantize_mlp": "mixle.torch_backend.convert",
     "QuantizedLinear": "mixle.torch_backend.quantized",
     "QuantizedEmbedding": "mixle.torch_backend.quantized",
@@ -42,7 +43,7 @@ def __getattr__(name):
         raise AttributeError(f"module 'mixle.task.quantize' has no attribute {name!r}")
     import importlib
 
-    if module.startswith("mixle.torch_backend"):
+    if module.startswith(("mixle.torch_backend", "mixle.exports")):
         from mixle._optional import require
 
         require("torch", extra="torch", purpose=name)

@@ -1,0 +1,348 @@
+"""GGUF export: a mixle causal LM as the file llama.cpp runs, with the Q4_0/Q8_0 blocks QAT trained on.
+
+``save_gguf`` writes mixle's ``build_causal_lm`` (pre-norm blocks, fused qkv with bias, learned
+positions, LayerNorm, erf GELU, head tied to the token embedding) as llama.cpp's ``gpt2``
+architecture, through gguf-py's ``GGUFWriter``. The model may be float, QAT-wrapped
+(``apply_qat``) or converted (``convert``):
+
+* A layer fake-quantized (or converted) on ``grid="q4_0"`` / ``"q8_0"`` is written as the
+  Q4_0 / Q8_0 blocks of exactly its codes and float16 scales: no re-quantization, so the weights
+  llama.cpp multiplies with are the fake-quantized weights QAT trained with, bit for bit.
+* Layers on another grid (e.g. mixle's symmetric int4) have no GGUF block type and are refused,
+  naming the layer, before any file is created.
+* Float matrices (layers left out of QAT, and the token embedding when the tied head is not
+  quantized) follow ``float_matrices``: ``"q8_0"`` (the default: gguf's own quantizer, llama.cpp's
+  QAT convention for embedding and output), ``"f16"`` or ``"f32"``.
+* The position embedding, LayerNorm weights and all biases are F32.
+* The tied head is stored once, as ``token_embd`` (no ``output.weight``: llama.cpp then uses
+  the token embedding as its output matrix); an untied head is written as ``output.weight``.
+
+Layout: every matrix is written in torch's ``(out, in)`` row order, which gguf stores as
+``ne = [in, out]``; the fused qkv rows stay ``[q; k; v]`` (what llama.cpp's gpt2 graph splits),
+so no tensor is permuted.
+
+Numerics llama.cpp computes differently (measured in /work/shared/notes/deploy.md): its gpt2
+graph uses ggml's tanh-approximated GELU where mixle's block uses the erf GELU, its KV cache is
+float16 by default, and its CPU path quantizes activations to Q8_0 before Q4_0/Q8_0 products.
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from mixle._optional import require
+from mixle.exports.ggml_blocks import BLOCK, GGML_TYPE_OF_GRID, pack_blocks
+from mixle.torch_backend.convert import _check_convertible
+from mixle.torch_backend.layer_kinds import kind_of_qat
+from mixle.torch_backend.quantized import QuantizedWeight
+
+__all__ = ["save_gguf", "FLOAT_MATRICES"]
+
+FLOAT_MATRICES = ("q8_0", "f16", "f32")
+
+
+@dataclass
+class _Tensor:
+    """One tensor to write: ``data`` (numpy) and the ggml type name (``"F32"``, ``"Q4_0"``, ...)."""
+
+    name: str
+    data: np.ndarray
+    ggml_type: str
+
+
+def _plan_matrix(module, path, gguf_name, float_matrices, gguf):
+    """The tensor for a 2-D weight of ``module`` (float, QAT or converted), or ValueError naming ``path``."""
+    spec = getattr(module, "spec", None)
+    if isinstance(module, QuantizedWeight):
+        quantized = module.quantized_array()
+    elif spec is not None and kind_of_qat(module) is not None:
+        try:  # the codes convert would store: the fake-quant forward's, bit for bit
+            quantized = kind_of_qat(module).quantize(module.weight.detach(), spec)
+        except ValueError as err:
+            raise ValueError(f"layer {path!r}: {err}") from None
+    else:
+        return _float_matrix(module.weight.detach(), path, gguf_name, float_matrices, gguf)
+    if spec.grid not in GGML_TYPE_OF_GRID:
+        raise ValueError(
+            f"layer {path!r} is quantized on {spec.short()}, which GGUF has no block type for: train it on "
+            f"grid='q4_0' or grid='q8_0' (llama.cpp's Q4_0 / Q8_0), or leave it out of apply_qat so it is "
+            f"written as float_matrices={float_matrices!r}"
+        )
+    codes = quantized.codes.detach().cpu().numpy()
+    scale = quantized.scale.detach().cpu().to(torch.float32).numpy().ravel()
+    try:
+        blocks = pack_blocks(spec.grid, codes, scale)
+    except ValueError as err:
+        raise ValueError(f"layer {path!r}: {err}") from None
+    return _Tensor(gguf_name, blocks, GGML_TYPE_OF_GRID[spec.grid][0])
+
+
+def _float_matrix(weight, path, gguf_name, float_matrices, gguf):
+    array = weight.cpu().to(torch.float32).numpy()
+    if float_matrices == "f32":
+        return _Tensor(gguf_name, array, "F32")
+    if float_matrices == "f16":
+        return _Tensor(gguf_name, array.astype(np.float16), "F16")
+    if array.shape[-1] % BLOCK:
+        raise ValueError(
+            f"layer {path!r} has rows of {array.shape[-1]} values, which Q8_0 blocks of {BLOCK} do not divide: "
+            f"pass float_matrices='f16' or 'f32'"
+        )
+    return _Tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+
+
+def _vector(tensor, gguf_name):
+    return _Tensor(gguf_name, tensor.detach().cpu().to(torch.float32).numpy(), "F32")
+
+
+# ----------------------------------------------------------------------------------------------
+# The gpt2 architecture: mixle's build_causal_lm.
+
+_BLOCK_PARTS = ("norm1", "qkv", "proj", "norm2", "fc", "out")
+
+
+def _refuse_architecture(model, why):
+    return ValueError(
+        f"save_gguf writes mixle's build_causal_lm (llama.cpp's 'gpt2' architecture), but this "
+        f"{type(model).__name__} {why}: build the model with mixle.models.transformer.build_causal_lm"
+    )
+
+
+def _check_norm(norm, path, eps):
+    if not isinstance(norm, nn.LayerNorm) or not norm.elementwise_affine or norm.bias is None:
+        raise ValueError(f"layer {path!r} is {norm!r}: llama.cpp's gpt2 needs an nn.LayerNorm with weight and bias")
+    if eps is not None and norm.eps != eps:
+        raise ValueError(f"layer {path!r} has eps={norm.eps}, another LayerNorm eps={eps}: gpt2 stores one epsilon")
+    return norm.eps
+
+
+def _gpt2_tensors(model, float_matrices, gguf):
+    """``(hyper-parameters, [_Tensor])`` of a mixle CausalLM, every check done before writing."""
+    cls = type(model)
+    if cls.__name__ != "CausalLM" or not cls.__module__.startswith("mixle."):
+        raise _refuse_architecture(model, "is another architecture")
+    name = gguf.TENSOR_NAMES
+    kind = gguf.MODEL_TENSOR
+    tok, head = model.tok, model.head
+    d_model = tok.embedding_dim
+    tied = _tied(tok, head)
+    head_spec, tok_spec = getattr(head, "spec", None), getattr(tok, "spec", None)
+    if tied and head_spec != tok_spec:
+        raise ValueError(
+            f"layer 'head' is tied to 'tok' but quantized as {getattr(head_spec, 'short', lambda: 'float')()} while "
+            f"'tok' is {getattr(tok_spec, 'short', lambda: 'float')()}: a tied matrix is stored once, so prepare "
+            f"both with one spec (apply_qat selects the embedding with its tied head)"
+        )
+    if getattr(head, "bias", None) is not None:
+        raise _refuse_architecture(model, "has a bias on its output head")
+    eps = _check_norm(model.norm, "norm", None)
+    tensors = [
+        _plan_matrix(tok, "tok", name[kind.TOKEN_EMBD] + ".weight", float_matrices, gguf),
+        _vector(model.pos.weight, name[kind.POS_EMBD] + ".weight"),
+    ]
+    per_block = (("norm1", kind.ATTN_NORM), ("qkv", kind.ATTN_QKV), ("proj", kind.ATTN_OUT),
+                 ("norm2", kind.FFN_NORM), ("fc", kind.FFN_UP), ("out", kind.FFN_DOWN))
+    heads = set()
+    for index, block in enumerate(model.blocks):
+        heads.add(block.n_head)
+        for part, tensor_kind in per_block:
+            module, path = getattr(block, part), f"blocks.{index}.{part}"
+            base = name[tensor_kind].format(bid=index)
+            if part.startswith("norm"):
+                _check_norm(module, path, eps)
+                tensors.append(_vector(module.weight, base + ".weight"))
+            else:
+                tensors.append(_plan_matrix(module, path, base + ".weight", float_matrices, gguf))
+            tensors.append(_vector(module.bias, base + ".bias"))
+    if len(heads) != 1:
+        raise _refuse_architecture(model, f"has blocks with different head counts {sorted(heads)}")
+    tensors += [_vector(model.norm.weight, name[kind.OUTPUT_NORM] + ".weight"),
+                _vector(model.norm.bias, name[kind.OUTPUT_NORM] + ".bias")]
+    if not tied:
+        tensors.append(_plan_matrix(head, "head", name[kind.OUTPUT] + ".weight", float_matrices, gguf))
+    hparams = {"context_length": model.block, "embedding_length": d_model, "block_count": len(model.blocks),
+               "feed_forward_length": model.blocks[0].fc.out_features if model.blocks else 4 * d_model,
+               "head_count": heads.pop(), "layer_norm_eps": eps, "vocab": tok.num_embeddings}
+    return hparams, tensors
+
+
+def _tied(tok, head):
+    """Whether the head shares the token embedding's storage (weight, or codes and scales)."""
+    if isinstance(tok, QuantizedWeight) or isinstance(head, QuantizedWeight):
+        return getattr(tok, "codes", None) is getattr(head, "codes", 1) and tok.scale is head.scale
+    return head.weight is tok.weight
+
+
+# ----------------------------------------------------------------------------------------------
+# The vocabulary: GPT-2's byte-level BPE token strings.
+
+
+def _byte_symbols():
+    """GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the other
+    bytes (controls, space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return symbols
+
+
+def _token_bytes(vocab, tokenizer, n_vocab):
+    if vocab is not None and tokenizer is not None:
+        raise ValueError("pass vocab=... or tokenizer=..., not both")
+    if tokenizer is not None:
+        if getattr(tokenizer, "kind", None) == "byte":  # mixle's ByteTokenizer: id = byte
+            vocab = [bytes([i]) for i in range(tokenizer.vocab_size)]
+        elif hasattr(tokenizer, "chars"):  # mixle's CharTokenizer
+            vocab = list(tokenizer.chars)
+        else:
+            raise TypeError(f"tokenizer={type(tokenizer).__name__} is not a mixle CharTokenizer or ByteTokenizer: "
+                            f"pass vocab=[token string of each id] instead")
+    if vocab is None:
+        return None
+    vocab = list(vocab)
+    if len(vocab) != n_vocab:
+        raise ValueError(f"vocab has {len(vocab)} tokens but the model's embedding has {n_vocab} rows: "
+                         f"pass one token per id")
+    out = []
+    for index, token in enumerate(vocab):
+        if isinstance(token, str):
+            token = token.encode("utf-8")
+        if not isinstance(token, bytes) or not token:
+            raise ValueError(f"vocab[{index}]={vocab[index]!r} must be a non-empty str or bytes")
+        out.append(token)
+    if len(set(out)) != len(out):
+        raise ValueError("vocab has repeated tokens: each id needs its own token")
+    return out
+
+
+def gpt2_vocabulary(n_vocab, vocab=None, tokenizer=None):
+    """``(tokens, token_types, merges)`` for ``tokenizer.ggml.*`` with llama.cpp's ``gpt2`` model.
+
+    Token strings are GPT-2's byte-level form (each UTF-8 byte as one character, e.g. a space as
+    ``"Ġ"``). Merges are every split of a token into two tokens (ranked by the merged token's
+    id). llama.cpp refuses a gpt2 vocabulary without merges, so when there are none (e.g. one
+    token per character) one placeholder merge of the first two tokens is written: it is only
+    used when llama.cpp tokenizes text, where an unknown merged symbol falls back to its parts.
+    Without ``vocab`` or ``tokenizer`` the tokens are placeholders ``<|0|>``, ``<|1|>``, ...:
+    the file then runs on token ids only.
+
+    >>> gpt2_vocabulary(3, vocab=["a", " ", "a "])
+    (['a', 'Ġ', 'aĠ'], [1, 1, 1], ['a Ġ'])
+    """
+    symbols = _byte_symbols()
+    raw = _token_bytes(vocab, tokenizer, n_vocab)
+    if raw is None:
+        tokens = [f"<|{i}|>" for i in range(n_vocab)]
+    else:
+        tokens = ["".join(symbols[b] for b in token) for token in raw]
+    known = set(tokens)
+    merges = []
+    for token in tokens:
+        for cut in range(1, len(token)):
+            if token[:cut] in known and token[cut:] in known:
+                merges.append(f"{token[:cut]} {token[cut:]}")
+                break
+    if not merges and n_vocab >= 2:
+        merges = [f"{tokens[0]} {tokens[1]}"]
+    return tokens, [1] * n_vocab, merges  # 1: llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _file_type(tensors, gguf):
+    types = {t.ggml_type for t in tensors}
+    for ggml_type, file_type in (("Q4_0", "MOSTLY_Q4_0"), ("Q8_0", "MOSTLY_Q8_0"), ("F16", "MOSTLY_F16")):
+        if ggml_type in types:
+            return getattr(gguf.LlamaFileType, file_type)
+    return gguf.LlamaFileType.ALL_F32
+
+
+def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0", name=None):
+    """Write a mixle causal LM as a GGUF file llama.cpp loads (its ``gpt2`` architecture).
+
+    Layers QAT-trained (or converted) on ``grid="q4_0"`` / ``"q8_0"`` are written as the Q4_0 /
+    Q8_0 blocks of their own codes and float16 scales, so llama.cpp multiplies with exactly the
+    weights QAT trained with. See the module docstring for the other tensors and the layout.
+    Everything is checked before the file is created; it is written to a temporary file in the
+    same directory and renamed into place, so a failed call leaves no file behind.
+
+    Args:
+        model: a ``build_causal_lm`` model: float, after ``apply_qat`` or after ``convert``.
+        path: the ``.gguf`` file to write (replaced if it exists).
+        vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
+        tokenizer: a mixle ``CharTokenizer`` or ``ByteTokenizer`` instead of ``vocab``.
+        float_matrices: how float weight matrices are stored: ``"q8_0"``, ``"f16"`` or ``"f32"``.
+        name: ``general.name`` (default: the file's stem).
+
+    Returns:
+        ``{gguf tensor name: ggml type name}`` of what was written.
+
+    Raises:
+        ValueError: an unsupported architecture, a layer on a grid GGUF has no type for, a
+            float16-overflowing scale, or a vocabulary that does not fit; the message names the
+            layer or argument and the fix.
+
+    >>> import os, tempfile, torch
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> from mixle.models.qat import apply_qat
+    >>> lm = apply_qat(build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8), grid="q4_0")
+    >>> types = save_gguf(lm, os.path.join(tempfile.mkdtemp(), "lm.gguf"))
+    >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
+    ('Q4_0', 'Q4_0', 'F32')
+    """
+    gguf = require("gguf", extra="gguf", purpose="save_gguf")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
+    if float_matrices not in FLOAT_MATRICES:
+        raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
+    _check_convertible(model)  # e.g. LoRA layers: fold them in first
+    with torch.no_grad():
+        hparams, tensors = _gpt2_tensors(model, float_matrices, gguf)
+    tokens, token_types, merges = gpt2_vocabulary(hparams["vocab"], vocab, tokenizer)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
+    _write(path, hparams, tensors, tokens, token_types, merges, name or path.stem, gguf)
+    return {t.name: t.ggml_type for t in tensors}
+
+
+def _write(path, hparams, tensors, tokens, token_types, merges, name, gguf):
+    fd, partial = tempfile.mkstemp(suffix=".gguf.partial", dir=path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(partial, arch="gpt2")
+        writer.add_name(name)
+        writer.add_context_length(hparams["context_length"])
+        writer.add_embedding_length(hparams["embedding_length"])
+        writer.add_block_count(hparams["block_count"])
+        writer.add_feed_forward_length(hparams["feed_forward_length"])
+        writer.add_head_count(hparams["head_count"])
+        writer.add_layer_norm_eps(hparams["layer_norm_eps"])
+        writer.add_file_type(_file_type(tensors, gguf))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(token_types)
+        writer.add_token_merges(merges)
+        for tensor in tensors:
+            raw_dtype = None if tensor.ggml_type in ("F32", "F16") else getattr(gguf.GGMLQuantizationType, tensor.ggml_type)
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
