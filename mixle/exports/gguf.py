@@ -1,9 +1,14 @@
-"""GGUF export: a mixle causal LM as the file llama.cpp runs, with the Q4_0/Q8_0 blocks QAT trained on.
+"""GGUF export: a model as the file llama.cpp runs, with the Q4_0/Q8_0 blocks QAT trained on.
 
-``save_gguf`` writes mixle's ``build_causal_lm`` (pre-norm blocks, fused qkv with bias, learned
-positions, LayerNorm, erf GELU, head tied to the token embedding) as llama.cpp's ``gpt2``
-architecture, through gguf-py's ``GGUFWriter``. The model may be float, QAT-wrapped
-(``apply_qat``) or converted (``convert``):
+``save_gguf`` writes, through gguf-py's ``GGUFWriter`` (architectures in
+``mixle.exports.gguf_layouts``):
+
+* mixle's ``build_causal_lm`` (pre-norm blocks, fused qkv with bias, learned positions,
+  LayerNorm, erf GELU, head tied to the token embedding) as llama.cpp's ``gpt2``;
+* transformers' ``LlamaForCausalLM`` as ``llama`` (q/k rows reordered for llama.cpp's rotary
+  layout) and ``Qwen2ForCausalLM`` as ``qwen2``, tied or untied.
+
+The model may be float, QAT-wrapped (``apply_qat``) or converted (``convert``):
 
 * A layer fake-quantized (or converted) on ``grid="q4_0"`` / ``"q8_0"`` is written as the
   Q4_0 / Q8_0 blocks of exactly its codes and float16 scales: no re-quantization, so the weights
@@ -13,13 +18,13 @@ architecture, through gguf-py's ``GGUFWriter``. The model may be float, QAT-wrap
 * Float matrices (layers left out of QAT, and the token embedding when the tied head is not
   quantized) follow ``float_matrices``: ``"q8_0"`` (the default: gguf's own quantizer, llama.cpp's
   QAT convention for embedding and output), ``"f16"`` or ``"f32"``.
-* The position embedding, LayerNorm weights and all biases are F32.
-* The tied head is stored once, as ``token_embd`` (no ``output.weight``: llama.cpp then uses
-  the token embedding as its output matrix); an untied head is written as ``output.weight``.
+* Position embeddings, norm weights and all biases are F32.
+* A tied head is stored once, as ``token_embd`` (no ``output.weight``: llama.cpp then uses the
+  token embedding as its output matrix); an untied head is written as ``output.weight``.
 
 Layout: every matrix is written in torch's ``(out, in)`` row order, which gguf stores as
-``ne = [in, out]``; the fused qkv rows stay ``[q; k; v]`` (what llama.cpp's gpt2 graph splits),
-so no tensor is permuted.
+``ne = [in, out]``; gpt2's fused qkv rows stay ``[q; k; v]`` (what llama.cpp's gpt2 graph
+splits); only Llama's q/k rows are permuted (see ``gguf_layouts``).
 
 Numerics llama.cpp computes differently (measured in /work/shared/notes/deploy.md): its gpt2
 graph uses ggml's tanh-approximated GELU where mixle's block uses the erf GELU, its KV cache is
@@ -37,6 +42,7 @@ from torch import nn
 
 from mixle._optional import require
 from mixle.exports.ggml_blocks import BLOCK, GGML_TYPE_OF_GRID, pack_blocks
+from mixle.exports.gguf_layouts import layout_of
 from mixle.torch_backend.convert import _check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
@@ -100,82 +106,18 @@ def _vector(tensor, gguf_name):
     return _Tensor(gguf_name, tensor.detach().cpu().to(torch.float32).numpy(), "F32")
 
 
-# ----------------------------------------------------------------------------------------------
-# The gpt2 architecture: mixle's build_causal_lm.
-
-_BLOCK_PARTS = ("norm1", "qkv", "proj", "norm2", "fc", "out")
-
-
-def _refuse_architecture(model, why):
-    return ValueError(
-        f"save_gguf writes mixle's build_causal_lm (llama.cpp's 'gpt2' architecture), but this "
-        f"{type(model).__name__} {why}: build the model with mixle.models.transformer.build_causal_lm"
-    )
-
-
-def _check_norm(norm, path, eps):
-    if not isinstance(norm, nn.LayerNorm) or not norm.elementwise_affine or norm.bias is None:
-        raise ValueError(f"layer {path!r} is {norm!r}: llama.cpp's gpt2 needs an nn.LayerNorm with weight and bias")
-    if eps is not None and norm.eps != eps:
-        raise ValueError(f"layer {path!r} has eps={norm.eps}, another LayerNorm eps={eps}: gpt2 stores one epsilon")
-    return norm.eps
-
-
-def _gpt2_tensors(model, float_matrices, gguf):
-    """``(hyper-parameters, [_Tensor])`` of a mixle CausalLM, every check done before writing."""
-    cls = type(model)
-    if cls.__name__ != "CausalLM" or not cls.__module__.startswith("mixle."):
-        raise _refuse_architecture(model, "is another architecture")
-    name = gguf.TENSOR_NAMES
-    kind = gguf.MODEL_TENSOR
-    tok, head = model.tok, model.head
-    d_model = tok.embedding_dim
-    tied = _tied(tok, head)
-    head_spec, tok_spec = getattr(head, "spec", None), getattr(tok, "spec", None)
-    if tied and head_spec != tok_spec:
-        raise ValueError(
-            f"layer 'head' is tied to 'tok' but quantized as {getattr(head_spec, 'short', lambda: 'float')()} while "
-            f"'tok' is {getattr(tok_spec, 'short', lambda: 'float')()}: a tied matrix is stored once, so prepare "
-            f"both with one spec (apply_qat selects the embedding with its tied head)"
-        )
-    if getattr(head, "bias", None) is not None:
-        raise _refuse_architecture(model, "has a bias on its output head")
-    eps = _check_norm(model.norm, "norm", None)
-    tensors = [
-        _plan_matrix(tok, "tok", name[kind.TOKEN_EMBD] + ".weight", float_matrices, gguf),
-        _vector(model.pos.weight, name[kind.POS_EMBD] + ".weight"),
-    ]
-    per_block = (("norm1", kind.ATTN_NORM), ("qkv", kind.ATTN_QKV), ("proj", kind.ATTN_OUT),
-                 ("norm2", kind.FFN_NORM), ("fc", kind.FFN_UP), ("out", kind.FFN_DOWN))
-    heads = set()
-    for index, block in enumerate(model.blocks):
-        heads.add(block.n_head)
-        for part, tensor_kind in per_block:
-            module, path = getattr(block, part), f"blocks.{index}.{part}"
-            base = name[tensor_kind].format(bid=index)
-            if part.startswith("norm"):
-                _check_norm(module, path, eps)
-                tensors.append(_vector(module.weight, base + ".weight"))
-            else:
-                tensors.append(_plan_matrix(module, path, base + ".weight", float_matrices, gguf))
-            tensors.append(_vector(module.bias, base + ".bias"))
-    if len(heads) != 1:
-        raise _refuse_architecture(model, f"has blocks with different head counts {sorted(heads)}")
-    tensors += [_vector(model.norm.weight, name[kind.OUTPUT_NORM] + ".weight"),
-                _vector(model.norm.bias, name[kind.OUTPUT_NORM] + ".bias")]
-    if not tied:
-        tensors.append(_plan_matrix(head, "head", name[kind.OUTPUT] + ".weight", float_matrices, gguf))
-    hparams = {"context_length": model.block, "embedding_length": d_model, "block_count": len(model.blocks),
-               "feed_forward_length": model.blocks[0].fc.out_features if model.blocks else 4 * d_model,
-               "head_count": heads.pop(), "layer_norm_eps": eps, "vocab": tok.num_embeddings}
-    return hparams, tensors
-
-
-def _tied(tok, head):
-    """Whether the head shares the token embedding's storage (weight, or codes and scales)."""
-    if isinstance(tok, QuantizedWeight) or isinstance(head, QuantizedWeight):
-        return getattr(tok, "codes", None) is getattr(head, "codes", 1) and tok.scale is head.scale
-    return head.weight is tok.weight
+def _plan(layout, float_matrices, gguf):
+    """Every tensor of ``layout`` as bytes to write (all refusals happen here, before any file)."""
+    tensors = []
+    for part in layout.parts:
+        if part.module is not None:
+            tensor = _plan_matrix(part.module, part.path, part.name, float_matrices, gguf)
+        else:
+            tensor = _vector(part.tensor, part.name)
+        if part.rows is not None:  # whole rows move: quantized blocks run along a row
+            tensor.data = tensor.data[part.rows]
+        tensors.append(tensor)
+    return tensors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +211,7 @@ def _file_type(tensors, gguf):
 
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0", name=None):
-    """Write a mixle causal LM as a GGUF file llama.cpp loads (its ``gpt2`` architecture).
+    """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama`` or ``qwen2``).
 
     Layers QAT-trained (or converted) on ``grid="q4_0"`` / ``"q8_0"`` are written as the Q4_0 /
     Q8_0 blocks of their own codes and float16 scales, so llama.cpp multiplies with exactly the
@@ -278,7 +220,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
     same directory and renamed into place, so a failed call leaves no file behind.
 
     Args:
-        model: a ``build_causal_lm`` model: float, after ``apply_qat`` or after ``convert``.
+        model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` /
+            ``Qwen2ForCausalLM``: float, after ``apply_qat`` or after ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
         tokenizer: a mixle ``CharTokenizer`` or ``ByteTokenizer`` instead of ``vocab``.
@@ -307,28 +250,25 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
     if float_matrices not in FLOAT_MATRICES:
         raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
     _check_convertible(model)  # e.g. LoRA layers: fold them in first
+    layout = layout_of(model, gguf)
     with torch.no_grad():
-        hparams, tensors = _gpt2_tensors(model, float_matrices, gguf)
-    tokens, token_types, merges = gpt2_vocabulary(hparams["vocab"], vocab, tokenizer)
+        tensors = _plan(layout, float_matrices, gguf)
+    tokens, token_types, merges = gpt2_vocabulary(layout.vocab_size, vocab, tokenizer)
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    _write(path, hparams, tensors, tokens, token_types, merges, name or path.stem, gguf)
+    _write(path, layout, tensors, tokens, token_types, merges, name or path.stem, gguf)
     return {t.name: t.ggml_type for t in tensors}
 
 
-def _write(path, hparams, tensors, tokens, token_types, merges, name, gguf):
+def _write(path, layout, tensors, tokens, token_types, merges, name, gguf):
     fd, partial = tempfile.mkstemp(suffix=".gguf.partial", dir=path.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(partial, arch="gpt2")
+        writer = gguf.GGUFWriter(partial, arch=layout.arch)
         writer.add_name(name)
-        writer.add_context_length(hparams["context_length"])
-        writer.add_embedding_length(hparams["embedding_length"])
-        writer.add_block_count(hparams["block_count"])
-        writer.add_feed_forward_length(hparams["feed_forward_length"])
-        writer.add_head_count(hparams["head_count"])
-        writer.add_layer_norm_eps(hparams["layer_norm_eps"])
+        for method, value in layout.hparams:
+            getattr(writer, method)(value)
         writer.add_file_type(_file_type(tensors, gguf))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_tokenizer_model("gpt2")
