@@ -180,11 +180,12 @@ def test_metadata_llama_cpp_needs_for_gpt2(tmp_path):
 
 
 def test_vocabulary_merges_come_from_the_tokens():
-    from mixle.exports.gguf import gpt2_vocabulary
+    from mixle.exports.gguf_vocab import vocabulary
 
-    tokens, _, merges = gpt2_vocabulary(4, vocab=["a", "b", "ab", "b a"])
-    assert tokens == ["a", "b", "ab", "bĠa"] and merges == ["a b"]
-    assert gpt2_vocabulary(3)[0] == ["<|0|>", "<|1|>", "<|2|>"]
+    words = vocabulary(4, vocab=["a", "b", "ab", "b a"])
+    assert words.tokens == ["a", "b", "ab", "bĠa"] and words.merges == ["a b"]
+    assert vocabulary(3).tokens == ["<|0|>", "<|1|>", "<|2|>"]
+    assert vocabulary(3).merges == ["<|0|> <|1|>"]  # the placeholder merge llama.cpp needs to load
 
 
 @pytest.mark.parametrize("prepare, words", [
@@ -213,6 +214,7 @@ def _big_weight(lm):
     (dict(vocab=[f"t{i}" for i in range(47)] + ["t0"]), ValueError, r"repeated tokens"),
     (dict(float_matrices="q4_0"), ValueError, r"float_matrices='q4_0' is unknown"),
     (dict(tokenizer=object()), TypeError, r"not a mixle CharTokenizer"),
+    (dict(vocab=["a"] * 48, tokenizer=CharTokenizer("ab")), ValueError, r"not both"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, words, tmp_path):
     with pytest.raises(error, match=words):

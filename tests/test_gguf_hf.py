@@ -177,3 +177,28 @@ def test_scaled_rotary_embedding_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"as llama.cpp's 'llama': its rotary embedding is scaled"):
         save_gguf(model, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_hf_byte_level_bpe_tokenizer_metadata(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("a", "b"), ("Ġ", "a")]))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    save_gguf(_model("qwen2", False), tmp_path / "m.gguf", tokenizer=tokenizer)
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    tokens = field("tokenizer.ggml.tokens")
+    assert tokens[:6] == ["a", "b", "Ġ", "ab", "Ġa", "<eos>"] and tokens[6:] == [f"[PAD{i}]" for i in range(6, VOCAB)]
+    assert field("tokenizer.ggml.token_type") == [1] * 5 + [3] + [5] * (VOCAB - 6)  # normal, control, unused
+    assert field("tokenizer.ggml.merges") == ["a b", "Ġ a"]
+    assert field("tokenizer.ggml.eos_token_id") == 5 and "tokenizer.ggml.bos_token_id" not in reader.fields
+
+
+def test_non_byte_level_tokenizer_is_refused(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+    with pytest.raises(ValueError, match=r"WordLevel model without GPT-2's byte-level pre-tokenizer.*pass vocab="):
+        save_gguf(_model("qwen2", False), tmp_path / "m.gguf", tokenizer=tokenizer)
+    assert not (tmp_path / "m.gguf").exists()

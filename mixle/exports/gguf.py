@@ -43,6 +43,7 @@ from torch import nn
 from mixle._optional import require
 from mixle.exports.ggml_blocks import BLOCK, GGML_TYPE_OF_GRID, pack_blocks
 from mixle.exports.gguf_layouts import layout_of
+from mixle.exports.gguf_vocab import vocabulary
 from mixle.torch_backend.convert import _check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
@@ -121,85 +122,6 @@ def _plan(layout, float_matrices, gguf):
 
 
 # ----------------------------------------------------------------------------------------------
-# The vocabulary: GPT-2's byte-level BPE token strings.
-
-
-def _byte_symbols():
-    """GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the other
-    bytes (controls, space, ...) for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[byte] = chr(byte)
-        else:
-            symbols[byte] = chr(256 + extra)
-            extra += 1
-    return symbols
-
-
-def _token_bytes(vocab, tokenizer, n_vocab):
-    if vocab is not None and tokenizer is not None:
-        raise ValueError("pass vocab=... or tokenizer=..., not both")
-    if tokenizer is not None:
-        if getattr(tokenizer, "kind", None) == "byte":  # mixle's ByteTokenizer: id = byte
-            vocab = [bytes([i]) for i in range(tokenizer.vocab_size)]
-        elif hasattr(tokenizer, "chars"):  # mixle's CharTokenizer
-            vocab = list(tokenizer.chars)
-        else:
-            raise TypeError(f"tokenizer={type(tokenizer).__name__} is not a mixle CharTokenizer or ByteTokenizer: "
-                            f"pass vocab=[token string of each id] instead")
-    if vocab is None:
-        return None
-    vocab = list(vocab)
-    if len(vocab) != n_vocab:
-        raise ValueError(f"vocab has {len(vocab)} tokens but the model's embedding has {n_vocab} rows: "
-                         f"pass one token per id")
-    out = []
-    for index, token in enumerate(vocab):
-        if isinstance(token, str):
-            token = token.encode("utf-8")
-        if not isinstance(token, bytes) or not token:
-            raise ValueError(f"vocab[{index}]={vocab[index]!r} must be a non-empty str or bytes")
-        out.append(token)
-    if len(set(out)) != len(out):
-        raise ValueError("vocab has repeated tokens: each id needs its own token")
-    return out
-
-
-def gpt2_vocabulary(n_vocab, vocab=None, tokenizer=None):
-    """``(tokens, token_types, merges)`` for ``tokenizer.ggml.*`` with llama.cpp's ``gpt2`` model.
-
-    Token strings are GPT-2's byte-level form (each UTF-8 byte as one character, e.g. a space as
-    ``"Ġ"``). Merges are every split of a token into two tokens (ranked by the merged token's
-    id). llama.cpp refuses a gpt2 vocabulary without merges, so when there are none (e.g. one
-    token per character) one placeholder merge of the first two tokens is written: it is only
-    used when llama.cpp tokenizes text, where an unknown merged symbol falls back to its parts.
-    Without ``vocab`` or ``tokenizer`` the tokens are placeholders ``<|0|>``, ``<|1|>``, ...:
-    the file then runs on token ids only.
-
-    >>> gpt2_vocabulary(3, vocab=["a", " ", "a "])
-    (['a', 'Ġ', 'aĠ'], [1, 1, 1], ['a Ġ'])
-    """
-    symbols = _byte_symbols()
-    raw = _token_bytes(vocab, tokenizer, n_vocab)
-    if raw is None:
-        tokens = [f"<|{i}|>" for i in range(n_vocab)]
-    else:
-        tokens = ["".join(symbols[b] for b in token) for token in raw]
-    known = set(tokens)
-    merges = []
-    for token in tokens:
-        for cut in range(1, len(token)):
-            if token[:cut] in known and token[cut:] in known:
-                merges.append(f"{token[:cut]} {token[cut:]}")
-                break
-    if not merges and n_vocab >= 2:
-        merges = [f"{tokens[0]} {tokens[1]}"]
-    return tokens, [1] * n_vocab, merges  # 1: llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def _file_type(tensors, gguf):
@@ -224,7 +146,9 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
             ``Qwen2ForCausalLM``: float, after ``apply_qat`` or after ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
-        tokenizer: a mixle ``CharTokenizer`` or ``ByteTokenizer`` instead of ``vocab``.
+        tokenizer: instead of ``vocab``: a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a
+            Hugging Face fast tokenizer with a byte-level BPE model (GPT-2, Llama 3, Qwen2);
+            see ``mixle.exports.gguf_vocab``.
         float_matrices: how float weight matrices are stored: ``"q8_0"``, ``"f16"`` or ``"f32"``.
         name: ``general.name`` (default: the file's stem).
 
@@ -253,15 +177,15 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
     layout = layout_of(model, gguf)
     with torch.no_grad():
         tensors = _plan(layout, float_matrices, gguf)
-    tokens, token_types, merges = gpt2_vocabulary(layout.vocab_size, vocab, tokenizer)
+    words = vocabulary(layout.vocab_size, vocab, tokenizer)
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    _write(path, layout, tensors, tokens, token_types, merges, name or path.stem, gguf)
+    _write(path, layout, tensors, words, name or path.stem, gguf)
     return {t.name: t.ggml_type for t in tensors}
 
 
-def _write(path, layout, tensors, tokens, token_types, merges, name, gguf):
+def _write(path, layout, tensors, words, name, gguf):
     fd, partial = tempfile.mkstemp(suffix=".gguf.partial", dir=path.parent)
     os.close(fd)
     try:
@@ -272,9 +196,12 @@ def _write(path, layout, tensors, tokens, token_types, merges, name, gguf):
         writer.add_file_type(_file_type(tensors, gguf))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_types(token_types)
-        writer.add_token_merges(merges)
+        writer.add_token_list(words.tokens)
+        writer.add_token_types(words.types)
+        writer.add_token_merges(words.merges)
+        for method, token_id in (("add_bos_token_id", words.bos), ("add_eos_token_id", words.eos)):
+            if token_id is not None:
+                getattr(writer, method)(token_id)
         for tensor in tensors:
             raw_dtype = None if tensor.ggml_type in ("F32", "F16") else getattr(gguf.GGMLQuantizationType, tensor.ggml_type)
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw_dtype)
