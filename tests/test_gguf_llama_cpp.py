@@ -30,7 +30,8 @@ def _llama_logits(path):
 def _activations_as_q8_0(model):
     """ggml's CPU path quantizes each input of a Q4_0/Q8_0 product to Q8_0 blocks: do the same."""
     hook = lambda module, args: (quantize_dequantize_array(args[0].contiguous(), bits=8, grid="q8_0"),)  # noqa: E731
-    return [m.register_forward_pre_hook(hook) for m in model.modules() if hasattr(m, "spec") and hasattr(m, "in_features")]
+    layers = [m for m in model.modules() if hasattr(m, "spec") and hasattr(m, "in_features")]
+    return [layer.register_forward_pre_hook(hook) for layer in layers]
 
 
 def test_float_file_reproduces_the_float_forward(tmp_path):

@@ -10,7 +10,10 @@ forwards and a tied embedding reuse it, while any optimizer step or checkpoint l
 next forward quantize afresh.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
-then its int8 codes (a quarter of a float32 weight). ``F.linear`` would save the fake-quantized
+then its int8 codes (a quarter of a float32 weight). Grids that store their scale in float16
+(llama.cpp's q4_0/q8_0) keep two scales per block: the unrounded one the codes are rounded with
+and the float16 one they are multiplied by. Their numerics run as torch ops (the fused kernels
+implement the plain grids only). ``F.linear`` would save the fake-quantized
 float weight for its backward, a second copy of every weight alive from forward to backward;
 ``linear`` instead rebuilds that weight in the backward, just for the input gradient, inside the
 buffer that then receives the weight gradient.
