@@ -22,6 +22,7 @@ llama.cpp embeds with those while mixle's forward uses the float table: part of 
 """
 
 import argparse
+from importlib import metadata
 import math
 import os
 import platform
@@ -173,6 +174,14 @@ def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
                 ppl_mixle=ppl(mixle_logits), ppl_emulated=ppl(emulated), ppl_cpp=ppl(cpp_logits))
 
 
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main(argv=None):
     args = parse_args(argv)
     import gguf
@@ -181,8 +190,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     train_ids, held_ids, tokenizer = load_splits(tokenizer="char")
     train_ids, held_ids = torch.as_tensor(train_ids), torch.as_tensor(held_ids)
-    print(f"llama-cpp-python {llama_cpp.__version__}, gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else ''}, "
-          f"torch {torch.__version__}, {args.threads} thread(s), {platform.processor() or platform.machine()}")
+    print(f"llama-cpp-python {llama_cpp.__version__}, gguf-py {metadata.version('gguf')}, torch {torch.__version__}, "
+          f"{args.threads} thread(s), {cpu_name()}")
     print(f"grid {args.grid}, vocab {tokenizer.vocab_size} (chars), context {args.block}, {args.steps} fp32 + "
           f"{args.qat_steps} QAT steps, {args.windows} held-out windows; llama.cpp with an F32 KV cache")
     rows = []

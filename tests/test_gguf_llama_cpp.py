@@ -39,8 +39,9 @@ def test_float_file_reproduces_the_float_forward(tmp_path):
     save_gguf(lm, tmp_path / "lm.gguf", float_matrices="f32")
     with torch.no_grad():
         want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
-    # deploy.md: ggml's f16 GELU table and its tanh GELU vs mixle's erf GELU, ~3e-3 at |logit| ~8.
-    np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.02)
+    # ggml's tanh GELU (an f16 table) vs mixle's erf GELU: measured 1e-4 here at |logit| ~1
+    # (deploy.md: 3e-3 at |logit| ~8); the bound leaves room for other CPUs' SIMD paths.
+    np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.01)
 
 
 @pytest.mark.parametrize("grid", ["q4_0", "q8_0"])
@@ -52,5 +53,6 @@ def test_qat_file_reproduces_the_fake_quant_forward(grid, tmp_path):
         want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
     for handle in handles:
         handle.remove()
-    # As above, plus ggml's own Q8_0 activation rounding (AVX2 rounds half to even) per block.
+    # Measured 3.7e-3 (q4_0) / 4.1e-3 (q8_0) at |logit| ~1 on AMD EPYC AVX2; without the
+    # activation emulation the same, but 4x larger once logits reach ~9 (benchmarks/gguf_parity.py).
     np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.02)
