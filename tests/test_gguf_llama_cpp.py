@@ -56,3 +56,23 @@ def test_qat_file_reproduces_the_fake_quant_forward(grid, tmp_path):
     # Measured 3.7e-3 (q4_0) / 4.1e-3 (q8_0) at |logit| ~1 on AMD EPYC AVX2; without the
     # activation emulation the same, but 4x larger once logits reach ~9 (benchmarks/gguf_parity.py).
     np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.02)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_file_reproduces_the_hf_forward(family, tmp_path):
+    """llama.cpp's rotary layout: Llama's q/k rows reordered, Qwen2's not."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    fields = dict(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-5)
+    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(**fields)
+    model = (transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM)(config).eval()
+    with torch.no_grad():  # sharp attention, so a wrong rotary layout shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    save_gguf(model, tmp_path / "m.gguf", float_matrices="f32")
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].numpy()
+    # All-F32 weights and KV cache: float rounding and ggml's SiLU/rope kernels only.
+    np.testing.assert_allclose(_llama_logits(tmp_path / "m.gguf"), want, rtol=0, atol=1e-3)
