@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--archs", default="gpt2,llama,qwen2")
+    p.add_argument("--float-matrices", default="q8_0", choices=("q8_0", "f16", "f32"),
+                   help="save_gguf's storage of matrices left in float (qwen2's untied embedding)")
     p.add_argument("--quick", action="store_true", help="few steps and windows (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -93,7 +95,7 @@ def train(model, ids, block, steps, seed, label):
     model.eval()
 
 
-def expected_tensors(model, gguf):
+def expected_tensors(model, gguf, float_matrices):
     """What each file tensor must hold: fake-quantized weights and float vectors, in file row order."""
     from mixle.torch_backend.fake_quant import fake_quantized_weight
 
@@ -101,8 +103,10 @@ def expected_tensors(model, gguf):
     for part in layout_of(model, gguf).parts:
         if part.module is not None and hasattr(part.module, "spec"):
             value = fake_quantized_weight(part.module.weight, part.module.spec)[0]
-        elif part.module is not None:  # a float matrix: save_gguf's default float_matrices="q8_0"
+        elif part.module is not None and float_matrices == "q8_0":  # a float matrix, as save_gguf writes it
             value = quantize_dequantize_array(part.module.weight.detach(), bits=8, grid="q8_0")
+        elif part.module is not None:
+            value = part.module.weight.detach().to(getattr(torch, {"f16": "float16", "f32": "float32"}[float_matrices]))
         else:
             value = part.tensor
         value = value.detach().float().numpy()
@@ -110,9 +114,9 @@ def expected_tensors(model, gguf):
     return out
 
 
-def weight_parity(model, path, gguf):
+def weight_parity(model, path, gguf, float_matrices):
     reader = gguf.GGUFReader(path)
-    want = expected_tensors(model, gguf)
+    want = expected_tensors(model, gguf, float_matrices)
     same = 0
     for t in reader.tensors:
         got = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(want[t.name].shape)
@@ -150,8 +154,8 @@ def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
     model = apply_qat(model, bits=4 if args.grid == "q4_0" else 8, grid=args.grid)
     train(model, train_ids, args.block, args.qat_steps, 1, f"{arch} QAT {args.grid}")
     path = os.path.join(tempfile.mkdtemp(), f"{arch}.gguf")
-    save_gguf(model, path, tokenizer=tokenizer)
-    same, total = weight_parity(model, path, gguf)
+    save_gguf(model, path, tokenizer=tokenizer, float_matrices=args.float_matrices)
+    same, total = weight_parity(model, path, gguf, args.float_matrices)
     starts = np.linspace(0, len(held_ids) - args.block - 1, args.windows).astype(int)
     windows = [held_ids[s : s + args.block].numpy() for s in starts]
     with torch.no_grad():
@@ -193,7 +197,8 @@ def main(argv=None):
     print(f"llama-cpp-python {llama_cpp.__version__}, gguf-py {metadata.version('gguf')}, torch {torch.__version__}, "
           f"{args.threads} thread(s), {cpu_name()}")
     print(f"grid {args.grid}, vocab {tokenizer.vocab_size} (chars), context {args.block}, {args.steps} fp32 + "
-          f"{args.qat_steps} QAT steps, {args.windows} held-out windows; llama.cpp with an F32 KV cache")
+          f"{args.qat_steps} QAT steps, {args.windows} held-out windows, float matrices {args.float_matrices}; "
+          f"llama.cpp with an F32 KV cache")
     rows = []
     for arch in args.archs.split(","):
         start = time.perf_counter()
