@@ -95,10 +95,10 @@ GRIDS = {
                      "compressed-tensors' symmetric int scheme)"),
         Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",
              rounding="offset_trunc", scale_dtype="float16", zero_scale=None, block=32, packing="ggml_q4_0",
-             backends=(),
+             backends=("torch",),
              summary="llama.cpp's Q4_0: blocks of 32, scale = signed max / -8 stored as float16"),
         Grid(name="q8_0", codes={8: (-127, 127)}, divisor={8: 127.0}, rounding="half_away",
-             scale_dtype="float16", zero_scale=None, block=32, backends=(),
+             scale_dtype="float16", zero_scale=None, block=32, backends=("torch",),
              summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
     )
 }

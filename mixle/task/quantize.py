@@ -26,6 +26,7 @@ _LAZY = {
     "save_quantized": "mixle.api",
     "load_quantized": "mixle.api",
     "model_nbytes": "mixle.api",
+    "save_gguf": "mixle.exports.gguf",
     "quantize_mlp": "mixle.torch_backend.convert",
     "QuantizedLinear": "mixle.torch_backend.quantized",
     "QuantizedEmbedding": "mixle.torch_backend.quantized",

@@ -17,7 +17,7 @@ from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBy
                                    manifest_from, open_tensors, replace_atomically)
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
-from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage
+from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage, file_scale_dtype, scale_nbytes
 from mixle.torch_backend.swap import Change
 
 __all__ = ["model_nbytes", "save_quantized", "load_quantized"]
@@ -52,7 +52,7 @@ def model_nbytes(model):
             if isinstance(module, QuantizedWeight) and name == "codes":
                 kind = "int4_code_bytes" if module.spec.bits == 4 else "int8_code_bytes"
             elif isinstance(module, QuantizedWeight) and name == "scale":
-                kind = "scale_bytes"
+                kind, size = "scale_bytes", scale_nbytes(module.spec, tensor)  # float16 on llama.cpp's grids
             elif tensor.is_floating_point():
                 kind = "float_bytes"
             else:
@@ -93,7 +93,7 @@ def _layer_entry(path, module, names):
         "codes": names["codes"],
         "scale": names["scale"],
         "codes_nbytes": module.codes.numel() * module.codes.element_size(),
-        "scale_nbytes": module.scale.numel() * module.scale.element_size(),
+        "scale_nbytes": scale_nbytes(module.spec, module.scale),
     }
     if kind.has_bias:
         entry["bias"] = names.get("bias")
@@ -132,13 +132,16 @@ def save_quantized(model, path):
         raise ValueError("the model has no quantized layer: make one with quantize_model(model) or convert(qat_model)")
 
     state = model.state_dict(keep_vars=True)
+    # Scales of float16 grids (llama.cpp's) are written as the float16 values they hold.
+    narrow = {id(m.scale): file_scale_dtype(m.spec) for m in model.modules()
+              if isinstance(m, QuantizedWeight) and file_scale_dtype(m.spec) is not None}
     first_name, aliases, stored, storages = {}, {}, {}, set()
     for name, tensor in state.items():
         if id(tensor) in first_name:
             aliases[name] = first_name[id(tensor)]
             continue
         first_name[id(tensor)] = name
-        tensor = _stored(tensor, name)
+        tensor = _stored(tensor.to(narrow[id(tensor)]) if id(tensor) in narrow else tensor, name)
         if tensor.numel() and tensor.untyped_storage().data_ptr() in storages:
             tensor = tensor.clone()  # a view of a stored tensor's memory: safetensors stores each once
         storages.add(tensor.untyped_storage().data_ptr())
@@ -209,8 +212,11 @@ def _skeleton_copy(model, replaced_paths):
     return copy.deepcopy(model, memo)
 
 
-def _build_layer(entry, tensors, module, source):
-    """The quantized module for one manifest layer, checked against the skeleton's module."""
+def _build_layer(entry, tensors, module, source, widened):
+    """The quantized module for one manifest layer, checked against the skeleton's module.
+
+    Float16-stored scales come back in the skeleton weight's dtype, one copy per stored tensor
+    (``widened``: id of the file's tensor -> its copy), so tied layers still share it."""
     where = f"{source}: layer {entry.get('path')!r}"
     try:
         spec = QuantSpec(**entry["spec"])
@@ -221,9 +227,17 @@ def _build_layer(entry, tensors, module, source):
         raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
     if bits != spec.bits:
         raise ValueError(f"{where}: bits={bits!r} disagrees with its spec's bits={spec.bits}")
+    stored_dtype = file_scale_dtype(spec)
+    if stored_dtype is not None:
+        if scale.dtype != stored_dtype:
+            raise ValueError(f"{where}: grid={spec.grid!r} stores {stored_dtype} scales, the file has "
+                             f"{scale.dtype}: the data is corrupt or was written by another tool")
+        own_weight = kind.weight_of(module) if isinstance(module, kind.float_types) else None
+        if isinstance(own_weight, torch.Tensor) and own_weight.is_floating_point():
+            scale = widened.setdefault(id(scale), scale.to(own_weight.dtype))
     check_quantized_storage(codes, scale, spec, shape, name=where)
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
-            entry.get("scale_nbytes") != scale.numel() * scale.element_size():
+            entry.get("scale_nbytes") != scale_nbytes(spec, scale):
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
     if not isinstance(module, kind.float_types) or kind.stored_shape(kind.weight_of(module).shape) != shape or \
             (kind.has_bias and (kind.bias_of(module) is None) != (bias is None)):
@@ -295,9 +309,10 @@ def load_quantized(path, model):
                              f"pass a model built like the saved one")
     new = _skeleton_copy(model, set(paths))
     modules = dict(new.named_modules())
-    replacements = {}
+    replacements, widened = {}, {}
     for entry in manifest["layers"]:
-        replacements[id(modules[entry["path"]])] = _build_layer(entry, tensors, modules[entry["path"]], source)
+        replacements[id(modules[entry["path"]])] = _build_layer(entry, tensors, modules[entry["path"]], source,
+                                                                widened)
     with Change() as change:
         new = change.swap(new, replacements)
 

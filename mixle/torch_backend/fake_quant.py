@@ -10,7 +10,10 @@ forwards and a tied embedding reuse it, while any optimizer step or checkpoint l
 next forward quantize afresh.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
-then its int8 codes (a quarter of a float32 weight). ``F.linear`` would save the fake-quantized
+then its int8 codes (a quarter of a float32 weight). Grids that store their scale in float16
+(llama.cpp's q4_0/q8_0) keep two scales per block: the unrounded one the codes are rounded with
+and the float16 one they are multiplied by. Their numerics run as torch ops (the fused kernels
+implement the plain grids only). ``F.linear`` would save the fake-quantized
 float weight for its backward, a second copy of every weight alive from forward to backward;
 ``linear`` instead rebuilds that weight in the backward, just for the input gradient, inside the
 buffer that then receives the weight gradient.
@@ -36,6 +39,7 @@ from mixle.core.numerics import (
     _not_finite_error,
     _ops,
     _round_codes,
+    _stored_scale,
     block_shape,
     check_array,
     check_block_max,
@@ -78,12 +82,17 @@ def _check_no_bad_blocks(nonfinite, x):
 
 class _Entry:
     """One version of one weight, quantized: scales, clip thresholds (for clip_gradient) and,
-    once the version is reused, the int8 codes and the weight's fingerprint."""
+    once the version is reused, the int8 codes and the weight's fingerprint.
 
-    __slots__ = ("key", "spec", "scale", "threshold", "codes", "fingerprint")
+    ``scale`` is the scale as stored (what codes are multiplied by); ``code_scale`` the one the
+    codes were rounded with, when it differs (grids whose scale is stored in float16, such as
+    llama.cpp's: codes use the unrounded scale), else None."""
 
-    def __init__(self, key, spec, scale, threshold, codes):
+    __slots__ = ("key", "spec", "scale", "threshold", "codes", "code_scale", "fingerprint")
+
+    def __init__(self, key, spec, scale, threshold, codes, code_scale=None):
         self.key, self.spec, self.scale, self.threshold, self.codes = key, spec, scale, threshold, codes
+        self.code_scale = code_scale
         self.fingerprint = None
 
 
@@ -116,7 +125,7 @@ def _blocks(x, spec):
 def _quantize(x, spec, key=None, keep_codes=False, out=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
-    if _fused_cpu.applies_to(x):
+    if _fused_cpu.applies_to(x, spec):
         deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
             x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
         _check_no_bad_blocks(nonfinite, x)
@@ -125,15 +134,17 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None):
     scale, threshold, block_max = _block_stats(ops, blocks, spec, with_max=True)
     _check_finite(block_max, x)
     codes = _round_codes(ops, blocks, scale, spec)
+    stored = _stored_scale(ops, scale, spec)
     codes_kept = ops.to_int8(codes).reshape(x.shape) if keep_codes else None
-    entry = _Entry(key, spec, scale, threshold if spec.clip_gradient else None, codes_kept)
-    return codes.mul_(scale).reshape(x.shape), entry
+    entry = _Entry(key, spec, stored, threshold if spec.clip_gradient else None, codes_kept,
+                   None if stored is scale else scale)
+    return codes.mul_(stored).reshape(x.shape), entry
 
 
 def _rebuild(entry, x, keep_codes=False, out=None):
     """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
     written into ``out`` (shaped like x) when given."""
-    fused = _fused_cpu.applies_to(x)
+    fused = _fused_cpu.applies_to(x, entry.spec)
     if entry.codes is not None:
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)
@@ -144,7 +155,8 @@ def _rebuild(entry, x, keep_codes=False, out=None):
         return deq
     else:
         ops, blocks = _blocks(x, entry.spec)
-        codes = _round_codes(ops, blocks, entry.scale, entry.spec)
+        code_scale = entry.scale if entry.code_scale is None else entry.code_scale
+        codes = _round_codes(ops, blocks, code_scale, entry.spec)
         if keep_codes:
             entry.codes = ops.to_int8(codes).reshape(x.shape)
         deq = codes.mul_(entry.scale).reshape(x.shape)
@@ -155,7 +167,7 @@ def _clip_mask_grad(grad, x, spec, threshold, out=None):
     """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0;
     the fused kernel writes it into ``out`` when given (which may be ``grad`` itself)."""
     # Under backward(create_graph=True) the product must stay differentiable: torch ops then.
-    if (not torch.is_grad_enabled() and _fused_cpu.applies_to(x) and grad.dtype == x.dtype
+    if (not torch.is_grad_enabled() and _fused_cpu.applies_to(x, spec) and grad.dtype == x.dtype
             and grad.device == x.device):
         return _fused_cpu.clip_mask_grad(grad, x, threshold, spec, out=out)
     _, blocks = _blocks(x, spec)
@@ -328,7 +340,7 @@ class _QATLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec, cache):
-        fused = _fused_cpu.applies_to(weight)
+        fused = _fused_cpu.applies_to(weight, spec)
         out = _spare.take(weight)[0] if fused else None
         deq, entry = cache.lookup(weight, spec, False, out)
         y = F.linear(x, deq, bias)

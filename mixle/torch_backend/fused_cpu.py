@@ -145,12 +145,16 @@ def available():
     return _kernels() is not None
 
 
-def applies_to(x):
-    """Whether the fused kernels can take tensor x: a contiguous float32/float64 CPU tensor.
+def applies_to(x, spec=None):
+    """Whether the fused kernels can take tensor x (quantized with ``spec``, when given): a
+    contiguous float32/float64 CPU tensor on a plain grid (``Grid.is_plain``: the only grids the
+    kernels implement).
 
     The kernels are torch custom operators (``torch.ops.mixle.*``) with fake implementations,
     so torch.compile traces them like any other op.
     """
+    if spec is not None and not spec.grid_record.is_plain():
+        return False
     if torch.compiler.is_compiling():
         # Traced code cannot build or lock: it uses the kernels if they were decided before (QAT
         # layers decide when they are created). Nor may it read layout (dynamo's compiled

@@ -15,7 +15,8 @@ from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.layers import check_supported
 
-__all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage"]
+__all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage",
+           "file_scale_dtype", "scale_nbytes"]
 
 
 def stored_codes_layout(spec, weight_shape):
@@ -47,7 +48,9 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
 
     Checks the codes' dtype and shape for ``spec.bits``, that every code lies on the spec's grid
     (``[code_min, code_max]``; for int4 also that an odd count's pad nibble is zero), and that
-    the scales have the block shape, a floating dtype and finite positive values.
+    the scales have the block shape, a floating dtype and the values the grid allows: finite and
+    positive; zero too on grids with ``zero_scale=None`` and any sign on signed-max grids
+    (llama.cpp's), whose scales must also be exact float16 values.
 
     Raises:
         TypeError: spec is not a QuantSpec, or codes/scale are not torch tensors.
@@ -97,8 +100,54 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
             f"{name}: {spec.short()} scales of a {list(weight_shape)} weight are floats of shape {list(want)}, "
             f"got {scale.dtype} of shape {list(scale.shape)}"
         )
-    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        raise ValueError(f"{name}: scales must be finite and positive; the data is corrupt")
+    problem = _scale_problem(scale, spec)
+    if problem:
+        raise ValueError(f"{name}: {spec.short()} scales must be {problem}; the data is corrupt")
+
+
+def file_scale_dtype(spec):
+    """The dtype a grid stores its scales in (``torch.float16`` for llama.cpp's grids), or None
+    for grids whose scales keep the weight's dtype.
+
+    In memory a layer's ``scale`` buffer always has the weight's float dtype, so its forward is
+    the QAT forward bit for bit; for float16 grids it holds float16 values exactly, and files
+    and ``model_nbytes`` count them as float16.
+
+    >>> file_scale_dtype(QuantSpec(grid="q4_0")), file_scale_dtype(QuantSpec(bits=4))
+    (torch.float16, None)
+    """
+    name = spec.grid_record.scale_dtype
+    return None if name is None else getattr(torch, name)
+
+
+def scale_nbytes(spec, scale):
+    """Bytes of ``scale`` as stored (2 per scale on float16 grids, else its own item size).
+
+    >>> scale_nbytes(QuantSpec(grid="q4_0"), torch.ones(1, 4, 1))
+    8
+    """
+    dtype = file_scale_dtype(spec)
+    itemsize = scale.element_size() if dtype is None else torch.empty(0, dtype=dtype).element_size()
+    return scale.numel() * itemsize
+
+
+def _scale_problem(scale, spec):
+    """What the grid requires of its scales that ``scale`` violates, or None."""
+    grid = spec.grid_record
+    # A signed-max scale carries the sign of its block's extreme value; zero_scale=None keeps an
+    # all-zero block's scale 0.
+    signed = grid.scale_rule == "signed_max"
+    magnitude = scale.abs() if signed else scale
+    if grid.zero_scale is None:
+        sign_ok, wanted = magnitude >= 0, "finite" if signed else "finite and non-negative"
+    else:
+        sign_ok, wanted = magnitude > 0, "finite and non-zero" if signed else "finite and positive"
+    if not bool(torch.isfinite(scale).all()) or not bool(sign_ok.all()):
+        return wanted
+    dtype = file_scale_dtype(spec)
+    if dtype is not None and not torch.equal(scale.to(dtype).to(scale.dtype), scale):
+        return f"{wanted} {dtype} values (the grid stores them in {dtype})".replace("torch.", "")
+    return None
 
 
 class QuantizedWeight(nn.Module):

@@ -1,0 +1,228 @@
+"""save_gguf: read the file back with gguf-py, dequantize with gguf's own code, compare with mixle."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from mixle.api import apply_qat, convert  # noqa: E402
+from mixle.core.numerics import quantize_dequantize_array  # noqa: E402
+from mixle.lm.data import CharTokenizer  # noqa: E402
+from mixle.models.transformer import build_causal_lm  # noqa: E402
+from mixle.task.quantize import save_gguf  # noqa: E402
+
+VOCAB, D, LAYERS, HEADS, CONTEXT = 48, 64, 2, 4, 16
+PARTS = {"norm1": "attn_norm", "qkv": "attn_qkv", "proj": "attn_output", "norm2": "ffn_norm", "fc": "ffn_up",
+         "out": "ffn_down"}
+
+
+def _lm(seed=0):
+    torch.manual_seed(seed)
+    lm = build_causal_lm(vocab=VOCAB, d_model=D, n_layer=LAYERS, n_head=HEADS, block=CONTEXT)
+    with torch.no_grad():  # non-zero biases and norms, so a swapped tensor would show
+        for name, param in lm.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return lm
+
+
+def _read(path):
+    """``{name: (ggml type name, float32 array in torch's (out, in) layout)}`` via gguf's dequantize."""
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        out[tensor.name] = (tensor.tensor_type.name, np.asarray(values, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(tensor.shape))))
+    return reader, out
+
+
+def _field(reader, key):
+    return reader.fields[key].contents()
+
+
+def _expected(lm, weight_of):
+    """The tensors the file must hold, computed from the model: ``{gguf name: float32 array}``."""
+    want = {"token_embd.weight": weight_of(lm.tok), "position_embd.weight": lm.pos.weight,
+            "output_norm.weight": lm.norm.weight, "output_norm.bias": lm.norm.bias}
+    for i, block in enumerate(lm.blocks):
+        for part, name in PARTS.items():
+            module = getattr(block, part)
+            want[f"blk.{i}.{name}.weight"] = module.weight if part.startswith("norm") else weight_of(module)
+            want[f"blk.{i}.{name}.bias"] = module.bias
+    return {k: v.detach().numpy() if isinstance(v, torch.Tensor) else v for k, v in want.items()}
+
+
+def _fake_quantized(module):
+    """What the QAT forward multiplies with: the fake-quantized weight (float layers: gguf's default Q8_0)."""
+    if hasattr(module, "spec"):
+        if hasattr(module, "quantized_weight"):
+            return module.quantized_weight()
+        from mixle.torch_backend.fake_quant import fake_quantized_weight
+
+        return fake_quantized_weight(module.weight, module.spec)[0]
+    # A float matrix: float_matrices='q8_0', checked against mixle's own q8_0 numerics.
+    return quantize_dequantize_array(module.weight.detach(), bits=8, grid="q8_0")
+
+
+def _assert_bitwise(got, want):
+    for name in want:
+        assert got[name][1].shape == want[name].shape, name
+        np.testing.assert_array_equal(got[name][1].view(np.uint32), want[name].astype(np.float32).view(np.uint32),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("grid", ["q4_0", "q8_0"])
+def test_qat_model_tensors_are_its_fake_quantized_weights(grid, tmp_path):
+    lm = apply_qat(_lm(), bits=4 if grid == "q4_0" else 8, grid=grid, exclude=(r"blocks\.1\.fc",))
+    types = save_gguf(lm, tmp_path / "lm.gguf")
+    reader, got = _read(tmp_path / "lm.gguf")
+    assert set(got) == set(types) and "output.weight" not in got  # the tied head is stored once
+    want = _expected(lm, _fake_quantized)
+    assert set(got) == set(want)
+    _assert_bitwise(got, want)
+    ggml = grid.upper()
+    assert got["token_embd.weight"][0] == got["blk.0.attn_qkv.weight"][0] == ggml
+    assert got["blk.1.ffn_up.weight"][0] == "Q8_0"  # excluded from QAT: the float default
+    assert got["blk.0.attn_qkv.bias"][0] == got["position_embd.weight"][0] == "F32"
+
+
+def test_converted_model_writes_the_same_file_contents(tmp_path):
+    qat_model = apply_qat(_lm(), grid="q4_0")
+    converted = convert(qat_model)
+    save_gguf(qat_model, tmp_path / "qat.gguf")
+    save_gguf(converted, tmp_path / "converted.gguf")
+    qat_reader, qat_tensors = _read(tmp_path / "qat.gguf")
+    conv_reader, conv_tensors = _read(tmp_path / "converted.gguf")
+    for a, b in zip(qat_reader.tensors, conv_reader.tensors):
+        assert a.name == b.name and a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+    _assert_bitwise(conv_tensors, _expected(converted, lambda m: m.dequantized_weight()))
+
+
+def test_float_model_and_float_matrix_options(tmp_path):
+    lm = _lm()
+    save_gguf(lm, tmp_path / "f32.gguf", float_matrices="f32")
+    _, got = _read(tmp_path / "f32.gguf")
+    _assert_bitwise(got, _expected(lm, lambda m: m.weight))
+    save_gguf(lm, tmp_path / "f16.gguf", float_matrices="f16")
+    _, got = _read(tmp_path / "f16.gguf")
+    assert got["blk.0.ffn_down.weight"][0] == "F16"
+    want = lm.blocks[0].out.weight.detach().numpy().astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got["blk.0.ffn_down.weight"][1], want)
+
+
+def _gpt2_logits(tensors, ids, heads, eps):
+    """llama.cpp's gpt2 graph in numpy from the file's tensors (erf GELU, as mixle's block)."""
+    t = {name: value for name, (_, value) in tensors.items()}
+
+    def norm(x, name):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + eps) * t[name + ".weight"] + t[name + ".bias"]
+
+    def dense(x, name):
+        return x @ t[name + ".weight"].T + t[name + ".bias"]
+
+    erf = np.vectorize(math.erf)
+    x = t["token_embd.weight"][ids] + t["position_embd.weight"][: len(ids)]
+    n, width = x.shape
+    hd = width // heads
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    for i in range(LAYERS):
+        q, k, v = np.split(dense(norm(x, f"blk.{i}.attn_norm"), f"blk.{i}.attn_qkv"), 3, axis=-1)
+        out = np.empty_like(q)
+        for h in range(heads):
+            cols = slice(h * hd, (h + 1) * hd)
+            scores = q[:, cols] @ k[:, cols].T / np.sqrt(hd) + mask
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            out[:, cols] = (weights / weights.sum(-1, keepdims=True)) @ v[:, cols]
+        x = x + dense(out, f"blk.{i}.attn_output")
+        up = dense(norm(x, f"blk.{i}.ffn_norm"), f"blk.{i}.ffn_up")
+        x = x + dense(0.5 * up * (1 + erf(up / np.sqrt(2))), f"blk.{i}.ffn_down")
+    return norm(x, "output_norm") @ t["token_embd.weight"].T  # no output.weight: the tied head
+
+
+def test_file_computes_the_qat_forward(tmp_path):
+    """The layout (qkv order, head split, tied head) is right: the file's gpt2 graph gives mixle's logits."""
+    lm = apply_qat(_lm(), grid="q4_0")
+    save_gguf(lm, tmp_path / "lm.gguf")
+    reader, tensors = _read(tmp_path / "lm.gguf")
+    ids = np.array([3, 17, 0, 47, 5, 5, 12, 30, 1, 9])
+    with torch.no_grad():
+        want = lm(torch.from_numpy(ids)[None], all_positions=True)[0].numpy()
+    got = _gpt2_logits({k: (a, v.astype(np.float64)) for k, (a, v) in tensors.items()}, ids, HEADS,
+                       float(_field(reader, "gpt2.attention.layer_norm_epsilon")))
+    # float32 torch vs float64 numpy through 2 blocks of width 64-256: rounding ~1e-6 relative.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def test_metadata_llama_cpp_needs_for_gpt2(tmp_path):
+    text = "hello, gguf world\n"
+    tokenizer = CharTokenizer(text)
+    lm = apply_qat(build_causal_lm(vocab=tokenizer.vocab_size, d_model=32, n_layer=1, n_head=2, block=8), grid="q4_0")
+    save_gguf(lm, tmp_path / "lm.gguf", tokenizer=tokenizer)
+    reader = gguf.GGUFReader(tmp_path / "lm.gguf")
+    expected = {"general.architecture": "gpt2", "gpt2.context_length": 8, "gpt2.embedding_length": 32,
+                "gpt2.block_count": 1, "gpt2.feed_forward_length": 128, "gpt2.attention.head_count": 2,
+                "tokenizer.ggml.model": "gpt2", "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_0)}
+    assert {key: _field(reader, key) for key in expected} == expected
+    assert _field(reader, "gpt2.attention.layer_norm_epsilon") == pytest.approx(1e-5, rel=1e-6)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    # GPT-2's byte-level strings: a space is "Ġ", a newline "Ċ"; ids follow the tokenizer's.
+    assert tokens == [{" ": "Ġ", "\n": "Ċ"}.get(ch, ch) for ch in tokenizer.chars]
+    assert _field(reader, "tokenizer.ggml.token_type") == [1] * tokenizer.vocab_size
+    assert len(_field(reader, "tokenizer.ggml.merges")) >= 1  # llama.cpp refuses gpt2 without merges
+
+
+def test_vocabulary_merges_come_from_the_tokens():
+    from mixle.exports.gguf_vocab import vocabulary
+
+    words = vocabulary(4, vocab=["a", "b", "ab", "b a"])
+    assert words.tokens == ["a", "b", "ab", "bĠa"] and words.merges == ["a b"]
+    assert vocabulary(3).tokens == ["<|0|>", "<|1|>", "<|2|>"]
+    assert vocabulary(3).merges == ["<|0|> <|1|>"]  # the placeholder merge llama.cpp needs to load
+
+
+@pytest.mark.parametrize("prepare, words", [
+    (lambda lm: apply_qat(lm, bits=4, exclude=("head",)), r"layer 'blocks.0.qkv' is quantized on "
+                                                          r"int4/channel/symmetric, which GGUF has no block type"),
+    (lambda lm: torch.nn.Sequential(lm.blocks[0]), r"build_causal_lm \(llama.cpp's 'gpt2' architecture\)"),
+    (lambda lm: _big_weight(apply_qat(lm, grid="q4_0")), r"layer 'blocks.1.fc': a block scale does not fit float16"),
+])
+def test_unwritable_models_are_refused_before_the_file_exists(prepare, words, tmp_path):
+    path = tmp_path / "lm.gguf"
+    path.write_bytes(b"previous contents")
+    with pytest.raises(ValueError, match=words):
+        save_gguf(prepare(_lm()), path)
+    assert path.read_bytes() == b"previous contents"
+    assert [p.name for p in tmp_path.iterdir()] == ["lm.gguf"]  # no partial file left
+
+
+def _big_weight(lm):
+    with torch.no_grad():
+        lm.blocks[1].fc.weight[3, 5] = 1e6
+    return lm
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(vocab=["a"] * 3), ValueError, r"vocab has 3 tokens but the model's embedding has 48 rows"),
+    (dict(vocab=[f"t{i}" for i in range(47)] + ["t0"]), ValueError, r"repeated tokens"),
+    (dict(float_matrices="q4_0"), ValueError, r"float_matrices='q4_0' is unknown"),
+    (dict(tokenizer=object()), TypeError, r"not a mixle CharTokenizer"),
+    (dict(vocab=["a"] * 48, tokenizer=CharTokenizer("ab")), ValueError, r"not both"),
+])
+def test_bad_arguments_are_refused(kwargs, error, words, tmp_path):
+    with pytest.raises(error, match=words):
+        save_gguf(_lm(), tmp_path / "lm.gguf", **kwargs)
+    assert not (tmp_path / "lm.gguf").exists()
+
+
+def test_face_imports_gguf_only_when_called():
+    code = "import sys, mixle.task.quantize as q; q.save_gguf; print('gguf' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,78 @@
+"""save_gguf files in llama.cpp itself (llama-cpp-python, the ``llama`` extra); skipped without it."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from mixle.core.numerics import quantize_dequantize_array  # noqa: E402
+from mixle.models.qat import apply_qat  # noqa: E402
+from mixle.models.transformer import build_causal_lm  # noqa: E402
+from mixle.task.quantize import save_gguf  # noqa: E402
+
+IDS = [5, 17, 3, 3, 40, 12, 0, 29, 8, 33, 2, 1]
+
+
+def _lm():
+    torch.manual_seed(0)
+    return build_causal_lm(vocab=48, d_model=64, n_layer=2, n_head=2, block=16)
+
+
+def _llama_logits(path):
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, logits_all=True, n_threads=1, type_k=0, type_v=0,
+                          verbose=False)
+    llm.eval(IDS)
+    return np.array(llm.scores[: len(IDS)], dtype=np.float32)
+
+
+def _activations_as_q8_0(model):
+    """ggml's CPU path quantizes each input of a Q4_0/Q8_0 product to Q8_0 blocks: do the same."""
+    hook = lambda module, args: (quantize_dequantize_array(args[0].contiguous(), bits=8, grid="q8_0"),)  # noqa: E731
+    layers = [m for m in model.modules() if hasattr(m, "spec") and hasattr(m, "in_features")]
+    return [layer.register_forward_pre_hook(hook) for layer in layers]
+
+
+def test_float_file_reproduces_the_float_forward(tmp_path):
+    lm = _lm()
+    save_gguf(lm, tmp_path / "lm.gguf", float_matrices="f32")
+    with torch.no_grad():
+        want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
+    # ggml's tanh GELU (an f16 table) vs mixle's erf GELU: measured 1e-4 here at |logit| ~1
+    # (deploy.md: 3e-3 at |logit| ~8); the bound leaves room for other CPUs' SIMD paths.
+    np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.01)
+
+
+@pytest.mark.parametrize("grid", ["q4_0", "q8_0"])
+def test_qat_file_reproduces_the_fake_quant_forward(grid, tmp_path):
+    lm = apply_qat(_lm(), bits=4 if grid == "q4_0" else 8, grid=grid)
+    save_gguf(lm, tmp_path / "lm.gguf")
+    handles = _activations_as_q8_0(lm)
+    with torch.no_grad():
+        want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
+    for handle in handles:
+        handle.remove()
+    # Measured 3.7e-3 (q4_0) / 4.1e-3 (q8_0) at |logit| ~1 on AMD EPYC AVX2; without the
+    # activation emulation the same, but 4x larger once logits reach ~9 (benchmarks/gguf_parity.py).
+    np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.02)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_file_reproduces_the_hf_forward(family, tmp_path):
+    """llama.cpp's rotary layout: Llama's q/k rows reordered, Qwen2's not."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    fields = dict(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-5)
+    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(**fields)
+    model = (transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM)(config).eval()
+    with torch.no_grad():  # sharp attention, so a wrong rotary layout shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    save_gguf(model, tmp_path / "m.gguf", float_matrices="f32")
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].numpy()
+    # All-F32 weights and KV cache: float rounding and ggml's SiLU/rope kernels only.
+    np.testing.assert_allclose(_llama_logits(tmp_path / "m.gguf"), want, rtol=0, atol=1e-3)
