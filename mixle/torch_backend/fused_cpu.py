@@ -52,29 +52,31 @@ def _cpu_signature():
     return platform.machine() + platform.processor()
 
 
-def _build(compiler):
-    """Path of the built library (building it if needed), or raise RuntimeError with the reason."""
+def _build(compiler, source_path=SOURCE, flags=FLAGS):
+    """Path of the library built from ``source_path`` with ``flags`` (building it if needed), or
+    raise RuntimeError with the reason. Other kernel sources (``packed_linear``) share this."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"no C++ compiler {compiler!r} ({error})") from None
-    source = SOURCE.read_bytes()
+    source_path = Path(source_path)
+    source = source_path.read_bytes()
     # Without OpenMP (e.g. Apple clang) the kernels still build, and run on one thread.
     targets = []
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+    for variant in (tuple(flags) + ("-fopenmp",), tuple(flags)):
+        key = hashlib.sha256(b"\0".join([source, " ".join(variant).encode(), version.encode(),
                                          _cpu_signature().encode(), sys.platform.encode()])).hexdigest()[:20]
-        targets.append((flags, _cache_dir() / f"fused_fake_quant_{key}.so"))
+        targets.append((variant, _cache_dir() / f"{source_path.stem}_{key}.so"))
     for _, target in targets:
         if target.exists():
             return target
     error = None
-    for flags, target in targets:
+    for variant, target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True,
+            done = subprocess.run([compiler, *variant, "-o", partial, str(source_path)], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(partial, target)  # atomic: concurrent builders agree on the result
