@@ -36,6 +36,7 @@ SOURCE = Path(__file__).with_name("packed_matmul.cpp")
 FLAGS = _fused_cpu.FLAGS
 TILED_BATCH = 16  # rows of x from which decoding weight tiles for torch's matmul beats the register kernel
 TILE_FLOATS = 1 << 18  # floats per decoded weight tile (1 MiB: stays in L2 while torch multiplies it)
+PARALLEL_WEIGHTS = 1 << 16  # smaller weights run on one thread: waking others costs more than it saves
 
 _lock = threading.Lock()
 _loaded = {}  # "library" -> _Library or None, once decided
@@ -199,12 +200,17 @@ def _packed_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     library = _library()
     if library is None:
         raise RuntimeError("mixle::packed_linear needs the packed kernel, which could not be built here")
+    return _products(library, x, codes, scale, bias, bits, out_features, group, scales_per_row)
+
+
+def _products(library, x, codes, scale, bias, bits, out_features, group, scales_per_row):
+    """The op's body on a given built library (the tests also run other builds of the kernel)."""
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features).contiguous()
     codes, scale = codes.contiguous(), scale.contiguous()  # held: the kernel reads their memory
     bias = None if bias is None else bias.contiguous()
     rows = x2.shape[0]
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if out_features * in_features >= PARALLEL_WEIGHTS else 1
     if rows < TILED_BATCH:
         y = torch.empty((rows, out_features), dtype=torch.float32)
         library.linear(x2.data_ptr(), rows, in_features, out_features, codes.data_ptr(), bits, scale.data_ptr(),
