@@ -19,7 +19,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 # (out, in, group of the "group" granularity). in=7: int4 rows start mid-byte; group 7 or 16: blocks
 # that are not whole vector steps (the buffer path); in=130: tails after the last whole step.
 SHAPES = [(5, 7, 7), (13, 64, 16), (9, 96, 32), (3, 130, 65), (33, 256, 64)]
-BATCHES = [1, 3, 9, 17]  # 9: eight rows at once plus one; 17: decoded tiles multiplied by torch.mm
+BATCHES = [1, 3, 9, 17]  # 9: eight rows at once plus one; 17: 4 x 4 blocks plus a row, or tiles
 
 
 def make_storage(bits, granularity, out_features, in_features, group, seed=0):
@@ -102,12 +102,14 @@ def test_products_match_a_float64_numpy_reference(library, bits, granularity, sh
             for batch in BATCHES:
                 x = rng.standard_normal((batch, in_features)).astype(np.float32)
                 expected, bound = reference(x, codes, scale, bias if with_bias else None)
-                for n in thread_counts:
+                for n, tiled in [(n, tiled) for n in thread_counts for tiled in (False, True)]:
                     torch.set_num_threads(n)
+                    # Tiled: decoded tiles multiplied by torch.mm from 16 rows of x.
+                    monkeypatch.setattr(packed_linear, "TILED_BATCH", 16 if tiled else 10 ** 9)
                     got = packed_linear._products(library, torch.from_numpy(x), layer.codes, layer.scale, layer.bias,
                                                   bits, out_features, group_arg, per_row).numpy()
                     error = np.abs(got.astype(np.float64) - expected)
-                    assert (error <= bound).all(), (batch, n, with_bias, float((error - bound).max()))
+                    assert (error <= bound).all(), (batch, n, tiled, with_bias, float((error - bound).max()))
     finally:
         torch.set_num_threads(threads)
 

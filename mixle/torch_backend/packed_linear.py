@@ -6,10 +6,12 @@
 each weight exactly as ``dequantize_array`` does (one float32 product ``code * scale``) but never
 materialises the whole float weight:
 
-* batches below ``TILED_BATCH`` rows: every output row's codes are streamed once and decoded in
-  vector registers (AVX-512 or AVX2, else portable C++), OpenMP over output rows;
-* larger batches: ``TILE_FLOATS`` worth of weight rows at a time are decoded into a cache-resident
-  float buffer and multiplied with torch's matmul.
+* the codes are streamed and decoded in vector registers (AVX-512 or AVX2, else portable C++),
+  each decoded step multiplied with up to 8 rows of x (batches: blocks of 4 weight rows times 4
+  rows of x, both in cache), in one OpenMP region over output rows;
+* only batches of ``TILED_BATCH`` rows or more through layers of at most ``TILED_MAX_IN`` inputs
+  instead decode ``TILE_FLOATS`` worth of weight rows at a time into a cache-resident float buffer
+  and multiply it with torch's matmul.
 
 So the result differs from ``F.linear(x, dequantized_weight, bias)`` only in the order of the float
 sums. Everything else (other dtypes or devices, autocast, inputs that need a gradient, no compiler,
@@ -34,8 +36,12 @@ __all__ = ["available", "isa", "switched_off", "applies", "linear", "TILED_BATCH
 SOURCE = Path(__file__).with_name("packed_matmul.cpp")
 # Intrinsics fix the vector code; -ffp-contract=off only keeps the scalar tails unfused like numpy.
 FLAGS = _fused_cpu.FLAGS
-TILED_BATCH = 16  # rows of x from which decoding weight tiles for torch's matmul beats the register kernel
+# From TILED_BATCH rows of x, layers with at most TILED_MAX_IN inputs decode weight tiles for torch's
+# matmul: with short rows the kernel's per-output sums cost more than decoding a tile.
+TILED_BATCH = 32
+TILED_MAX_IN = 1024
 TILE_FLOATS = 1 << 18  # floats per decoded weight tile (1 MiB: stays in L2 while torch multiplies it)
+DEQUANTIZE_THREADS = 1  # a tile decodes in ~1/60 of its matmul's time: a parallel region per tile costs more
 PARALLEL_WEIGHTS = 1 << 16  # smaller weights run on one thread: waking others costs more than it saves
 
 _lock = threading.Lock()
@@ -213,7 +219,7 @@ def _products(library, x, codes, scale, bias, bits, out_features, group, scales_
     bias = None if bias is None else bias.contiguous()
     rows = x2.shape[0]
     threads = torch.get_num_threads() if out_features * in_features >= PARALLEL_WEIGHTS else 1
-    if rows < TILED_BATCH:
+    if rows < TILED_BATCH or in_features > TILED_MAX_IN:
         y = torch.empty((rows, out_features), dtype=torch.float32)
         library.linear(x2.data_ptr(), rows, in_features, out_features, codes.data_ptr(), bits, scale.data_ptr(),
                        group, scales_per_row, None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
@@ -224,7 +230,7 @@ def _products(library, x, codes, scale, bias, bits, out_features, group, scales_
         for start in range(0, out_features, tile_rows):
             count = min(tile_rows, out_features - start)
             library.dequantize_rows(codes.data_ptr(), bits, scale.data_ptr(), group, scales_per_row, in_features,
-                                    start, count, tile.data_ptr(), threads)
+                                    start, count, tile.data_ptr(), DEQUANTIZE_THREADS)
             columns = y[:, start:start + count]  # BLAS writes the column block in place (its row stride)
             if bias is None:
                 torch.mm(x2, tile[:count].t(), out=columns)

@@ -162,6 +162,7 @@ struct Int4Row {
   const float* scales;
   int64_t group, next = 0, block = -1;
   Table table;
+  Int4Row() = default;
   Int4Row(const Weights& w, int64_t o)
       : row(w.codes + (o * w.in) / 2), scales(w.scale + o * w.scales_per_row), group(w.group) {}
   MIXLE_INLINE void at(int64_t k, vec* wv) {
@@ -180,6 +181,7 @@ struct Int8Row {
   const float* scales;
   int64_t group, next = 0, block = -1;
   vec s;
+  Int8Row() = default;
   Int8Row(const Weights& w, int64_t o)
       : row(reinterpret_cast<const int8_t*>(w.codes) + o * w.in), scales(w.scale + o * w.scales_per_row),
         group(w.group) {}
@@ -262,6 +264,37 @@ MIXLE_OUTLINED void dot_rows(Row row, const Weights& w, int64_t o, const float* 
   }
 }
 
+// R weight rows (o, o + 1, ...) times NB rows of x: each x vector loaded once feeds R products.
+template <int R, int NB, class Row>
+MIXLE_OUTLINED void dot_block(const Weights& w, int64_t o, const float* x, float* y, int64_t out,
+                              const float* bias) {
+  constexpr int64_t STEP = Row::VECS * VL;
+  Row rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = Row(w, o + r);
+  vec acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = vzero();
+  const int64_t in = w.in;
+  const int64_t steps = in / STEP;
+  vec wv[R][Row::VECS];
+  for (int64_t c = 0; c < steps; ++c) {
+    const int64_t k = c * STEP;
+    for (int r = 0; r < R; ++r) rows[r].at(k, wv[r]);
+    for (int v = 0; v < Row::VECS; ++v)
+      for (int b = 0; b < NB; ++b) {
+        const vec xv = vload(x + b * in + k + v * VL);
+        for (int r = 0; r < R; ++r) acc[r][b] = vfma(wv[r][v], xv, acc[r][b]);
+      }
+  }
+  const int64_t tail = steps * STEP;
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      float sum = vsum(acc[r][b]);
+      for (int64_t k = tail; k < in; ++k) sum += weight_at(w, o + r, k) * x[b * in + k];
+      y[b * out + o + r] = bias ? sum + bias[o + r] : sum;
+    }
+}
+
 template <class Row>
 inline void dot_batch(Row row, const Weights& w, int64_t o, const float* x, int64_t batch, float* y,
                       int64_t out, const float* bias) {
@@ -292,15 +325,51 @@ void linear_rows(const Weights& w, const float* x, const float* x_int4, int64_t 
                  const float* bias, float* y, int64_t o_begin, int64_t o_end) {
   std::vector<float> buffer(w.in);
 #ifdef MIXLE_VECTOR
-  const bool direct = decodable(w);
-  for (int64_t o = o_begin; o < o_end; ++o) {
-    if (direct && w.bits == 4) {
-      dot_batch(Int4Row(w, o), w, o, x_int4, batch, y, out, bias);
-    } else if (direct) {
-      dot_batch(Int8Row(w, o), w, o, x, batch, y, out, bias);
-    } else {
+  if (!decodable(w)) {
+    for (int64_t o = o_begin; o < o_end; ++o) {
       decode_row_scalar(w, o, buffer.data());
       dot_batch(BufferRow{buffer.data()}, w, o, x, batch, y, out, bias);
+    }
+    return;
+  }
+  if (batch < 8) {  // one weight row at a time, every row of x at once
+    for (int64_t o = o_begin; o < o_end; ++o) {
+      if (w.bits == 4) {
+        dot_batch(Int4Row(w, o), w, o, x_int4, batch, y, out, bias);
+      } else {
+        dot_batch(Int8Row(w, o), w, o, x, batch, y, out, bias);
+      }
+    }
+    return;
+  }
+  // Blocks of BLOCK_ROWS weight rows times 4 rows of x at a time, both in cache: R x 4 products
+  // per decoded step, and x read once per block.
+  constexpr int64_t BLOCK_ROWS = 16;
+  constexpr int R = VL == 16 ? 4 : 2;  // accumulators + weights fit the 32 zmm / 16 ymm registers
+  const float* xs = w.bits == 4 ? x_int4 : x;
+  for (int64_t o0 = o_begin; o0 < o_end; o0 += BLOCK_ROWS) {
+    const int64_t o1 = o0 + BLOCK_ROWS < o_end ? o0 + BLOCK_ROWS : o_end;
+    for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+      const int64_t nb = batch - b0 < 4 ? batch - b0 : 4;
+      const float* xb = xs + b0 * w.in;
+      float* yb = y + b0 * out;
+      int64_t o = o0;
+      if (nb == 4) {
+        for (; o + R <= o1; o += R) {
+          if (w.bits == 4) {
+            dot_block<R, 4, Int4Row>(w, o, xb, yb, out, bias);
+          } else {
+            dot_block<R, 4, Int8Row>(w, o, xb, yb, out, bias);
+          }
+        }
+      }
+      for (; o < o1; ++o) {
+        if (w.bits == 4) {
+          dot_batch(Int4Row(w, o), w, o, xb, nb, yb, out, bias);
+        } else {
+          dot_batch(Int8Row(w, o), w, o, xb, nb, yb, out, bias);
+        }
+      }
     }
   }
 #else
