@@ -48,6 +48,7 @@ from mixle.torch_backend import packed_linear  # noqa: E402
 
 LAYERS = [(1408, 512), (4096, 4096), (11008, 4096)]
 BATCHES = [1, 8, 64]
+SKIP_SLOWER = 5
 MIXLE_SPECS = {"int4 ch": dict(bits=4), "int4 g32": dict(bits=4, group_size=32), "int8 ch": dict(bits=8)}
 
 
@@ -145,20 +146,23 @@ def run_layers(args, clock, threads, bandwidth):
     with tqdm(total=cells * args.rounds, desc=f"layers, {threads} thread(s)", leave=False) as progress:
         for out_features, in_features in LAYERS:
             variants, count = layer_variants(out_features, in_features)
+            slow = set()  # torch's ops more than SKIP_SLOWER x fp32 at a smaller batch: not timed again
             for batch in args.batches:
                 x = torch.randn(batch, in_features)
-                fns = {name: (lambda fn=fn: fn(x)) for name, fn in variants.items()}
+                fns = {name: (lambda fn=fn: fn(x)) for name, fn in variants.items() if name not in slow}
                 with torch.no_grad():
                     med = interleaved(fns, args.rounds, clock, args.budget, progress)
+                slow |= {name for name, t in med.items() if name.startswith("aten") and t > SKIP_SLOWER * med["fp32"]}
                 rows.append(((out_features, in_features), batch, med, count))
             del variants
             gc.collect()
     names = list(rows[0][2])
-    print(f"\nSingle layers, {threads} thread(s): median ms (speed-up over fp32)")
+    print(f"\nSingle layers, {threads} thread(s): median ms (speed-up over fp32); "
+          f"'-': more than {SKIP_SLOWER}x slower than fp32 at a smaller batch, not timed")
     print("| layer | batch | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for shape, batch, med, _ in rows:
-        cells = [f"{med[n] * 1e3:,.2f} ({med['fp32'] / med[n]:.2f}x)" for n in names]
+        cells = [f"{med[n] * 1e3:,.2f} ({med['fp32'] / med[n]:.2f}x)" if n in med else "-" for n in names]
         print(f"| {shape[0]}x{shape[1]} | {batch} | " + " | ".join(cells) + " |")
     print(f"Batch-1 read-bandwidth bound at {bandwidth:.1f} GB/s (streaming read, {threads} thread(s)):")
     for (out_features, in_features), batch, med, count in rows:
