@@ -13,8 +13,10 @@ Two parts, each at 1 and 2 threads (``torch.set_num_threads``):
 
 All variants of one cell run interleaved round by round in one process, so machine load hits
 them alike; the tables show medians and the speed-up over fp32 (fp32 time / variant time, > 1 is
-faster). ``--clock cpu`` measures process CPU time instead of wall time (steadier on a shared
-machine at 1 thread; at 2 threads it adds both threads' time). The memory line estimates the
+faster). Before each timed layer call an untimed read of 128 MiB evicts the caches, as a
+model's other layers would (``--warm`` keeps the weight cached: then an int4 weight up to 32 MiB
+is read from L3 instead of memory). ``--clock cpu`` measures process CPU time instead of wall
+time (steadier on a shared machine at 1 thread; at 2 threads it adds both threads' time). The memory line estimates the
 bandwidth bound: a streaming read of 256 MiB measured here, and the bytes each batch-1 product
 must read.
 
@@ -49,6 +51,7 @@ from mixle.torch_backend import packed_linear  # noqa: E402
 LAYERS = [(1408, 512), (4096, 4096), (11008, 4096)]
 BATCHES = [1, 8, 64]
 SKIP_SLOWER = 5
+EVICT_BYTES = 128 << 20  # read before each timed layer call: 4x this machine's 32 MiB L3
 MIXLE_SPECS = {"int4 ch": dict(bits=4), "int4 g32": dict(bits=4, group_size=32), "int8 ch": dict(bits=8)}
 
 
@@ -69,14 +72,17 @@ def clock_fn(kind):
     return time.perf_counter if kind == "wall" else time.process_time
 
 
-def interleaved(fns, rounds, clock, budget_s, progress=None):
-    """Median seconds of each fn, called round by round (one warm-up round first)."""
+def interleaved(fns, rounds, clock, budget_s, progress=None, flush=None):
+    """Median seconds of each fn, called round by round (one warm-up round first); ``flush()``
+    (untimed) before each call."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     start = time.perf_counter()
     for r in range(rounds):
         for name, fn in fns.items():
+            if flush is not None:
+                flush()
             t0 = clock()
             fn()
             times[name].append(clock() - t0)
@@ -143,6 +149,10 @@ def run_layers(args, clock, threads, bandwidth):
 
     rows = []
     cells = len(LAYERS) * len(args.batches)
+    flush = None
+    if not args.warm:  # evict the weights from the caches, as the other layers of a model would
+        evictor = torch.ones(EVICT_BYTES // 4)
+        flush = evictor.sum
     with tqdm(total=cells * args.rounds, desc=f"layers, {threads} thread(s)", leave=False) as progress:
         for out_features, in_features in LAYERS:
             variants, count = layer_variants(out_features, in_features)
@@ -151,7 +161,7 @@ def run_layers(args, clock, threads, bandwidth):
                 x = torch.randn(batch, in_features)
                 fns = {name: (lambda fn=fn: fn(x)) for name, fn in variants.items() if name not in slow}
                 with torch.no_grad():
-                    med = interleaved(fns, args.rounds, clock, args.budget, progress)
+                    med = interleaved(fns, args.rounds, clock, args.budget, progress, flush)
                 slow |= {name for name, t in med.items() if name.startswith("aten") and t > SKIP_SLOWER * med["fp32"]}
                 rows.append(((out_features, in_features), batch, med, count))
             del variants
@@ -252,6 +262,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--llama", type=int, nargs="*", default=[512, 1024], help="hidden sizes of the HF Llamas")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--warm", action="store_true",
+                        help="keep each layer's weight in cache between calls (no eviction read)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per layer cell (default 9, quick 3)")
     parser.add_argument("--budget", type=float, default=None, help="seconds per cell before stopping early")
     args = parser.parse_args()
@@ -264,7 +276,9 @@ def main():
               if packed_linear.available() else "packed kernel OFF (exact dequantize path)")
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; {kernel}; clock: {args.clock}")
     print(f"layers (out x in): {', '.join(f'{o}x{i}' for o, i in LAYERS)}; batches {args.batches}; "
-          f"{args.rounds} rounds per cell (fewer past {args.budget:.0f} s)")
+          f"{args.rounds} rounds per cell (fewer past {args.budget:.0f} s); "
+          + ("weights stay cached between calls" if args.warm else
+             f"caches evicted before each call (untimed read of {EVICT_BYTES >> 20} MiB)"))
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n=== {torch.get_num_threads()} thread(s) ===")
