@@ -42,7 +42,9 @@ TILED_BATCH = 32
 TILED_MAX_IN = 1024
 TILE_FLOATS = 1 << 18  # floats per decoded weight tile (1 MiB: stays in L2 while torch multiplies it)
 DEQUANTIZE_THREADS = 1  # a tile decodes in ~1/60 of its matmul's time: a parallel region per tile costs more
-PARALLEL_WEIGHTS = 1 << 16  # smaller weights run on one thread: waking others costs more than it saves
+# Smaller weights run on one thread (~0.1 ms of int4 work): waking the other threads costs more
+# than it saves, 10 us on an idle machine and up to ~20 ms on an oversubscribed one.
+PARALLEL_WEIGHTS = 1 << 20
 
 _lock = threading.Lock()
 _loaded = {}  # "library" -> _Library or None, once decided
