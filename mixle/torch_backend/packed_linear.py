@@ -40,7 +40,9 @@ FLAGS = _fused_cpu.FLAGS
 # matmul: with short rows the kernel's per-output sums cost more than decoding a tile.
 TILED_BATCH = 32
 TILED_MAX_IN = 1024
-TILE_FLOATS = 1 << 18  # floats per decoded weight tile (1 MiB: stays in L2 while torch multiplies it)
+# Floats per decoded weight tile (16 MiB, L3-resident): few tiles, so few matmul calls, each a
+# parallel region (on a busy machine waking threads costs far more than the matmul of a small tile).
+TILE_FLOATS = 1 << 22
 DEQUANTIZE_THREADS = 1  # a tile decodes in ~1/60 of its matmul's time: a parallel region per tile costs more
 # Smaller weights run on one thread (~0.1 ms of int4 work): waking the other threads costs more
 # than it saves, 10 us on an idle machine and up to ~20 ms on an oversubscribed one.
