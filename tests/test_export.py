@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mixle.models.qat import apply_qat
+from mixle.torch_backend import packed_linear
 from mixle.core.fileformat import MANIFEST_KEY, read_manifest, read_safetensors, write_safetensors
 from mixle.task.quantize import (
     QuantizedEmbedding,
@@ -139,7 +140,7 @@ def test_convert_after_qat_round_trips_a_wrapped_mlp(tmp_path):
     converted = convert(qat)
     save_quantized(converted, tmp_path / "mlp.safetensors")
     loaded = load_quantized(tmp_path / "mlp.safetensors", make_mlp(seed=5))
-    with torch.no_grad():
+    with torch.no_grad(), packed_linear.switched_off():  # the exact path: same float ops, same order
         assert torch.equal(loaded(mlp_batch()), qat(mlp_batch()))
 
 

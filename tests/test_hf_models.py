@@ -17,6 +17,17 @@ from mixle.api import (apply_qat, convert, get_qat_report, load_quantized, save_
                        set_fake_quant_enabled)
 from tests.test_numerics import reference_codes_scales  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def exact_converted_layers():
+    """Converted layers compute with the exact dequantize-then-matmul path here, so "convert ==
+    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
+    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
+    from mixle.torch_backend import packed_linear
+
+    with packed_linear.switched_off():
+        yield
+
 warnings.filterwarnings("ignore", module="transformers")
 
 VOCAB = 64

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixle.torch_backend import packed_linear
 from mixle.torch_backend.layers import QATWrapper
 from mixle.models.qat import apply_qat, get_qat_report
 from mixle.task.quantize import (
@@ -106,7 +107,7 @@ def test_convert_forward_equals_fake_quant_forward_bit_for_bit(kind, spec):
     qat = train_qat(apply_qat(model, spec=spec), batch)
     qat.eval()
     converted = convert(qat)
-    with torch.no_grad():
+    with torch.no_grad(), packed_linear.switched_off():  # the exact path: same float ops, same order
         expected, got = qat(batch), converted(batch)
     assert (got - expected).abs().max().item() == 0.0
     assert torch.equal(got, expected)
@@ -140,7 +141,7 @@ def test_convert_ignores_the_fake_quant_toggle():
     with torch.no_grad():
         expected = qat(mlp_batch())
     set_fake_quant_enabled(qat, False)
-    with torch.no_grad():
+    with torch.no_grad(), packed_linear.switched_off():  # the exact path: same float ops, same order
         assert torch.equal(convert(qat)(mlp_batch()), expected)
 
 

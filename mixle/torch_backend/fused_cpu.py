@@ -34,7 +34,7 @@ _loaded = {}  # "kernels" -> _Kernels or None, once decided
 _cache_dir = kernel_cache.cache_dir
 
 
-def _build(compiler, source=SOURCE):
+def _build(compiler, source=SOURCE, flags=FLAGS):
     """Path of the verified library built from ``source`` (building it if no recorded build of this
     source, compiler command, flags and CPU checks out), or raise RuntimeError with the reason.
 
@@ -44,15 +44,16 @@ def _build(compiler, source=SOURCE):
     code = source.read_bytes()
     directory = kernel_cache.private_dir(_cache_dir())
     # Without OpenMP (e.g. Apple clang) the kernels still build, and run on one thread.
-    keyed = [(flags, kernel_cache.build_key(code, compiler, flags)) for flags in (FLAGS + ("-fopenmp",), FLAGS)]
+    keyed = [(variant, kernel_cache.build_key(code, compiler, variant))
+             for variant in (tuple(flags) + ("-fopenmp",), tuple(flags))]
     for _, key in keyed:
         found = kernel_cache.find(directory, source.stem, key)
         if found is not None:
             return found
     error = None
-    for flags, key in keyed:
+    for variant, key in keyed:
         try:
-            return kernel_cache.build(directory, source, compiler, flags, key)
+            return kernel_cache.build(directory, source, compiler, variant, key)
         except RuntimeError as failure:
             error = failure
     raise error

@@ -213,6 +213,9 @@ def build(directory, source, compiler, flags, key):
     return library
 
 
+_held_descriptors = []
+
+
 def load(path):
     """``ctypes.CDLL`` of a library that ``find`` or ``build`` verified, re-checked on the very
     descriptor ``dlopen`` reads (so it cannot be swapped in between).
@@ -229,6 +232,11 @@ def load(path):
         if _digest(fd) != expected:
             raise RuntimeError(f"{path} changed since it was verified; refusing to load it")
         via = f"/proc/self/fd/{fd}"
-        return ctypes.CDLL(via if os.path.exists(via) else str(path))
-    finally:
+        library = ctypes.CDLL(via if os.path.exists(via) else str(path))
+    except BaseException:
         os.close(fd)
+        raise
+    # The descriptor stays open for the life of the process: the dynamic loader knows the library
+    # by the name "/proc/self/fd/N", and a later dlopen of a reused N would get this library back.
+    _held_descriptors.append(fd)
+    return library

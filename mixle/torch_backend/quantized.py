@@ -1,7 +1,8 @@
 """Real low-bit torch layers: QuantizedLinear and QuantizedEmbedding store integer codes and scales.
 
-Their forward computes with ``dequantize_array(codes, scale)``, exactly the QAT fake-quant
-forward of the same spec.
+Their forward computes with ``dequantize_array(codes, scale)``, the QAT fake-quant forward of the
+same spec; QuantizedLinear runs float32 CPU products straight from the packed codes
+(``packed_linear``), which changes only the order of the float sums.
 """
 
 import sys
@@ -13,6 +14,7 @@ from torch.nn import functional as F
 from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec
+from mixle.torch_backend import packed_linear as _packed_linear
 from mixle.torch_backend.layers import check_supported
 
 __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage",
@@ -210,7 +212,10 @@ class QuantizedLinear(QuantizedWeight):
     Buffers: ``codes`` (uint8, two int4 codes per byte in the nibble order of
     ``mixle.core.packing``; or int8 codes of shape ``(out, in)``), ``scale`` (float, shape
     ``(1, S, 1)``, see ``block_shape``) and ``bias`` (float, or None). The forward computes
-    ``F.linear(x, dequantize_array(codes, scale), bias)``: exactly the QAT fake-quant forward.
+    ``F.linear(x, dequantize_array(codes, scale), bias)``: the QAT fake-quant forward. Float32 CPU
+    inputs run it on ``packed_linear``'s kernel, straight from the codes: the same weights, the
+    float sums in another order; inside ``packed_linear.switched_off()`` (and for other dtypes,
+    devices, autocast or inputs needing a gradient) it is exactly the fake-quant forward, bit for bit.
 
     Args:
         codes: stored codes as above.
@@ -239,6 +244,8 @@ class QuantizedLinear(QuantizedWeight):
         self.register_buffer("bias", bias)
 
     def forward(self, x):
+        if _packed_linear.applies(x, self):
+            return _packed_linear.linear(x, self)  # same weights, float sums in another order
         return F.linear(x, self.dequantized_weight(), self.bias)
 
     def extra_repr(self):
