@@ -1,22 +1,29 @@
-"""mixle's Qwix QtProvider: weight detection, percentile clipping and tied heads, with a record.
+"""mixle's Qwix QtProvider: weight detection, mixle's numerics on the weights, tied heads, a record.
 
 Qwix intercepts ``dot_general`` / ``einsum`` / ``conv`` inside the model call and decides per op
-which operand is a weight. This subclass keeps Qwix's numerics (calibration, ``qarray``
-quantize, ``dot_general_qt``) and changes only what the measured pitfalls require:
+which operand is a weight. This subclass keeps Qwix's interception and its quantized matmul
+(``dot_general_qt``: activation and gradient quantization) and changes what the measured
+pitfalls and mixle's one-grid promise require:
 
+* integer weights are fake-quantized with mixle's own numerics (``fake_quantize_weight``: the
+  same codes as numpy and torch for every element, every granularity, ``clip_percentile``
+  included, and the values ``convert`` stores), then multiplied in float; Qwix's quantizer
+  (whose scale can be one ulp off mixle's, moving the -absmax tie of ``grid='qwix'``) is used
+  only for fp8 weights, Qwix ``calibration`` methods and ``act_bits`` (see
+  ``uses_mixle_numerics``);
 * a weight is the Param itself (identity) or, failing that, the one Param of its shape (a cast
   weight); Qwix's jit-only tracer lineage is not used, so a weight is quantized alike eagerly,
   under ``jit`` and under ``grad``, and an activation shaped like a kernel is not taken for a
   second weight (Qwix asserts there);
-* ``clip_percentile`` clips each weight to the percentile of its live (traced) value before
-  Qwix's absmax calibration, with a straight-through gradient;
+* on Qwix's path, ``clip_percentile`` clips each weight to the percentile of its live (traced)
+  value before Qwix's absmax calibration, with a straight-through gradient, and group-wise
+  (tiled) weights are fake-quantized before the matmul;
 * ``granularity='tensor'`` is per tensor on the weight side only (activations stay per token);
-* group-wise (tiled) weights are fake-quantized with Qwix's quantizer before the matmul,
-  because Qwix's tiled ``dot_general_qt`` keeps the float weight for the input gradient;
 * ``Embed.attend`` (NNX and Linen tied heads: a transposed weight Qwix misses under grad) is
   quantized explicitly, and the lookups of such a tied embedding use the same quantized table;
 * a Param used by another module than its owner (where Qwix leaves it float) is noted;
-* every weight the provider quantized or had to leave in float is recorded for the report.
+* every weight the provider quantized or had to leave in float is recorded for the report,
+  with its input (contracting) axes for ``convert``.
 """
 
 import functools
@@ -31,7 +38,25 @@ from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
 from mixle.core.numerics import block_shape, clip_threshold
+from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
+
+
+def uses_mixle_numerics(spec):
+    """True when the weight is fake-quantized by mixle's own numerics (``fake_quantize_weight``):
+    integer weights with mixle's calibration, no activation and no gradient quantization.
+
+    Qwix's quantizer is used for what mixle's numerics have no form of: fp8 weights, Qwix
+    ``calibration`` methods, ``act_bits`` (Qwix multiplies the two integer operands) and
+    ``bwd_bits`` (Qwix's backward multiplies the gradient, shifted by the weight's scales,
+    with the weight's integer codes, which needs its own quantized weight as the residual).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> uses_mixle_numerics(QuantSpec(bits=4, group_size=32)), uses_mixle_numerics(QuantSpec(bits=4, bwd_bits=8))
+    (True, False)
+    """
+    return (spec.weight_format == "int" and spec.calibration is None and spec.act_bits is None
+            and spec.bwd_bits is None)
 
 QUANTIZED = "quantized"
 FLOAT = "float"
@@ -111,6 +136,7 @@ class QATProvider(qt.QtProvider):
         self.records = {}  # (module path, param name) -> (QUANTIZED | FLOAT, reason)
         self.tied = set()  # module paths of Embeds whose attend() is quantized
         self.notes = {}  # (module path, param name) -> set of remarks for the report
+        self.layouts = {}  # (module path, param name) -> the weight's input (contracting) axes
         self._root = None
         self._params_by_id = None
 
@@ -144,8 +170,10 @@ class QATProvider(qt.QtProvider):
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _record(self, module_path, name, state, reason=""):
+    def _record(self, module_path, name, state, reason="", layout=None):
         key = (module_path, name)
+        if layout is not None:
+            self.layouts[key] = tuple(int(a) for a in layout)
         if self.records.get(key, (None,))[0] == FLOAT and state == QUANTIZED:
             return  # a weight left in float by one op stays reported as float
         self.records[key] = (state, reason)
@@ -239,13 +267,17 @@ class QATProvider(qt.QtProvider):
                     block_shape((w.shape[contracting[0]],), spec, 0, 0)
                 except ValueError as err:
                     raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
-            if spec.clip_percentile is not None and spec.clip_percentile < 100:
-                w = clip_live(w, contracting, spec)
-            if tile_size is not None:
-                w = self._fake_quantize_tiled(w, contracting, rule)
+            if uses_mixle_numerics(spec):
+                w = fake_quantize_weight(w, contracting, spec)
+                tile_size = None
             else:
-                weight_qtype = rule.weight_qtype
-            self._record(path, name, QUANTIZED)
+                if spec.clip_percentile is not None and spec.clip_percentile < 100:
+                    w = clip_live(w, contracting, spec)
+                if tile_size is not None:
+                    w = self._fake_quantize_tiled(w, contracting, rule)
+                else:
+                    weight_qtype = rule.weight_qtype
+            self._record(path, name, QUANTIZED, layout=contracting)
             lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
         config = self._config(rule, side, weight_qtype, tile_size)
         return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
@@ -322,12 +354,18 @@ class QATProvider(qt.QtProvider):
                                             "give this layer granularity='channel' with a (regex, spec) pattern")
             return plain()
         dnums = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-        if spec.clip_percentile is not None and spec.clip_percentile < 100:
-            rhs = clip_live(rhs, [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]], spec)
-        self._record(path, name, QUANTIZED)
+        inputs = [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]]
+        self._record(path, name, QUANTIZED, layout=inputs)
+        weight_qtype = rule.weight_qtype
+        if uses_mixle_numerics(spec):
+            rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec), None
+            if rule.bwd_qtype is None:
+                return plain(rhs)
+        elif spec.clip_percentile is not None and spec.clip_percentile < 100:
+            rhs = clip_live(rhs, inputs, spec)
         config = conv_general_qt.ConvGeneralQtConfig(
             lhs_qtype=rule.act_qtype,
-            rhs_qtype=rule.weight_qtype,
+            rhs_qtype=weight_qtype,
             lhs_calibration_method=rule.act_calibration_method or "absmax",
             rhs_calibration_method=range_calibration(spec),
             rhs_disable_channelwise_axes=spec.granularity == "tensor",
@@ -413,6 +451,8 @@ class QATProvider(qt.QtProvider):
             raise ValueError("Input type must be an integer or unsigned integer.")
         (table,) = self._table(embed, inexact=False)
         spec = rule.spec
+        if uses_mixle_numerics(spec):
+            return jnp.take(fake_quantize_weight(table, (1,), spec), inputs, axis=0)
         if spec.clip_percentile is not None and spec.clip_percentile < 100:
             table = clip_live(table, (1,), spec)
         if spec.granularity == "group":

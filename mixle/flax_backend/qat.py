@@ -280,6 +280,18 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     return model
 
 
+QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
+
+
+def restore_float_classes(model, state):
+    """Put an NNX model (a private copy) back in the user's own classes, without Qwix's attributes."""
+    object.__setattr__(model, "__class__", state.float_class)
+    for _, module in nnx.iter_modules(model):
+        for key in QWIX_ATTRIBUTES:
+            if key in vars(module):
+                delattr(module, key)
+
+
 def _mark_unchanged(decisions):
     return [dataclasses.replace(d, action="unchanged") if d.action != "skipped" else d for d in decisions]
 
