@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
+from qwix._src import interception
 from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_rounding
 from qwix._src.providers import qt
 from qwix._src.utils import flax_util
@@ -428,10 +429,15 @@ class QATProvider(qt.QtProvider):
         if rule is None or rule.weight_qtype is None:
             return self._original(embed, "attend")(embed, query, **kwargs)
         query, table = self._table(embed, query)
+        path = self._module_and_path()[1]
+        if uses_mixle_numerics(rule.spec):
+            self._record(path, "embedding", QUANTIZED, layout=(1,))
+            self.tied.add(path)
+            # flax's own attend computation on the fake-quantized table: what the converted model runs.
+            return _dot_transposed(query, fake_quantize_weight(table, (1,), rule.spec), **kwargs)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
         out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))
-        path = self._module_and_path()[1]
         if self.records.get((path, "embedding"), (None,))[0] == QUANTIZED:
             self.tied.add(path)
         return out
@@ -464,6 +470,12 @@ class QATProvider(qt.QtProvider):
             deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
             table = _straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)
+
+
+@interception.disable_interceptions
+def _dot_transposed(query, table, **kwargs):
+    """``Embed.attend``'s product (``jnp.dot(query, table.T)``), not intercepted again."""
+    return jnp.dot(query, table.T, **kwargs)
 
 
 def _handler(kind, provider):
