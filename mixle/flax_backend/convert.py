@@ -14,9 +14,10 @@ order between the two (``fake_quant.weight_layout``). Reading it (``value[...]``
   kernel, so every layer type (Linear, Einsum, LinearGeneral, Conv, Embed lookups and
   ``attend``) runs its own unchanged code; ``nnx.split``/``merge``/``jit`` carry codes and
   scales as state.
-* Linen: ``convert_linen(module, variables)`` returns ``(float module, variables)`` whose
-  quantized kernels are ``QuantizedValue`` leaves; Linen layers read them through
-  ``jnp.asarray`` (``__jax_array__``), so ``module.apply(variables, x)`` runs on the codes.
+* Linen: ``convert_linen(module, variables)`` returns ``(module, variables)`` whose quantized
+  kernels are ``QuantizedValue`` leaves; the module is a subclass of the user's class whose
+  ``apply`` dequantizes those leaves and runs the user's code, so ``module.apply(variables,
+  x)`` (also under ``jax.jit``) computes from the stored codes.
 
 The QAT forward fake-quantizes each kernel with ``fake_quantize_weight`` (the same transpose,
 ``quantize_linear_weight`` codes times scale, and transpose back) before the same matmul, so
@@ -40,7 +41,8 @@ from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
-__all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "unpack_int4_jax"]
+__all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "unpack_int4_jax",
+           "dequantize_variables"]
 
 
 def unpack_int4_jax(packed, count):
@@ -251,9 +253,9 @@ def convert_linen(module, variables):
         variables: its variables, ``{"params": ...}`` (plus other collections), as trained.
 
     Returns:
-        ``(module, variables)``: the user's float module and a copy of ``variables`` whose
-        quantized kernels are ``QuantizedValue`` leaves; ``module.apply(variables, x)`` equals
-        the QAT forward.
+        ``(module, variables)``: the user's module (its ``apply`` dequantizes, see the module
+        docstring) and a copy of ``variables`` whose quantized kernels are ``QuantizedValue``
+        leaves; ``module.apply(variables, x)`` equals the QAT forward.
 
     >>> from mixle.api import apply_qat
     >>> dense, x = nn.Dense(4), jnp.ones((2, 8))
@@ -270,7 +272,7 @@ def convert_linen(module, variables):
     state = _qat_state(module, "convert_linen")
     kernels = _quantized_kernels(state, "convert_linen")
     float_module = module.copy()
-    object.__setattr__(float_module, "__class__", state.float_class)
+    object.__setattr__(float_module, "__class__", _dequantizing_class(state.float_class))
     params = jax.tree.map(lambda x: x, dict(variables["params"]))  # a fresh tree; leaves are immutable
     params = _thaw(params)
     for owner, name, spec, layout in kernels:
@@ -279,6 +281,29 @@ def convert_linen(module, variables):
             node = node[part]
         node[name] = quantize_kernel(node[name], layout, spec)
     return float_module, {**variables, "params": params}
+
+
+def dequantize_variables(variables):
+    """``variables`` with every ``QuantizedValue`` leaf replaced by its dequantized kernel."""
+    return jax.tree.map(lambda v: v.dequantize() if isinstance(v, QuantizedValue) else v, variables,
+                        is_leaf=lambda v: isinstance(v, QuantizedValue))
+
+
+_DEQUANTIZING = {}
+
+
+def _dequantizing_class(float_class):
+    """A subclass of the user's Linen class whose ``apply`` dequantizes ``QuantizedValue`` leaves
+    first (Linen checks each stored param's shape against its initializer, so the layers cannot
+    read the codes+scales pytree itself); under ``jit`` the codes are the inputs."""
+    if float_class not in _DEQUANTIZING:
+        def apply(self, variables, *args, **kwargs):
+            return float_class.apply(self, dequantize_variables(variables), *args, **kwargs)
+
+        cls = type(float_class.__name__, (float_class,), {"apply": apply})
+        cls.__module__, cls.__qualname__ = float_class.__module__, float_class.__qualname__
+        _DEQUANTIZING[float_class] = cls
+    return _DEQUANTIZING[float_class]
 
 
 def _thaw(tree):
