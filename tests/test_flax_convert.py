@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from mixle.api import apply_qat, model_nbytes, quantize_model  # noqa: E402
+from mixle.api import apply_qat, get_qat_report, model_nbytes, quantize_model  # noqa: E402
 from mixle.api import convert as api_convert  # noqa: E402
 from mixle.core.fileformat import read_manifest  # noqa: E402
 from mixle.core.packing import unpack_int4  # noqa: E402
@@ -271,3 +271,75 @@ def test_save_refuses_kernels_without_a_torch_layer_naming_them(tmp_path):
     np.testing.assert_array_equal(converted(x), apply_qat(Conv(nnx.Rngs(0)), bits=4, example_inputs=(x,))(x))
     with pytest.raises(ValueError, match=r"kernel 'conv.kernel' of a Conv .*keep this layer in float"):
         save_quantized(converted, tmp_path / "c.safetensors")
+
+
+# ------------------------------------------------------------------------------- one grid
+
+
+def _agreement(got_codes, want_codes):
+    return int((np.asarray(got_codes) == np.asarray(want_codes)).sum())
+
+
+def test_qwix_grid_codes_agree_with_numpy_and_torch_for_every_element_of_a_64x48_linear():
+    from mixle.core.numerics import quantize_linear_weight
+
+    w = RNG.standard_normal((64, 48)).astype(np.float32)  # torch layout (out, in)
+    spec = QuantSpec(bits=4, grid="qwix")
+    layer = nnx.Linear(48, 64, use_bias=False, rngs=nnx.Rngs(0))
+    layer.kernel[...] = jnp.asarray(w.T)
+    eye = jnp.eye(48)
+    apply_qat(layer, spec=spec, example_inputs=(eye,))
+    numpy_q = quantize_linear_weight(w, spec)
+    torch_q = quantize_linear_weight(torch.from_numpy(w), spec)
+    qat_codes = np.rint(np.asarray(layer(eye)).T.reshape(1, 64, 48) / numpy_q.scale).reshape(64, 48)
+    stored = _codes(api_convert(layer).kernel.get_raw_value())
+    ties = int(np.isclose(np.abs(w) / numpy_q.scale.reshape(64, 1), 7.5).sum())
+    assert ties > 0  # the elements on which Qwix's own scale could land one step off
+    for got in (qat_codes, stored, torch_q.codes.numpy()):
+        assert _agreement(got, numpy_q.codes) == 64 * 48
+
+
+class MiniGPT(nnx.Module):
+    """Embed + causal self-attention + MLP + tied head, as in the Flax MiniGPT example (small)."""
+
+    def __init__(self, rngs, vocab=50, dim=32, heads=4):
+        self.emb = nnx.Embed(vocab, dim, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False, rngs=rngs)
+        self.norm1, self.norm2 = nnx.LayerNorm(dim, rngs=rngs), nnx.LayerNorm(dim, rngs=rngs)
+        self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        h = h + self.attn(self.norm1(h), mask=nnx.make_causal_mask(ids))
+        h = h + self.down(jax.nn.gelu(self.up(self.norm2(h))))
+        return self.emb.attend(h)
+
+
+def test_qwix_grid_codes_agree_with_numpy_for_every_element_of_a_minigpt():
+    from mixle.core.numerics import quantize_linear_weight
+
+    ids = jnp.asarray(RNG.integers(0, 50, (2, 6)))
+    model = MiniGPT(nnx.Rngs(0))
+    spec = QuantSpec(bits=4, grid="qwix")
+    apply_qat(model, spec=spec, example_inputs=(ids,))
+    converted = api_convert(model)
+    np.testing.assert_array_equal(converted(ids), model(ids))
+    k = lambda m, name: np.asarray(getattr(m, name)[...])  # noqa: E731
+    # Each kernel as torch's (out, in), written out by hand for this model's layers.
+    matrices = {
+        "emb.embedding": k(model.emb, "embedding"),
+        **{f"attn.{p}.kernel": k(getattr(model.attn, p), "kernel").reshape(32, -1).T for p in ("query", "key", "value")},
+        "attn.out.kernel": k(model.attn.out, "kernel").reshape(-1, 32).T,
+        "up.kernel": k(model.up, "kernel").T,
+        "down.kernel": k(model.down, "kernel").T,
+    }
+    modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(converted)}
+    total = agree = channels = 0
+    for path, matrix in matrices.items():
+        owner, _, name = path.rpartition(".")
+        value = vars(modules[owner])[name].get_raw_value()
+        want = quantize_linear_weight(matrix, spec).codes
+        total, agree, channels = total + matrix.size, agree + _agreement(_codes(value), want), channels + matrix.shape[0]
+    assert sorted(get_qat_report(model).wrapped) == sorted(matrices)
+    assert agree == total == 50 * 32 + 4 * 32 * 32 + 2 * 32 * 128
+    assert channels == 50 + 4 * 32 + 128 + 32
