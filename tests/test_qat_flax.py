@@ -556,3 +556,103 @@ def test_fake_quantize_on_jax_arrays_matches_numpy_and_passes_gradients_straight
     masked = jax.grad(lambda a: jnp.sum(fake_quantize(a, spec=spec.replace(clip_gradient=True))))(w)
     _, scale, _ = reference_codes_scales(W1, 4, "channel", None, 90.0)
     np.testing.assert_array_equal(masked, (np.abs(W1) <= scale * 7).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+class Features(nnx.Module):
+    """A model users call in several ways: whole, a submodule, another method."""
+
+    def __init__(self):
+        self.body = _linear(W1, B1)
+        self.head = _linear(W2, B2)
+
+    def features(self, x):
+        return jax.nn.relu(self.body(x))
+
+    def __call__(self, x):
+        return self.head(self.features(x))
+
+
+def test_every_nnx_entry_point_is_fake_quantized_and_toggles():
+    x = jnp.asarray(X)
+    model = Features()
+    apply_qat(model, bits=4, example_inputs=(x,))
+    w1, w2 = (reference_codes_scales(w, 4, "channel")[2] for w in (W1, W2))
+    body = X @ w1.T + B1
+    expected = {"call": np.maximum(body, 0) @ w2.T + B2, "body": body, "features": np.maximum(body, 0)}
+    graphdef, state = nnx.split(model)
+    merged = nnx.merge(graphdef, state)
+    runs = {
+        "call": [lambda m: m(x), nnx.jit(lambda m: m(x))],
+        "body": [lambda m: m.body(x), nnx.jit(lambda m: m.body(x)), lambda m: nnx.merge(*nnx.split(m.body))(x)],
+        "features": [lambda m: m.features(x), nnx.jit(lambda m: m.features(x))],
+    }
+    for name, calls in runs.items():
+        for run in calls:
+            for m in (model, merged):
+                np.testing.assert_allclose(run(m), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    set_fake_quant_enabled(model, False)
+    plain = Features()
+    for name, calls in runs.items():
+        for run in calls:
+            np.testing.assert_array_equal(run(model), run(plain), err_msg=name)
+    assert type(model.body) is nnx.Linear and type(model.head) is nnx.Linear
+
+
+def test_linen_apply_with_method_is_fake_quantized():
+    class Net(nn.Module):
+        def setup(self):
+            self.body = nn.Dense(32)
+            self.head = nn.Dense(16)
+
+        def features(self, x):
+            return nn.relu(self.body(x))
+
+        def __call__(self, x):
+            return self.head(self.features(x))
+
+    x = jnp.asarray(X)
+    params = {"params": {"body": {"kernel": jnp.asarray(W1.T), "bias": jnp.asarray(B1)},
+                         "head": {"kernel": jnp.asarray(W2.T), "bias": jnp.asarray(B2)}}}
+    qat = apply_qat(Net(), bits=4, example_inputs=(x,))
+    w1 = reference_codes_scales(W1, 4, "channel")[2]
+    body = X @ w1.T + B1
+    for method in (Net.features, "features", lambda m, x: nn.relu(m.body(x))):
+        for apply in (qat.apply, jax.jit(qat.apply, static_argnames="method")):
+            np.testing.assert_allclose(apply(params, x, method=method), np.maximum(body, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_toggle_reaches_functions_jitted_before_it():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+    x = jnp.asarray(X)
+    JIT_TOL = dict(rtol=1e-5, atol=1e-5)  # jit vs eager float32 sums of 48 and 32 products
+    params = {"params": {"fc1": {"kernel": jnp.asarray(W1.T), "bias": jnp.asarray(B1)},
+                         "fc2": {"kernel": jnp.asarray(W2.T), "bias": jnp.asarray(B2)}}}
+    qat = apply_qat(MLP(), bits=4, example_inputs=(x,))
+    quantized, plain = np.asarray(qat.apply(params, x)), np.asarray(MLP().apply(params, x))
+    assert np.abs(quantized - plain).max() > 1e-2
+    closure = jax.jit(lambda p, x: qat.apply(p, x))
+    bound = jax.jit(qat.apply)
+    static = jax.jit(lambda m, p, x: m.apply(p, x), static_argnums=0)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(qat.apply(p, x))))
+    for run in (closure, bound):
+        np.testing.assert_allclose(run(params, x), quantized, **JIT_TOL)
+    np.testing.assert_allclose(static(qat, params, x), quantized, **JIT_TOL)
+    grad_on = grad(params, x)
+    set_fake_quant_enabled(qat, False)
+    for run in (closure, bound):  # jitted while on, called after the toggle: the float model
+        np.testing.assert_allclose(run(params, x), plain, **JIT_TOL)
+    for module in (qat, qat.clone()):
+        np.testing.assert_allclose(static(module, params, x), plain, **JIT_TOL)
+    grad_off = grad(params, x)
+    float_grad = jax.grad(lambda p: jnp.sum(MLP().apply(p, x)))(params)
+    np.testing.assert_allclose(grad_off["params"]["fc1"]["kernel"], float_grad["params"]["fc1"]["kernel"], rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(grad_on["params"]["fc1"]["kernel"]) - np.asarray(grad_off["params"]["fc1"]["kernel"])).max() > 1e-3
+    set_fake_quant_enabled(qat, True)
+    np.testing.assert_allclose(closure(params, x), quantized, **JIT_TOL)
