@@ -656,3 +656,61 @@ def test_linen_toggle_reaches_functions_jitted_before_it():
     assert np.abs(np.asarray(grad_on["params"]["fc1"]["kernel"]) - np.asarray(grad_off["params"]["fc1"]["kernel"])).max() > 1e-3
     set_fake_quant_enabled(qat, True)
     np.testing.assert_allclose(closure(params, x), quantized, **JIT_TOL)
+
+
+# ------------------------------------------------------------------------------- refusals, adapters
+
+
+@pytest.mark.parametrize("fields", [dict(act_bits=8), dict(bwd_bits=8)])
+def test_int4_convolutions_with_int8_operands_are_refused_naming_the_kernel_and_the_working_pattern(fields):
+    x = jnp.asarray(RNG.standard_normal((2, 6, 6, 3)), jnp.float32)
+    model = CNN(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"kernel 'conv.kernel' is a convolution: .*patterns=\[\('conv', QuantSpec\(bits=8") as err:
+        apply_qat(model, bits=4, example_inputs=(x,), **fields)
+    assert type(model) is CNN
+    # the pattern the message proposes works
+    working = eval(str(err.value).split("patterns=")[1].rstrip(), {"QuantSpec": QuantSpec})
+    apply_qat(model, bits=4, patterns=working, example_inputs=(x,), **fields)
+    assert get_qat_report(model).wrapped == ["conv.kernel", "fc.kernel"]
+    jax.block_until_ready(nnx.grad(lambda m: jnp.sum(m(x)))(model))
+
+
+def test_int4_by_int4_refusal_names_only_kernels_that_multiply():
+    class LookupOnly(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(11, 48, rngs=rngs)
+            self.fc = _linear(W1, B1)
+
+        def __call__(self, ids):
+            return self.fc(self.emb(ids))
+
+    ids = jnp.asarray(RNG.integers(0, 11, (2, 3)))
+    with pytest.raises(ValueError, match=r"^kernel 'fc.kernel': int4.*int4 weights by int4 activations"):
+        apply_qat(LookupOnly(nnx.Rngs(0)), bits=4, act_bits=4, example_inputs=(ids,))
+
+
+class WithAdapters(nnx.Module):
+    def __init__(self, rngs):
+        self.base = nnx.LoRALinear(48, 32, lora_rank=4, rngs=rngs)
+        self.extra = nnx.LoRA(32, 4, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.extra(jax.nn.relu(self.base(x)))
+
+
+def test_lora_adapters_stay_float_and_are_reported_as_adapters():
+    x = jnp.asarray(X)
+    model = WithAdapters(nnx.Rngs(0))
+    model.base.lora.lora_b[...] = jnp.asarray(RNG.standard_normal((4, 32)), jnp.float32)
+    model.extra.lora_b[...] = jnp.asarray(RNG.standard_normal((4, 16)), jnp.float32)
+    apply_qat(model, bits=4, example_inputs=(x,))
+    report = get_qat_report(model)
+    assert report.wrapped == ["base.kernel"]
+    for path in ("base.lora.lora_a", "base.lora.lora_b", "extra.lora_a", "extra.lora_b"):
+        assert report[path].kind == "adapter" and report[path].action == "skipped"
+    kernel = np.asarray(model.base.kernel[...])
+    a1, b1 = np.asarray(model.base.lora.lora_a[...]), np.asarray(model.base.lora.lora_b[...])
+    a2, b2 = np.asarray(model.extra.lora_a[...]), np.asarray(model.extra.lora_b[...])
+    wq = reference_codes_scales(kernel.T, 4, "channel")[2].T
+    h = np.maximum(X @ wq + np.asarray(model.base.bias[...]) + X @ a1 @ b1, 0)
+    np.testing.assert_allclose(model(x), h @ a2 @ b2, rtol=1e-4, atol=1e-4)

@@ -26,6 +26,7 @@ pitfalls and mixle's one-grid promise require:
   with its input (contracting) axes for ``convert``.
 """
 
+import contextlib
 import functools
 import re
 
@@ -138,6 +139,7 @@ class QATProvider(qt.QtProvider):
         self.tied = set()  # module paths of Embeds whose attend() is quantized
         self.notes = {}  # (module path, param name) -> set of remarks for the report
         self.layouts = {}  # (module path, param name) -> the weight's input (contracting) axes
+        self.conv_modules = set()  # module paths whose kernels are convolved
         self._root = None
         self._params_by_id = None
 
@@ -281,7 +283,8 @@ class QATProvider(qt.QtProvider):
             self._record(path, name, QUANTIZED, layout=contracting)
             lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
         config = self._config(rule, side, weight_qtype, tile_size)
-        return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
+        with _naming_kernel(path, name, spec):
+            return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
 
     def _fake_quantize_tiled(self, w, contracting, rule):
         """Qwix's group-wise quantize-dequantize of a weight, straight-through gradient."""
@@ -357,6 +360,8 @@ class QATProvider(qt.QtProvider):
         dnums = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
         inputs = [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]]
         self._record(path, name, QUANTIZED, layout=inputs)
+        self.conv_modules.add(path)
+        _check_conv_dtypes(spec, path, name)
         weight_qtype = rule.weight_qtype
         if uses_mixle_numerics(spec):
             rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec), None
@@ -376,9 +381,10 @@ class QATProvider(qt.QtProvider):
             drhs_grad_calibration_method=rule.bwd_calibration_method,
         )
         # Qwix's conv QT keeps the quantized operands as residuals: the textbook STE already.
-        return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
-                                               rhs_dilation, dimension_numbers, feature_group_count,
-                                               batch_group_count, out_sharding)
+        with _naming_kernel(path, name, spec):
+            return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
+                                                   rhs_dilation, dimension_numbers, feature_group_count,
+                                                   batch_group_count, out_sharding)
 
     def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
         rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
@@ -470,6 +476,34 @@ class QATProvider(qt.QtProvider):
             deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
             table = _straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)
+
+
+@contextlib.contextmanager
+def _naming_kernel(path, name, spec):
+    """Re-raise an error from inside Qwix/XLA with the kernel and spec it happened on."""
+    try:
+        yield
+    except Exception as err:
+        kernel = f"{path}.{name}" if path and name else (name or path or "<root>")
+        if f"kernel {kernel!r}" in str(err):
+            raise
+        try:
+            named = type(err)(f"kernel {kernel!r} ({spec.short()}): {err}")
+        except Exception:
+            named = RuntimeError(f"kernel {kernel!r} ({spec.short()}): {type(err).__name__}: {err}")
+        raise named from err
+
+
+def _check_conv_dtypes(spec, path, name):
+    """Refuse int4 kernels convolved with int8 activations or gradients, naming the kernel."""
+    if spec.bits == 4 and spec.weight_format == "int" and 8 in (spec.act_bits, spec.bwd_bits):
+        other = "activations" if spec.act_bits == 8 else "gradients"
+        kernel = f"{path}.{name}" if path else name
+        raise ValueError(
+            f"kernel {kernel!r} is a convolution: {spec.short()} would make XLA convolve int4 weights with int8 "
+            f"{other}, which lax.conv_general_dilated cannot (it needs one dtype for both operands); give the "
+            f"convolutions 8-bit weights with a per-layer pattern, e.g. patterns=[({re.escape(path)!r}, "
+            f"{spec.replace(bits=8)!r}), '.*']")
 
 
 @interception.disable_interceptions

@@ -96,24 +96,36 @@ def _plan(selector, kernels, module_paths, kinds):
     return _Plan(kernels, kinds, specs, reasons, rule_of)
 
 
-def _check_backend_support(specs):
-    """Refuse grids Qwix has no form of, and int4 x int4 products, which XLA's CPU and GPU
-    backends reject (TPU runs them)."""
+def _check_grids(specs):
+    """Refuse grids and options Qwix has no form of (before anything is traced)."""
     for path, spec in specs.items():
         try:
             spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
         except ValueError as err:
             raise ValueError(f"module {path or '<root>'!r}: {err}") from None
-    if jax.default_backend() == "tpu":
-        return
-    for path, spec in specs.items():
+
+
+def _check_integer_products(specs, provider):
+    """After the (abstract) probe: refuse integer products XLA cannot run, naming only kernels
+    that really are quantized (a lookup-only Embed never multiplies): int4 x int4 matmuls off
+    TPU. (int4 kernels convolved with int8 operands are refused by the provider during the
+    probe, before XLA's own dtype check would fail.)"""
+    quantized = {}
+    for (path, name), (state, _) in provider.records.items():
+        if state == QUANTIZED and path in specs:
+            quantized.setdefault(path, []).append(name)
+    for path, names in quantized.items():
+        spec = specs[path]
+        kernel = f"{path}.{names[0]}" if path else names[0]
         w4 = spec.bits == 4 and spec.weight_format == "int"
+        if jax.default_backend() == "tpu":
+            continue
         a4, g4 = spec.act_bits == 4, spec.bwd_bits == 4
         pair = ("weights", "activations") if w4 and a4 else ("gradients", "weights") if g4 and w4 else \
             ("gradients", "activations") if g4 and a4 else None
         if pair:
             raise ValueError(
-                f"module {path or '<root>'!r}: {spec.short()} makes Qwix multiply int4 {pair[0]} by int4 "
+                f"kernel {kernel!r}: {spec.short()} makes Qwix multiply int4 {pair[0]} by int4 "
                 f"{pair[1]}, which XLA's {jax.default_backend().upper()} backend rejects (only TPUs run "
                 f"int4 x int4 matmuls); use 8 bits for one of them, e.g. act_bits=8 or bwd_bits=8"
             )
@@ -200,13 +212,24 @@ def _name_like(cls, float_class):
 
 def _nnx_layout(model):
     modules = {path: module for path, module in nnx.iter_modules(model)}
-    kernels = []
+    kernels, adapters = [], []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param) and _is_kernel(path[-1], node.get_raw_value()):
-            kernels.append((tuple(path), tuple(node.get_raw_value().shape)))
+            owner = modules.get(tuple(path[:-1]))
+            adapter = isinstance(node, nnx.LoRAParam) or isinstance(owner, nnx.LoRA)
+            (adapters if adapter else kernels).append((tuple(path), tuple(node.get_raw_value().shape)))
     kernels.sort(key=lambda item: [str(p) for p in item[0]])
     kinds = {dotted_path(p): type(m).__name__ for p, m in modules.items()}
-    return modules, kernels, kinds
+    return modules, kernels, kinds, sorted(adapters, key=lambda item: [str(p) for p in item[0]])
+
+
+ADAPTER_REASON = ("adapter (LoRA) weights stay float, as torch's adapters do: they train in full precision "
+                  "beside the quantized base and are merged into it before export")
+
+
+def _adapter_decisions(adapters):
+    return [LayerDecision(path=dotted_path(path), kind="adapter", action="skipped", reason=ADAPTER_REASON)
+            for path, _ in adapters]
 
 
 FLOAT_CLASS = "_mixle_float_class"
@@ -300,9 +323,9 @@ def _apply_nnx(model, selector, reconfigure, inputs):
             f"needs the float model"
         )
     float_class = state.float_class if state else type(model)
-    modules, kernels, kinds = _nnx_layout(model)
+    modules, kernels, kinds, adapters = _nnx_layout(model)
     plan = _plan(selector, kernels, [dotted_path(p) for p in modules], kinds)
-    _check_backend_support(plan.specs)
+    _check_grids(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         report = QATReport(_mark_unchanged(state.report.decisions))
@@ -325,9 +348,10 @@ def _apply_nnx(model, selector, reconfigure, inputs):
         probe_state = FlaxQATState(float_class, qat_class, off_class, provider, None, {}, variants)
         _set_module_classes(model, probe_state, True)
         _probe_nnx(model, inputs)
+        _check_integer_products(plan.specs, provider)
         _check_patterns_ran(plan, provider, rules)
         previous = state.specs if state else {}
-        report = QATReport(_decisions(plan, provider, previous))
+        report = QATReport(_decisions(plan, provider, previous) + _adapter_decisions(adapters))
     except BaseException:
         for path, module in modules.items():
             object.__setattr__(module, "__class__", saved_classes[path])
@@ -415,7 +439,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     object.__setattr__(float_module, "__class__", float_class)
     kernels, module_paths, kinds = _linen_layout(float_module, inputs)
     plan = _plan(selector, kernels, module_paths, kinds)
-    _check_backend_support(plan.specs)
+    _check_grids(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         state.report = QATReport(_mark_unchanged(state.report.decisions))
@@ -433,6 +457,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     qat_class.apply = off_class.apply = _switching_apply(qat_apply, float_class, qat_class)
     # The probe records what was quantized on the traced (grad) path; it leaves nothing behind.
     _probe_linen(float_module, qat_module, inputs)
+    _check_integer_products(plan.specs, provider)
     _check_patterns_ran(plan, provider, rules)
     report = QATReport(_decisions(plan, provider, state.specs if state else {}))
     new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs))
