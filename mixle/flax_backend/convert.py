@@ -103,7 +103,7 @@ class QuantizedValue:
     def dequantize(self):
         """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``)."""
         matrix = dequantize_array(QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1))
-        return from_matrix(matrix, self.shape, self.perm)
+        return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
 
     def __jax_array__(self):
         return self.dequantize()

@@ -99,5 +99,36 @@ def fake_quantize_weight(w, input_axes, spec):
     >>> fake_quantize_weight(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4)).tolist()
     [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
     """
+    return _fake_quant_kernel(w, tuple(int(a) for a in input_axes), spec)
+
+
+def _kernel_forward(w, input_axes, spec, with_mask):
     perm, out_count = weight_layout(w.ndim, input_axes)
-    return from_matrix(_fake_quant(as_matrix(w, perm, out_count), spec), w.shape, perm)
+    matrix = as_matrix(w, perm, out_count)
+    if spec.clip_percentile is not None and perm != tuple(range(w.ndim)):
+        # Materialised: the several order-statistic passes, fused with the transpose, would each
+        # read the kernel with a stride (about twice as slow on CPU).
+        matrix = jax.lax.optimization_barrier(matrix)
+    deq, mask = fake_quant_forward(matrix, spec, with_mask=with_mask)
+    # Materialised in the kernel's layout: fused into the matmul's operand, the quantizer made
+    # XLA's CPU matmul about twice as slow.
+    deq = jax.lax.optimization_barrier(from_matrix(deq, w.shape, perm))
+    return deq, None if mask is None else from_matrix(mask, w.shape, perm)
+
+
+# One straight-through node around the whole kernel: the gradient reaches the kernel as is (or
+# masked), without running back through the layout transposes.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_quant_kernel(w, input_axes, spec):
+    return _kernel_forward(w, input_axes, spec, False)[0]
+
+
+def _fake_quant_kernel_fwd(w, input_axes, spec):
+    return _kernel_forward(w, input_axes, spec, spec.clip_gradient)
+
+
+def _fake_quant_kernel_bwd(input_axes, spec, mask, grad):
+    return (grad,) if mask is None else (grad * mask.astype(grad.dtype),)
+
+
+_fake_quant_kernel.defvjp(_fake_quant_kernel_fwd, _fake_quant_kernel_bwd)

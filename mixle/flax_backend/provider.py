@@ -272,7 +272,10 @@ class QATProvider(qt.QtProvider):
                     raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
             if uses_mixle_numerics(spec):
                 w = fake_quantize_weight(w, contracting, spec)
-                tile_size = None
+                self._record(path, name, QUANTIZED, layout=contracting)
+                lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
+                # Nothing else is quantized: the plain product (its backward is the textbook STE).
+                return jax.lax.dot_general(lhs, rhs, dimension_numbers, **plain.keywords)
             else:
                 if spec.clip_percentile is not None and spec.clip_percentile < 100:
                     w = clip_live(w, contracting, spec)
