@@ -1,13 +1,21 @@
 """Flax QAT backend: Qwix QAT on NNX and Linen models, exact toggling, and a complete report.
 
-NNX: ``apply_qat`` changes the model in place: its class becomes Qwix's subclass of the user's
-class (so ``isinstance`` holds), every Param stays the same float array in the same state tree,
-and the model is traced once under ``jax.grad`` (abstractly, with ``jax.eval_shape``) to learn
-which kernels Qwix really quantizes there. Toggling swaps the class between Qwix's subclass
-and a plain subclass of the user's class: off, the model runs the user's own code.
+NNX: ``apply_qat`` changes the model in place: the class of every module with an entry point
+becomes a subclass of the user's class (so ``isinstance`` holds) whose entry points
+(``__call__``, the public methods of the user's classes, ``Embed.attend``) run inside Qwix's
+interception, so calling a submodule, another method or a model rebuilt by ``nnx.merge`` is
+fake-quantized too. Every Param stays the same float array in the same state tree, and the
+model is traced once under ``jax.grad`` (abstractly, with ``jax.eval_shape``) to learn which
+kernels are really quantized there. Toggling swaps those classes back and forth: off, the
+model runs the user's own code (the root keeps a plain subclass that holds the QAT state).
 
-Linen: ``apply_qat`` returns a new module (Qwix's subclass); params stay outside and are shared
-by the float and the QAT module.
+Linen: ``apply_qat`` returns a new module; params stay outside and are shared by the float and
+the QAT module. Its ``apply`` runs inside the interception as a whole (so ``apply(...,
+method=...)`` is covered) and picks QAT or float by the module's current mode, also inside
+functions jitted before a toggle (see ``_switching_apply``).
+
+Adapters (``nnx.LoRA``, ``nnx.LoRALinear``'s ``lora`` params) stay float and are reported with
+kind ``"adapter"``.
 
 ``bwd_stochastic_rounding`` draws from an ``nnx.Rngs(stochastic_rounding=0)`` that NNX models get
 as ``qwix_rngs`` (part of their state then; reseed with
