@@ -175,15 +175,18 @@ def convert(model):
     return backends.for_model(model, "convert").convert(model)
 
 
-def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), **spec_fields):
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), example_inputs=None,
+                   **spec_fields):
     """Post-training quantization: ``convert(apply_qat(copy of model, ...))``, same grid as QAT.
+
+    ``opt_in`` and ``example_inputs`` are as for ``apply_qat`` (the latter Flax only).
 
     >>> import torch
     >>> type(quantize_model(torch.nn.Linear(8, 4), bits=8)).__name__
     'QuantizedLinear'
     """
     return backends.for_model(model, "quantize_model").quantize_model(
-        model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
+        model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, example_inputs=example_inputs, **spec_fields)
 
 
 def save_quantized(model, path):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors",
+__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors", "describe_array",
            "TensorInfo", "replace_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
            "MANIFEST_KEY", "DTYPE_ITEMSIZE"]
 
@@ -80,6 +80,26 @@ class ModelBytes:
 # safetensors dtype name -> item size in bytes (the dtypes mixle stores).
 DTYPE_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                   "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+
+
+_NUMPY_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+                      "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
+                      "uint8": "U8", "bool": "BOOL"}
+
+
+def describe_array(array, name):
+    """``(safetensors dtype name, shape, sha256 of its little-endian bytes)`` of a numpy array, as
+    mixle's manifest lists a stored tensor (the torch backend hashes the same bytes).
+
+    >>> describe_array(np.zeros(2, np.int8), "w")[:2]
+    ('I8', (2,))
+    """
+    dtype = _NUMPY_DTYPE_NAMES.get(np.dtype(array.dtype).name)
+    if dtype is None:
+        raise TypeError(f"tensor {name!r} has dtype {array.dtype}, which mixle's file cannot store: use one of "
+                        f"float16/32/64, (u)int8/16/32/64 or bool")
+    little = np.ascontiguousarray(array, dtype=np.dtype(array.dtype).newbyteorder("<"))
+    return dtype, tuple(array.shape), hashlib.sha256(little.view(np.uint8)).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,40 @@ class _NumpyOps:
     def order_stats_last(self, a, ks):
         if self.xp is np:
             part = np.partition(a, sorted(set(ks)), axis=-1)
-        else:
-            part = self.xp.sort(a, axis=-1)
+            return [part[..., k : k + 1] for k in ks]
+        # jax: clipping asks for ranks near the top of a row (a of magnitudes >= 0). Sorting
+        # each row costs XLA's CPU backend ~20x a matmul of the layer. The few largest values
+        # come instead from the row's largest distinct values and how often each occurs (one
+        # fused max and count per level), so repeats count as in a sort; a few more ranks
+        # from top_k (its indices kept alive: without them XLA rewrites top_k plus a slice
+        # back into a full sort).
+        import jax
+
+        count = a.shape[-1]
+        top = count - min(ks)
+        if top <= 4:
+            xp = self.xp
+            levels, seen, below = [], [], None
+            for index in range(top):
+                candidates = a if below is None else xp.where(a < below, a, -xp.inf)
+                level = candidates.max(axis=-1, keepdims=True)
+                if index + 1 < top:  # the deepest level is the answer when no count covers the rank
+                    occurrences = (a == level).sum(axis=-1, keepdims=True)
+                    seen.append(occurrences if not seen else seen[-1] + occurrences)
+                levels.append(level)
+                below = level
+
+            def rank_from_top(j):  # the (j+1)-th largest: the first level seen more than j times
+                value = levels[-1]
+                for level, total in zip(reversed(levels[:-1]), reversed(seen)):
+                    value = xp.where(total > j, level, value)
+                return value
+
+            return [rank_from_top(count - 1 - k) for k in ks]
+        if top <= 64:
+            values, indices = jax.lax.optimization_barrier(jax.lax.top_k(a, top))
+            return [values[..., count - 1 - k : count - k] for k in ks]
+        part = self.xp.sort(a, axis=-1)
         return [part[..., k : k + 1] for k in ks]
 
     def scalar(self, value, like):
@@ -103,6 +135,11 @@ class _NumpyOps:
         return self.xp.clip(self.xp.round(x), lo, hi)
 
     def divide_round_clip(self, blocks, scale, lo, hi):
+        if self.xp is not np:
+            # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
+            # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
+            # qwix grid); a divisor materialised at full shape behind a barrier is divided exactly.
+            scale = self.rounded(self.xp.broadcast_to(scale, blocks.shape))
         return self.round_clip(blocks / scale, lo, hi)
 
     def to_int8(self, x):

@@ -51,3 +51,84 @@ def fake_quantize(x, spec):
     _refuse_qwix_only(spec)
     check_array(x)
     return _fake_quant(x, spec)
+
+
+def weight_layout(ndim, input_axes):
+    """``(perm, out_count)``: the axis order that lays a kernel out as mixle's ``out + in``.
+
+    A flax kernel keeps its input (contracting) axes wherever its layer puts them (``(in, out)``
+    for ``nnx.Linear``, ``(vocab, dim)`` for an ``Embed`` used by ``attend``, ``(kh, kw, in,
+    out)`` for a conv); mixle's numerics read ``out + in``. ``perm`` transposes the kernel
+    into that order (the output axes first, each group in its original order).
+
+    >>> weight_layout(2, (0,))
+    ((1, 0), 1)
+    """
+    input_axes = tuple(sorted(int(a) for a in input_axes))
+    out_axes = tuple(a for a in range(ndim) if a not in input_axes)
+    return out_axes + input_axes, len(out_axes)
+
+
+def as_matrix(w, perm, out_count):
+    """The kernel transposed by ``perm`` and flattened to ``(prod(out), prod(in))``."""
+    import math
+
+    wt = jax.numpy.transpose(w, perm)
+    return wt.reshape(math.prod(wt.shape[:out_count]), math.prod(wt.shape[out_count:]))
+
+
+def from_matrix(matrix, shape, perm):
+    """Inverse of ``as_matrix``: the ``(out, in)`` matrix back in the kernel's own ``shape``."""
+    transposed_shape = tuple(shape[a] for a in perm)
+    inverse = tuple(perm.index(a) for a in range(len(perm)))
+    return jax.numpy.transpose(matrix.reshape(transposed_shape), inverse)
+
+
+def fake_quantize_weight(w, input_axes, spec):
+    """Fake-quantize a kernel contracted over ``input_axes`` with mixle's own numerics.
+
+    The kernel is viewed as an ``(out, in)`` matrix (see ``weight_layout``), fake-quantized by
+    ``mixle.core.numerics`` (one scale per output row, per ``group_size`` consecutive inputs, or
+    per tensor; ``clip_percentile`` included), and put back in its own layout. The gradient is
+    the straight-through estimator (masked outside the clip threshold with ``clip_gradient``).
+    These are the values ``convert`` stores as codes and scales, so the converted forward is
+    the same computation.
+
+    >>> import jax.numpy as jnp
+    >>> from mixle.core.spec import QuantSpec
+    >>> fake_quantize_weight(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4)).tolist()
+    [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
+    """
+    return _fake_quant_kernel(w, tuple(int(a) for a in input_axes), spec)
+
+
+def _kernel_forward(w, input_axes, spec, with_mask):
+    perm, out_count = weight_layout(w.ndim, input_axes)
+    matrix = as_matrix(w, perm, out_count)
+    if spec.clip_percentile is not None and perm != tuple(range(w.ndim)):
+        # Materialised: the several order-statistic passes, fused with the transpose, would each
+        # read the kernel with a stride (about twice as slow on CPU).
+        matrix = jax.lax.optimization_barrier(matrix)
+    deq, mask = fake_quant_forward(matrix, spec, with_mask=with_mask)
+    # Materialised in the kernel's layout: fused into the matmul's operand, the quantizer made
+    # XLA's CPU matmul about twice as slow.
+    deq = jax.lax.optimization_barrier(from_matrix(deq, w.shape, perm))
+    return deq, None if mask is None else from_matrix(mask, w.shape, perm)
+
+
+# One straight-through node around the whole kernel: the gradient reaches the kernel as is (or
+# masked), without running back through the layout transposes.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_quant_kernel(w, input_axes, spec):
+    return _kernel_forward(w, input_axes, spec, False)[0]
+
+
+def _fake_quant_kernel_fwd(w, input_axes, spec):
+    return _kernel_forward(w, input_axes, spec, spec.clip_gradient)
+
+
+def _fake_quant_kernel_bwd(input_axes, spec, mask, grad):
+    return (grad,) if mask is None else (grad * mask.astype(grad.dtype),)
+
+
+_fake_quant_kernel.defvjp(_fake_quant_kernel_fwd, _fake_quant_kernel_bwd)

@@ -1,9 +1,14 @@
 """The Flax backend's interface: the functions every backend offers (see ``mixle.backends``).
 
-Converting, saving and LoRA are not implemented for Flax models yet; those functions refuse
-with the reason instead of doing something else.
+``convert``, ``quantize_model`` and ``model_nbytes`` take NNX models (Linen: see
+``mixle.flax_backend.convert.convert_linen`` and ``model_nbytes(module, variables)``);
+``save_quantized`` / ``load_quantized`` write and read the same file as torch
+(``mixle.flax_backend.export``). LoRA is not implemented for Flax models; those functions
+refuse with the reason instead of doing something else.
 """
 
+from mixle.flax_backend.convert import convert, model_nbytes, quantize_model  # noqa: F401
+from mixle.flax_backend.export import load_quantized, save_quantized  # noqa: F401
 from mixle.flax_backend.qat import SPEC_FIELDS, apply, report, set_enabled  # noqa: F401
 
 
@@ -16,12 +21,6 @@ def _not_yet(purpose, instead):
     return refuse
 
 
-_FILES = "train with mixle's Flax QAT and evaluate with set_fake_quant_enabled; integer export needs torch"
-convert = _not_yet("convert", _FILES)
-quantize_model = _not_yet("quantize_model", _FILES)
-save_quantized = _not_yet("save_quantized", _FILES)
-load_quantized = _not_yet("load_quantized", _FILES)
-model_nbytes = _not_yet("model_nbytes", _FILES)
 _LORA = "use flax.nnx.LoRA / nnx.LoRALinear (mixle has no Flax LoRA layers)"
 apply_lora = _not_yet("apply_lora", _LORA)
 merge_lora = _not_yet("merge_lora", _LORA)

@@ -1,24 +1,32 @@
-"""mixle's Qwix QtProvider: weight detection, percentile clipping and tied heads, with a record.
+"""mixle's Qwix QtProvider: weight detection, mixle's numerics on the weights, tied heads, a record.
 
 Qwix intercepts ``dot_general`` / ``einsum`` / ``conv`` inside the model call and decides per op
-which operand is a weight. This subclass keeps Qwix's numerics (calibration, ``qarray``
-quantize, ``dot_general_qt``) and changes only what the measured pitfalls require:
+which operand is a weight. This subclass keeps Qwix's interception and its quantized matmul
+(``dot_general_qt``: activation and gradient quantization) and changes what the measured
+pitfalls and mixle's one-grid promise require:
 
+* integer weights are fake-quantized with mixle's own numerics (``fake_quantize_weight``: the
+  same codes as numpy and torch for every element, every granularity, ``clip_percentile``
+  included, and the values ``convert`` stores), then multiplied in float; Qwix's quantizer
+  (whose scale can be one ulp off mixle's, moving the -absmax tie of ``grid='qwix'``) is used
+  only for fp8 weights, Qwix ``calibration`` methods and ``act_bits`` (see
+  ``uses_mixle_numerics``);
 * a weight is the Param itself (identity) or, failing that, the one Param of its shape (a cast
   weight); Qwix's jit-only tracer lineage is not used, so a weight is quantized alike eagerly,
   under ``jit`` and under ``grad``, and an activation shaped like a kernel is not taken for a
   second weight (Qwix asserts there);
-* ``clip_percentile`` clips each weight to the percentile of its live (traced) value before
-  Qwix's absmax calibration, with a straight-through gradient;
+* on Qwix's path, ``clip_percentile`` clips each weight to the percentile of its live (traced)
+  value before Qwix's absmax calibration, with a straight-through gradient, and group-wise
+  (tiled) weights are fake-quantized before the matmul;
 * ``granularity='tensor'`` is per tensor on the weight side only (activations stay per token);
-* group-wise (tiled) weights are fake-quantized with Qwix's quantizer before the matmul,
-  because Qwix's tiled ``dot_general_qt`` keeps the float weight for the input gradient;
 * ``Embed.attend`` (NNX and Linen tied heads: a transposed weight Qwix misses under grad) is
   quantized explicitly, and the lookups of such a tied embedding use the same quantized table;
 * a Param used by another module than its owner (where Qwix leaves it float) is noted;
-* every weight the provider quantized or had to leave in float is recorded for the report.
+* every weight the provider quantized or had to leave in float is recorded for the report,
+  with its input (contracting) axes for ``convert``.
 """
 
+import contextlib
 import functools
 import re
 
@@ -26,12 +34,31 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
+from qwix._src import interception
 from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_rounding
 from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
 from mixle.core.numerics import block_shape, check_array, clip_threshold
+from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
+
+
+def uses_mixle_numerics(spec):
+    """True when the weight is fake-quantized by mixle's own numerics (``fake_quantize_weight``):
+    integer weights with mixle's calibration, no activation and no gradient quantization.
+
+    Qwix's quantizer is used for what mixle's numerics have no form of: fp8 weights, Qwix
+    ``calibration`` methods, ``act_bits`` (Qwix multiplies the two integer operands) and
+    ``bwd_bits`` (Qwix's backward multiplies the gradient, shifted by the weight's scales,
+    with the weight's integer codes, which needs its own quantized weight as the residual).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> uses_mixle_numerics(QuantSpec(bits=4, group_size=32)), uses_mixle_numerics(QuantSpec(bits=4, bwd_bits=8))
+    (True, False)
+    """
+    return (spec.weight_format == "int" and spec.calibration is None and spec.act_bits is None
+            and spec.bwd_bits is None)
 
 QUANTIZED = "quantized"
 FLOAT = "float"
@@ -111,6 +138,8 @@ class QATProvider(qt.QtProvider):
         self.records = {}  # (module path, param name) -> (QUANTIZED | FLOAT, reason)
         self.tied = set()  # module paths of Embeds whose attend() is quantized
         self.notes = {}  # (module path, param name) -> set of remarks for the report
+        self.layouts = {}  # (module path, param name) -> the weight's input (contracting) axes
+        self.conv_modules = set()  # module paths whose kernels are convolved
         self._root = None
         self._params_by_id = None
 
@@ -144,8 +173,10 @@ class QATProvider(qt.QtProvider):
 
     # -- bookkeeping --------------------------------------------------------------------------
 
-    def _record(self, module_path, name, state, reason=""):
+    def _record(self, module_path, name, state, reason="", layout=None):
         key = (module_path, name)
+        if layout is not None:
+            self.layouts[key] = tuple(int(a) for a in layout)
         if self.records.get(key, (None,))[0] == FLOAT and state == QUANTIZED:
             return  # a weight left in float by one op stays reported as float
         self.records[key] = (state, reason)
@@ -241,16 +272,24 @@ class QATProvider(qt.QtProvider):
                     block_shape((w.shape[contracting[0]],), spec, 0, 0)
                 except ValueError as err:
                     raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
-            if spec.clip_percentile is not None and spec.clip_percentile < 100:
-                w = clip_live(w, contracting, spec)
-            if tile_size is not None:
-                w = self._fake_quantize_tiled(w, contracting, rule)
+            if uses_mixle_numerics(spec):
+                w = fake_quantize_weight(w, contracting, spec)
+                self._record(path, name, QUANTIZED, layout=contracting)
+                lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
+                # Nothing else is quantized: the plain product (its backward is the textbook STE).
+                return jax.lax.dot_general(lhs, rhs, dimension_numbers, **plain.keywords)
             else:
-                weight_qtype = rule.weight_qtype
-            self._record(path, name, QUANTIZED)
+                if spec.clip_percentile is not None and spec.clip_percentile < 100:
+                    w = clip_live(w, contracting, spec)
+                if tile_size is not None:
+                    w = self._fake_quantize_tiled(w, contracting, rule)
+                else:
+                    weight_qtype = rule.weight_qtype
+            self._record(path, name, QUANTIZED, layout=contracting)
             lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
         config = self._config(rule, side, weight_qtype, tile_size)
-        return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
+        with _naming_kernel(path, name, spec):
+            return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
 
     def _fake_quantize_tiled(self, w, contracting, rule):
         """Qwix's group-wise quantize-dequantize of a weight, straight-through gradient."""
@@ -324,12 +363,20 @@ class QATProvider(qt.QtProvider):
                                             "give this layer granularity='channel' with a (regex, spec) pattern")
             return plain()
         dnums = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-        if spec.clip_percentile is not None and spec.clip_percentile < 100:
-            rhs = clip_live(rhs, [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]], spec)
-        self._record(path, name, QUANTIZED)
+        inputs = [a for a in range(rhs.ndim) if a != dnums.rhs_spec[0]]
+        self._record(path, name, QUANTIZED, layout=inputs)
+        self.conv_modules.add(path)
+        _check_conv_dtypes(spec, path, name)
+        weight_qtype = rule.weight_qtype
+        if uses_mixle_numerics(spec):
+            rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec), None
+            if rule.bwd_qtype is None:
+                return plain(rhs)
+        elif spec.clip_percentile is not None and spec.clip_percentile < 100:
+            rhs = clip_live(rhs, inputs, spec)
         config = conv_general_qt.ConvGeneralQtConfig(
             lhs_qtype=rule.act_qtype,
-            rhs_qtype=rule.weight_qtype,
+            rhs_qtype=weight_qtype,
             lhs_calibration_method=rule.act_calibration_method or "absmax",
             rhs_calibration_method=range_calibration(spec),
             rhs_disable_channelwise_axes=spec.granularity == "tensor",
@@ -339,9 +386,10 @@ class QATProvider(qt.QtProvider):
             drhs_grad_calibration_method=rule.bwd_calibration_method,
         )
         # Qwix's conv QT keeps the quantized operands as residuals: the textbook STE already.
-        return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
-                                               rhs_dilation, dimension_numbers, feature_group_count,
-                                               batch_group_count, out_sharding)
+        with _naming_kernel(path, name, spec):
+            return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
+                                                   rhs_dilation, dimension_numbers, feature_group_count,
+                                                   batch_group_count, out_sharding)
 
     def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
         rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
@@ -392,10 +440,15 @@ class QATProvider(qt.QtProvider):
         if rule is None or rule.weight_qtype is None:
             return self._original(embed, "attend")(embed, query, **kwargs)
         query, table = self._table(embed, query)
+        path = self._module_and_path()[1]
+        if uses_mixle_numerics(rule.spec):
+            self._record(path, "embedding", QUANTIZED, layout=(1,))
+            self.tied.add(path)
+            # flax's own attend computation on the fake-quantized table: what the converted model runs.
+            return _dot_transposed(query, fake_quantize_weight(table, (1,), rule.spec), **kwargs)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
         out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))
-        path = self._module_and_path()[1]
         if self.records.get((path, "embedding"), (None,))[0] == QUANTIZED:
             self.tied.add(path)
         return out
@@ -416,6 +469,8 @@ class QATProvider(qt.QtProvider):
         (table,) = self._table(embed, inexact=False)
         check_array(table, f"module {path!r}, embedding")
         spec = rule.spec
+        if uses_mixle_numerics(spec):
+            return jnp.take(fake_quantize_weight(table, (1,), spec), inputs, axis=0)
         if spec.clip_percentile is not None and spec.clip_percentile < 100:
             table = clip_live(table, (1,), spec)
         if spec.granularity == "group":
@@ -427,6 +482,40 @@ class QATProvider(qt.QtProvider):
             deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
             table = _straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)
+
+
+@contextlib.contextmanager
+def _naming_kernel(path, name, spec):
+    """Re-raise an error from inside Qwix/XLA with the kernel and spec it happened on."""
+    try:
+        yield
+    except Exception as err:
+        kernel = f"{path}.{name}" if path and name else (name or path or "<root>")
+        if f"kernel {kernel!r}" in str(err):
+            raise
+        try:
+            named = type(err)(f"kernel {kernel!r} ({spec.short()}): {err}")
+        except Exception:
+            named = RuntimeError(f"kernel {kernel!r} ({spec.short()}): {type(err).__name__}: {err}")
+        raise named from err
+
+
+def _check_conv_dtypes(spec, path, name):
+    """Refuse int4 kernels convolved with int8 activations or gradients, naming the kernel."""
+    if spec.bits == 4 and spec.weight_format == "int" and 8 in (spec.act_bits, spec.bwd_bits):
+        other = "activations" if spec.act_bits == 8 else "gradients"
+        kernel = f"{path}.{name}" if path else name
+        raise ValueError(
+            f"kernel {kernel!r} is a convolution: {spec.short()} would make XLA convolve int4 weights with int8 "
+            f"{other}, which lax.conv_general_dilated cannot (it needs one dtype for both operands); give the "
+            f"convolutions 8-bit weights with a per-layer pattern, e.g. patterns=[({re.escape(path)!r}, "
+            f"{spec.replace(bits=8)!r}), '.*']")
+
+
+@interception.disable_interceptions
+def _dot_transposed(query, table, **kwargs):
+    """``Embed.attend``'s product (``jnp.dot(query, table.T)``), not intercepted again."""
+    return jnp.dot(query, table.T, **kwargs)
 
 
 def _handler(kind, provider):

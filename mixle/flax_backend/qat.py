@@ -1,13 +1,21 @@
 """Flax QAT backend: Qwix QAT on NNX and Linen models, exact toggling, and a complete report.
 
-NNX: ``apply_qat`` changes the model in place: its class becomes Qwix's subclass of the user's
-class (so ``isinstance`` holds), every Param stays the same float array in the same state tree,
-and the model is traced once under ``jax.grad`` (abstractly, with ``jax.eval_shape``) to learn
-which kernels Qwix really quantizes there. Toggling swaps the class between Qwix's subclass
-and a plain subclass of the user's class: off, the model runs the user's own code.
+NNX: ``apply_qat`` changes the model in place: the class of every module with an entry point
+becomes a subclass of the user's class (so ``isinstance`` holds) whose entry points
+(``__call__``, the public methods of the user's classes, ``Embed.attend``) run inside Qwix's
+interception, so calling a submodule, another method or a model rebuilt by ``nnx.merge`` is
+fake-quantized too. Every Param stays the same float array in the same state tree, and the
+model is traced once under ``jax.grad`` (abstractly, with ``jax.eval_shape``) to learn which
+kernels are really quantized there. Toggling swaps those classes back and forth: off, the
+model runs the user's own code (the root keeps a plain subclass that holds the QAT state).
 
-Linen: ``apply_qat`` returns a new module (Qwix's subclass); params stay outside and are shared
-by the float and the QAT module.
+Linen: ``apply_qat`` returns a new module; params stay outside and are shared by the float and
+the QAT module. Its ``apply`` runs inside the interception as a whole (so ``apply(...,
+method=...)`` is covered) and picks QAT or float by the module's current mode, also inside
+functions jitted before a toggle (see ``_switching_apply``).
+
+Adapters (``nnx.LoRA``, ``nnx.LoRALinear``'s ``lora`` params) stay float and are reported with
+kind ``"adapter"``.
 
 ``bwd_stochastic_rounding`` draws from an ``nnx.Rngs(stochastic_rounding=0)`` that NNX models get
 as ``qwix_rngs`` (part of their state then; reseed with
@@ -16,13 +24,17 @@ as ``qwix_rngs`` (part of their state then; reseed with
 """
 
 import dataclasses
+import functools
+import inspect
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
 from flax import linen as nn
 from flax import nnx
+from qwix._src import model as qwix_model
 
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.report import LayerDecision, QATReport
@@ -44,6 +56,7 @@ class FlaxQATState:
     provider: QATProvider
     report: QATReport
     specs: dict  # dotted module path -> QuantSpec of each selected module
+    variants: dict = dataclasses.field(default_factory=dict)  # NNX: user class -> its QAT variant
 
 
 def _state(model):
@@ -91,24 +104,36 @@ def _plan(selector, kernels, module_paths, kinds):
     return _Plan(kernels, kinds, specs, reasons, rule_of)
 
 
-def _check_backend_support(specs):
-    """Refuse grids Qwix has no form of, and int4 x int4 products, which XLA's CPU and GPU
-    backends reject (TPU runs them)."""
+def _check_grids(specs):
+    """Refuse grids and options Qwix has no form of (before anything is traced)."""
     for path, spec in specs.items():
         try:
             spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
         except ValueError as err:
             raise ValueError(f"module {path or '<root>'!r}: {err}") from None
-    if jax.default_backend() == "tpu":
-        return
-    for path, spec in specs.items():
+
+
+def _check_integer_products(specs, provider):
+    """After the (abstract) probe: refuse integer products XLA cannot run, naming only kernels
+    that really are quantized (a lookup-only Embed never multiplies): int4 x int4 matmuls off
+    TPU. (int4 kernels convolved with int8 operands are refused by the provider during the
+    probe, before XLA's own dtype check would fail.)"""
+    quantized = {}
+    for (path, name), (state, _) in provider.records.items():
+        if state == QUANTIZED and path in specs:
+            quantized.setdefault(path, []).append(name)
+    for path, names in quantized.items():
+        spec = specs[path]
+        kernel = f"{path}.{names[0]}" if path else names[0]
         w4 = spec.bits == 4 and spec.weight_format == "int"
+        if jax.default_backend() == "tpu":
+            continue
         a4, g4 = spec.act_bits == 4, spec.bwd_bits == 4
         pair = ("weights", "activations") if w4 and a4 else ("gradients", "weights") if g4 and w4 else \
             ("gradients", "activations") if g4 and a4 else None
         if pair:
             raise ValueError(
-                f"module {path or '<root>'!r}: {spec.short()} makes Qwix multiply int4 {pair[0]} by int4 "
+                f"kernel {kernel!r}: {spec.short()} makes Qwix multiply int4 {pair[0]} by int4 "
                 f"{pair[1]}, which XLA's {jax.default_backend().upper()} backend rejects (only TPUs run "
                 f"int4 x int4 matmuls); use 8 bits for one of them, e.g. act_bits=8 or bwd_bits=8"
             )
@@ -195,22 +220,91 @@ def _name_like(cls, float_class):
 
 def _nnx_layout(model):
     modules = {path: module for path, module in nnx.iter_modules(model)}
-    kernels = []
+    kernels, adapters = [], []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param) and _is_kernel(path[-1], node.get_raw_value()):
-            kernels.append((tuple(path), tuple(node.get_raw_value().shape)))
+            owner = modules.get(tuple(path[:-1]))
+            adapter = isinstance(node, nnx.LoRAParam) or isinstance(owner, nnx.LoRA)
+            (adapters if adapter else kernels).append((tuple(path), tuple(node.get_raw_value().shape)))
     kernels.sort(key=lambda item: [str(p) for p in item[0]])
     kinds = {dotted_path(p): type(m).__name__ for p, m in modules.items()}
-    return modules, kernels, kinds
+    return modules, kernels, kinds, sorted(adapters, key=lambda item: [str(p) for p in item[0]])
 
 
-def _nnx_classes(model, provider, inputs, float_class):
-    """Qwix's subclass of the user's class (built on a cheap clone) and the plain 'off' subclass."""
-    view = nnx.clone(model)
-    object.__setattr__(view, "__class__", float_class)
-    qat_class = type(qwix.quantize_model(view, provider, *inputs, skip_nnx_init=True))
-    off_class = type(float_class.__name__, (float_class,), {"_unquantized_type": float_class})
-    return _name_like(qat_class, float_class), _name_like(off_class, float_class)
+ADAPTER_REASON = ("adapter (LoRA) weights stay float, as torch's adapters do: they train in full precision "
+                  "beside the quantized base and are merged into it before export")
+
+
+def _adapter_decisions(adapters):
+    return [LayerDecision(path=dotted_path(path), kind="adapter", action="skipped", reason=ADAPTER_REASON)
+            for path, _ in adapters]
+
+
+FLOAT_CLASS = "_mixle_float_class"
+# Methods of flax's own layer classes a user calls directly (besides __call__).
+FLAX_ENTRY_POINTS = ("attend",)
+
+
+def entry_points(cls):
+    """The methods through which a user can run a module of class ``cls``: ``__call__``, every
+    public function its own (non-flax) classes define, and flax layers' ``attend``.
+
+    >>> entry_points(nnx.Embed)
+    ['__call__', 'attend']
+    """
+    names = set()
+    for klass in cls.__mro__:
+        from_flax = (klass.__module__ or "").startswith("flax.")
+        for name, value in vars(klass).items():
+            if not inspect.isfunction(value):
+                continue
+            if name == "__call__" or (not name.startswith("_") and (not from_flax or name in FLAX_ENTRY_POINTS)):
+                names.add(name)
+    return sorted(names)
+
+
+def float_class_of(module):
+    """The user's own class of a module, whether or not apply_qat swapped it."""
+    return getattr(type(module), FLOAT_CLASS, type(module))
+
+
+def _qat_variant(float_class, provider):
+    """A subclass of ``float_class`` whose entry points run inside Qwix's interception.
+
+    Qwix intercepts only the root ``__call__``; with every module's entry points wrapped, a
+    submodule called directly (``model.body(x)``), another method (``model.features(x)``) or a
+    model rebuilt by ``nnx.merge`` (the class is in its graphdef) is fake-quantized too.
+    Nested calls do not intercept twice (Qwix's interception is not re-entrant).
+    """
+    fields = {"_unquantized_type": float_class, FLOAT_CLASS: float_class}
+    for name in entry_points(float_class):
+        fields[name] = qwix_model._apply_interceptors(
+            getattr(float_class, name), provider, output_transform=functools.partial(provider.process_model_output, name))
+    return _name_like(type(float_class.__name__, (float_class,), fields), float_class)
+
+
+def _nnx_classes(modules, provider, float_class):
+    """``(root QAT class, root off class, {float class: QAT class} of every module with entry points)``."""
+    variants = {}
+    for module in modules.values():
+        cls = float_class_of(module)
+        if cls not in variants and entry_points(cls):
+            variants[cls] = _qat_variant(cls, provider)
+    if float_class not in variants:
+        variants[float_class] = _qat_variant(float_class, provider)
+    off_class = type(float_class.__name__, (float_class,), {"_unquantized_type": float_class, FLOAT_CLASS: float_class})
+    return variants[float_class], _name_like(off_class, float_class), variants
+
+
+def _set_module_classes(model, state, enabled):
+    """Every module in its QAT variant (enabled) or back in the user's class; the root in its
+    QAT or off class (which holds the state)."""
+    for path, module in nnx.iter_modules(model):
+        if not path:
+            continue
+        cls = float_class_of(module)
+        object.__setattr__(module, "__class__", state.variants.get(cls, cls) if enabled else cls)
+    object.__setattr__(model, "__class__", state.qat_class if enabled else state.off_class)
 
 
 def _needs_rng(specs):
@@ -237,9 +331,9 @@ def _apply_nnx(model, selector, reconfigure, inputs):
             f"needs the float model"
         )
     float_class = state.float_class if state else type(model)
-    modules, kernels, kinds = _nnx_layout(model)
+    modules, kernels, kinds, adapters = _nnx_layout(model)
     plan = _plan(selector, kernels, [dotted_path(p) for p in modules], kinds)
-    _check_backend_support(plan.specs)
+    _check_grids(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         report = QATReport(_mark_unchanged(state.report.decisions))
@@ -249,35 +343,49 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     rules = _rules(plan.specs, "/")
     provider = QATProvider(rules)
     enabled = state is None or type(model) is state.qat_class
-    saved_class = type(model)
+    saved_classes = {path: type(m) for path, m in modules.items()}
     saved = {path: {k: m.__dict__[k] for k in ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
                     if k in m.__dict__} for path, m in modules.items()}
     rngs = nnx.Rngs(stochastic_rounding=0) if _needs_rng(plan.specs) else None
     try:
-        qat_class, off_class = _nnx_classes(model, provider, inputs, float_class)
+        qat_class, off_class, variants = _nnx_classes(modules, provider, float_class)
         for path, module in modules.items():
             module.qwix_path = path
             module.disable_quant_stats_update = False
             module.qwix_rngs = rngs
-        object.__setattr__(model, "__class__", qat_class)
+        probe_state = FlaxQATState(float_class, qat_class, off_class, provider, None, {}, variants)
+        _set_module_classes(model, probe_state, True)
         _probe_nnx(model, inputs)
+        _check_integer_products(plan.specs, provider)
         _check_patterns_ran(plan, provider, rules)
         previous = state.specs if state else {}
-        report = QATReport(_decisions(plan, provider, previous))
+        report = QATReport(_decisions(plan, provider, previous) + _adapter_decisions(adapters))
     except BaseException:
-        object.__setattr__(model, "__class__", saved_class)
         for path, module in modules.items():
+            object.__setattr__(module, "__class__", saved_classes[path])
             for key in ("qwix_path", "disable_quant_stats_update", "qwix_rngs"):
                 if key in saved[path]:
                     setattr(module, key, saved[path][key])
                 elif key in module.__dict__:
                     delattr(module, key)
         raise
-    new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs))
+    new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs), variants)
     setattr(qat_class, STATE_ATTRIBUTE, new_state)
     setattr(off_class, STATE_ATTRIBUTE, new_state)
-    object.__setattr__(model, "__class__", qat_class if enabled else off_class)
+    _set_module_classes(model, new_state, enabled)
     return model
+
+
+QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
+
+
+def restore_float_classes(model, state):
+    """Put an NNX model (a private copy) back in the user's own classes, without Qwix's attributes."""
+    for _, module in nnx.iter_modules(model):
+        object.__setattr__(module, "__class__", float_class_of(module))
+        for key in QWIX_ATTRIBUTES:
+            if key in vars(module):
+                delattr(module, key)
 
 
 def _mark_unchanged(decisions):
@@ -339,7 +447,7 @@ def _apply_linen(module, selector, reconfigure, inputs):
     object.__setattr__(float_module, "__class__", float_class)
     kernels, module_paths, kinds = _linen_layout(float_module, inputs)
     plan = _plan(selector, kernels, module_paths, kinds)
-    _check_backend_support(plan.specs)
+    _check_grids(plan.specs)
     _check_reapply(state, plan, reconfigure)
     if state is not None and plan.specs == state.specs:
         state.report = QATReport(_mark_unchanged(state.report.decisions))
@@ -348,10 +456,16 @@ def _apply_linen(module, selector, reconfigure, inputs):
     provider = QATProvider(rules)
     qat_module = qwix.quantize_model(float_module, provider)
     qat_class = _name_like(type(qat_module), float_class)
+    # Qwix intercepts only the listed methods of the root; intercepting the whole apply also
+    # covers apply(..., method=<any method or function>) and submodules called from it.
+    qat_apply = qwix_model._apply_interceptors(
+        float_class.apply, provider, output_transform=functools.partial(provider.process_model_output, "apply"))
     off_class = _name_like(type(float_class.__name__, (float_class,), {"_unquantized_type": float_class}),
                            float_class)
+    qat_class.apply = off_class.apply = _switching_apply(qat_apply, float_class, qat_class)
     # The probe records what was quantized on the traced (grad) path; it leaves nothing behind.
     _probe_linen(float_module, qat_module, inputs)
+    _check_integer_products(plan.specs, provider)
     _check_patterns_ran(plan, provider, rules)
     report = QATReport(_decisions(plan, provider, state.specs if state else {}))
     new_state = FlaxQATState(float_class, qat_class, off_class, provider, report, dict(plan.specs))
@@ -361,6 +475,37 @@ def _apply_linen(module, selector, reconfigure, inputs):
     if not enabled:
         object.__setattr__(qat_module, "__class__", off_class)
     return qat_module
+
+
+def _twin(module, cls):
+    twin = module.clone()
+    object.__setattr__(twin, "__class__", cls)
+    return twin
+
+
+def _switching_apply(qat_apply, float_class, qat_class):
+    """A Linen ``apply`` that runs the QAT or the float computation by the module's current mode.
+
+    Eagerly it picks by the module's class. Traced (under ``jax.jit``), the choice must not be
+    frozen into the compiled function: a jitted closure or bound method over the module, or the
+    module as a static argument (found again by identity), would otherwise keep the mode it was
+    traced in after ``set_fake_quant_enabled``. So both computations are traced into one
+    ``lax.cond`` whose predicate a host callback reads at every call (about 0.1 ms on CPU).
+    """
+
+    def apply(self, variables, *args, **kwargs):
+        leaves = jax.tree.leaves((variables, args, kwargs.get("rngs")))
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            chosen = qat_apply if type(self) is qat_class else float_class.apply
+            return chosen(self, variables, *args, **kwargs)
+        enabled = jax.pure_callback(lambda: np.bool_(type(self) is qat_class), jax.ShapeDtypeStruct((), jnp.bool_))
+        # Each branch on a twin of its own class: Linen's apply calls type(module).__call__.
+        as_qat, as_float = _twin(self, qat_class), _twin(self, float_class)
+        return jax.lax.cond(enabled, lambda v: qat_apply(as_qat, v, *args, **kwargs),
+                            lambda v: float_class.apply(as_float, v, *args, **kwargs), variables)
+
+    apply.__doc__ = float_class.apply.__doc__
+    return apply
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,7 +542,10 @@ def set_enabled(model, enabled):
     state = _state(model)
     if state is None:
         raise ValueError("the model has no QAT set up: call apply_qat(model, example_inputs=...) first")
-    object.__setattr__(model, "__class__", state.qat_class if enabled else state.off_class)
+    if isinstance(model, nnx.Module):
+        _set_module_classes(model, state, enabled)
+    else:
+        object.__setattr__(model, "__class__", state.qat_class if enabled else state.off_class)
     return model
 
 

@@ -119,7 +119,8 @@ def convert(model):
     return _convert_in_place(copy.deepcopy(model))
 
 
-def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), **spec_fields):
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), example_inputs=None,
+                   **spec_fields):
     """Post-training quantization: a copy of a float model with real int Linear layers.
 
     It is ``convert(apply_qat(copy, spec=..., patterns=..., exclude=...))``: the same layer
@@ -144,7 +145,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     if any(isinstance(m, QUANTIZED_TYPES) for m in model.modules()):
         raise ValueError("quantize_model got a model that already has quantized layers: quantize its float original")
     selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
-    prepared = qat.apply(copy.deepcopy(model), selector, reconfigure=False)
+    prepared = qat.apply(copy.deepcopy(model), selector, False, example_inputs)  # refuses example_inputs
     if not qat.qat_layers(prepared):
         raise ValueError(
             f"quantize_model selected no {qat.SELECTABLE} layer with patterns={tuple(patterns)!r}, "

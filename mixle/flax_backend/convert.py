@@ -1,0 +1,393 @@
+"""convert() for Flax: stored integer codes + scales from a QAT model, with mixle's own numerics.
+
+Representation. A converted kernel is a ``QuantizedValue``: a jax pytree whose leaves are the
+stored ``codes`` (int4 packed two per byte as in ``mixle.core.packing``, or int8) and ``scale``
+(``(1, S, 1)``, see ``mixle.core.numerics.block_shape``) of the kernel viewed as mixle's
+``(out, in)`` matrix, and whose static part is the spec, the kernel's own shape and the axis
+order between the two (``fake_quant.weight_layout``). Reading it (``value[...]``,
+``jnp.asarray(value)``) dequantizes: ``codes * scale``, put back in the kernel's layout.
+
+* NNX: ``convert(model)`` returns a copy of the model, back in the user's own class, in which
+  each quantized kernel Param became a ``QuantizedKernel`` (an ``nnx.Variable`` subclass, not a
+  ``Param``: optimizers and ``nnx.state(model, nnx.Param)`` leave it alone) holding a
+  ``QuantizedValue``. Layers read ``self.kernel[...]`` as before and get the dequantized
+  kernel, so every layer type (Linear, Einsum, LinearGeneral, Conv, Embed lookups and
+  ``attend``) runs its own unchanged code; ``nnx.split``/``merge``/``jit`` carry codes and
+  scales as state.
+* Linen: ``convert_linen(module, variables)`` returns ``(module, variables)`` whose quantized
+  kernels are ``QuantizedValue`` leaves; the module is a subclass of the user's class whose
+  ``apply`` dequantizes those leaves and runs the user's code, so ``module.apply(variables,
+  x)`` (also under ``jax.jit``) computes from the stored codes.
+
+The QAT forward fake-quantizes each kernel with ``fake_quantize_weight`` (the same transpose,
+``quantize_linear_weight`` codes times scale, and transpose back) before the same matmul, so
+the converted forward equals the QAT forward bit for bit where both run the same XLA program
+(eagerly, or both under ``jit``); between an eager and a jitted run only XLA's own float
+reassociation differs.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from flax.typing import MISSING
+
+from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_linear_weight
+from mixle.core.packing import pack_int4, packed_int4_nbytes
+from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
+from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
+
+__all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "unpack_int4_jax",
+           "dequantize_variables"]
+
+
+def unpack_int4_jax(packed, count):
+    """int8 codes from bytes packed by ``mixle.core.packing.pack_int4`` (jax, traceable).
+
+    >>> unpack_int4_jax(jnp.array([241, 7], jnp.uint8), 3).tolist()
+    [1, -1, 7]
+    """
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)[:count]
+    return (pairs.astype(jnp.int8) ^ 8) - 8  # sign-extends a 4-bit two's-complement nibble
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedValue:
+    """A kernel stored as integer codes and scales (see the module docstring).
+
+    Args:
+        codes: uint8 packed int4 codes (1-D, ``ceil(out * in / 2)`` bytes) or int8 ``(out, in)``.
+        scale: float scales of shape ``(1, S, 1)``.
+        spec: the QuantSpec the codes were made with.
+        shape: the kernel's own shape.
+        perm: the axis order laying the kernel out as ``out + in`` (``weight_layout``).
+        out_count: how many of the permuted axes are outputs.
+    """
+
+    def __init__(self, codes, scale, spec, shape, perm, out_count):
+        self.codes, self.scale = codes, scale
+        self.spec, self.shape, self.perm, self.out_count = spec, tuple(shape), tuple(perm), int(out_count)
+
+    def tree_flatten(self):
+        return (self.codes, self.scale), (self.spec, self.shape, self.perm, self.out_count)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def matrix_shape(self):
+        """``(out, in)``: the kernel as the 2-D weight mixle's numerics and files use."""
+        transposed = [self.shape[a] for a in self.perm]
+        return math.prod(transposed[: self.out_count]), math.prod(transposed[self.out_count :])
+
+    @property
+    def dtype(self):
+        return self.scale.dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def codes_matrix(self):
+        """The int8 codes as the ``(out, in)`` matrix (int4 codes unpacked)."""
+        rows, cols = self.matrix_shape
+        if self.spec.bits == 4:
+            return unpack_int4_jax(self.codes, rows * cols).reshape(rows, cols)
+        return self.codes
+
+    def dequantize(self):
+        """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``)."""
+        matrix = dequantize_array(QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1))
+        return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
+
+    def __jax_array__(self):
+        return self.dequantize()
+
+    def __getitem__(self, index):
+        return self.dequantize()[index]
+
+    def __repr__(self):
+        packing = "packed int4, 2 per byte" if self.spec.bits == 4 else "int8"
+        return f"QuantizedValue(shape={self.shape}, {self.spec.short()}, {packing})"
+
+
+class QuantizedKernel(nnx.Variable):
+    """An NNX variable holding a ``QuantizedValue``; reading it gives the dequantized kernel.
+
+    Read-only: assigning to it raises (re-quantize the float model instead).
+    """
+
+    def get_value(self, *, index=MISSING):
+        value = self.get_raw_value().dequantize()
+        return value if index is MISSING or index is Ellipsis else value[index]
+
+    def set_value(self, value, *, index=MISSING):
+        raise TypeError("a QuantizedKernel holds stored integer codes and is read-only: change the float model "
+                        "and convert it again")
+
+
+def quantize_kernel(kernel, input_axes, spec):
+    """A ``QuantizedValue`` of ``kernel`` contracted over ``input_axes``, with mixle's numerics.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> q = quantize_kernel(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4))
+    >>> q.codes_matrix().tolist(), q[...].tolist()[1]
+    ([[7, 0], [4, 7]], [0.0, 0.20000000298023224])
+    """
+    perm, out_count = weight_layout(kernel.ndim, input_axes)
+    q = quantize_linear_weight(as_matrix(jnp.asarray(kernel), perm, out_count), spec)
+    codes = q.codes
+    if spec.bits == 4:
+        codes = jnp.asarray(pack_int4(np.asarray(codes)))
+        assert codes.shape == (packed_int4_nbytes(math.prod(kernel.shape)),)
+    return QuantizedValue(codes, q.scale, spec, kernel.shape, perm, out_count)
+
+
+# ------------------------------------------------------------------------------------------------
+# What apply_qat quantized
+
+
+def _quantized_kernels(state, what):
+    """``[(owner path, param name, spec, input axes)]`` of every kernel the QAT model quantizes."""
+    kernels = []
+    for decision in state.report.decisions:
+        if decision.action == "skipped":
+            continue
+        owner, _, name = decision.path.rpartition(".")
+        spec = state.specs[owner]
+        record = state.provider.records.get((owner, name), (None,))[0]
+        if record != QUANTIZED:
+            continue
+        if not uses_mixle_numerics(spec):
+            raise ValueError(
+                f"{what}: kernel {decision.path!r} trains as {spec.short()}, whose forward is Qwix's own "
+                f"quantizer ({_qwix_fields(spec)}), which stored mixle codes and scales do not reproduce: "
+                f"convert supports integer weights with mixle's grids (channel, group, tensor, "
+                f"clip_percentile); apply_qat without those options for the layers you export"
+            )
+        layout = state.provider.layouts.get((owner, name))
+        if layout is None:
+            raise ValueError(f"{what}: kernel {decision.path!r} was reported quantized but its input axes were "
+                             f"not recorded; call apply_qat again with example_inputs")
+        kernels.append((owner, name, spec, layout))
+    return kernels
+
+
+def _qwix_fields(spec):
+    fields = {"act_bits": spec.act_bits, "bwd_bits": spec.bwd_bits, "calibration": spec.calibration,
+              "weight_format": None if spec.weight_format == "int" else spec.weight_format}
+    return ", ".join(f"{k}={v!r}" for k, v in fields.items() if v is not None)
+
+
+def _qat_state(model, what):
+    from mixle.flax_backend.qat import _state
+
+    state = _state(model)
+    if state is None:
+        raise ValueError(
+            f"{what} found no QAT set up on this {type(model).__name__}: prepare it with "
+            f"apply_qat(model, example_inputs=...) and train, or quantize a float model with "
+            f"quantize_model(model, ..., example_inputs=...)"
+        )
+    return state
+
+
+# ------------------------------------------------------------------------------------------------
+# NNX
+
+
+def convert(model):
+    """Real int codes from a Flax NNX QAT model (a converted copy; ``model`` is untouched).
+
+    Every kernel ``apply_qat`` quantizes becomes a ``QuantizedKernel`` (codes + scales, see the
+    module docstring); the copy runs the user's own class and its forward equals the QAT
+    forward. A tied ``Embed`` (used by ``attend``) stores its table once; its lookups read the
+    same codes. Layers convert with their spec whether or not fake quant is enabled.
+
+    Linen modules keep their parameters outside: use ``convert_linen(module, variables)``.
+
+    Raises:
+        ValueError: the model has no QAT set up, or a kernel trains with a Qwix-only option
+            (``act_bits``, ``bwd_bits``, fp8, ``calibration``), naming it.
+
+    >>> from mixle.api import apply_qat
+    >>> model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    >>> _ = apply_qat(model, bits=4, example_inputs=(jnp.ones((2, 8)),))
+    >>> type(convert(model).kernel).__name__, type(convert(model)).__name__
+    ('QuantizedKernel', 'Linear')
+    """
+    if isinstance(model, nn.Module):
+        raise TypeError("convert(model) takes an NNX model; a Linen module keeps its parameters outside: "
+                        "use mixle.flax_backend.convert.convert_linen(module, variables)")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"convert takes a flax.nnx.Module, got {type(model).__name__}")
+    from mixle.flax_backend.qat import restore_float_classes
+
+    state = _qat_state(model, "convert")
+    kernels = _quantized_kernels(state, "convert")
+    new = nnx.clone(model)
+    restore_float_classes(new, state)
+    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(new)}
+    for owner, name, spec, layout in kernels:
+        module = modules[owner]
+        variable = vars(module)[name]
+        value = quantize_kernel(variable.get_raw_value(), layout, spec)
+        setattr(module, name, QuantizedKernel(value))
+    return new
+
+
+# ------------------------------------------------------------------------------------------------
+# Linen
+
+
+def convert_linen(module, variables):
+    """The Linen form of ``convert``: ``(float module, variables with quantized kernels)``.
+
+    Args:
+        module: the module ``apply_qat`` returned.
+        variables: its variables, ``{"params": ...}`` (plus other collections), as trained.
+
+    Returns:
+        ``(module, variables)``: the user's module (its ``apply`` dequantizes, see the module
+        docstring) and a copy of ``variables`` whose quantized kernels are ``QuantizedValue``
+        leaves; ``module.apply(variables, x)`` equals the QAT forward.
+
+    >>> from mixle.api import apply_qat
+    >>> dense, x = nn.Dense(4), jnp.ones((2, 8))
+    >>> variables = dense.init(jax.random.key(0), x)
+    >>> plain, quantized = convert_linen(apply_qat(dense, bits=8, example_inputs=(x,)), variables)
+    >>> type(quantized["params"]["kernel"]).__name__, plain.apply(quantized, x).shape
+    ('QuantizedValue', (2, 4))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_linen takes a flax.linen.Module, got {type(module).__name__}")
+    if not isinstance(variables, dict) or "params" not in variables:
+        raise TypeError(f"convert_linen takes the module's variables {{'params': ...}}, got {type(variables).__name__}"
+                        f"{'' if not isinstance(variables, dict) else ' without a params collection'}")
+    state = _qat_state(module, "convert_linen")
+    kernels = _quantized_kernels(state, "convert_linen")
+    float_module = module.copy()
+    object.__setattr__(float_module, "__class__", _dequantizing_class(state.float_class))
+    params = jax.tree.map(lambda x: x, dict(variables["params"]))  # a fresh tree; leaves are immutable
+    params = _thaw(params)
+    for owner, name, spec, layout in kernels:
+        node = params
+        for part in [p for p in owner.split(".") if p]:
+            node = node[part]
+        node[name] = quantize_kernel(node[name], layout, spec)
+    return float_module, {**variables, "params": params}
+
+
+def dequantize_variables(variables):
+    """``variables`` with every ``QuantizedValue`` leaf replaced by its dequantized kernel."""
+    return jax.tree.map(lambda v: v.dequantize() if isinstance(v, QuantizedValue) else v, variables,
+                        is_leaf=lambda v: isinstance(v, QuantizedValue))
+
+
+_DEQUANTIZING = {}
+
+
+def _dequantizing_class(float_class):
+    """A subclass of the user's Linen class whose ``apply`` dequantizes ``QuantizedValue`` leaves
+    first (Linen checks each stored param's shape against its initializer, so the layers cannot
+    read the codes+scales pytree itself); under ``jit`` the codes are the inputs."""
+    if float_class not in _DEQUANTIZING:
+        def apply(self, variables, *args, **kwargs):
+            return float_class.apply(self, dequantize_variables(variables), *args, **kwargs)
+
+        cls = type(float_class.__name__, (float_class,), {"apply": apply})
+        cls.__module__, cls.__qualname__ = float_class.__module__, float_class.__qualname__
+        _DEQUANTIZING[float_class] = cls
+    return _DEQUANTIZING[float_class]
+
+
+def _thaw(tree):
+    return {k: _thaw(v) for k, v in tree.items()} if isinstance(tree, dict) or hasattr(tree, "items") else tree
+
+
+# ------------------------------------------------------------------------------------------------
+# Byte counts
+
+
+@dataclasses.dataclass
+class _Counter:
+    counts: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in (
+        "float_bytes", "int8_code_bytes", "int4_code_bytes", "scale_bytes", "other_bytes")})
+
+    def add(self, value):
+        if isinstance(value, QuantizedValue):
+            self.counts["int4_code_bytes" if value.spec.bits == 4 else "int8_code_bytes"] += value.codes.nbytes
+            self.counts["scale_bytes"] += value.scale.nbytes
+        elif isinstance(value, (jax.Array, np.ndarray)) and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            kind = "float_bytes" if jnp.issubdtype(value.dtype, jnp.floating) else "other_bytes"
+            self.counts[kind] += value.size * value.dtype.itemsize
+
+
+def model_nbytes(model, variables=None):
+    """Real storage bytes of a Flax model by kind (float, int8 codes, packed int4 codes, scales).
+
+    NNX: the model's variables (RNG state excluded), each shared variable counted once. Linen:
+    pass the variables (``model_nbytes(module, variables)``). Float and QAT models count as float.
+
+    >>> model = nnx.Linear(64, 32, use_bias=False, rngs=nnx.Rngs(0))
+    >>> from mixle.api import apply_qat
+    >>> nb = model_nbytes(convert(apply_qat(model, bits=4, example_inputs=(jnp.ones((1, 64)),))))
+    >>> nb.int4_code_bytes, nb.scale_bytes, nb.total  # 64*32/2 code bytes, 32 fp32 scales
+    (1024, 128, 1152)
+    """
+    from mixle.core.fileformat import ModelBytes
+
+    counter = _Counter()
+    if isinstance(model, nnx.Module):
+        if variables is not None:
+            raise TypeError("model_nbytes(nnx_model) counts the model's own variables: pass no variables")
+        seen = set()
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState) and id(node) not in seen:
+                seen.add(id(node))
+                counter.add(node.get_raw_value())
+    elif isinstance(model, nn.Module):
+        if variables is None:
+            raise TypeError("a Linen module keeps its parameters outside: model_nbytes(module, variables)")
+        for leaf in jax.tree.leaves(variables, is_leaf=lambda x: isinstance(x, QuantizedValue)):
+            counter.add(leaf)
+    else:
+        raise TypeError(f"model_nbytes takes a Flax module, got {type(model).__name__}")
+    return ModelBytes(**counter.counts)
+
+
+def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), example_inputs=None,
+                   **spec_fields):
+    """Post-training quantization of a float NNX model: ``convert(apply_qat(clone, ...))``.
+
+    The same layer selection, tie handling and grid as QAT (see ``mixle.api.apply_qat``);
+    ``example_inputs`` (one call's positional inputs) are needed to trace which kernels each
+    layer multiplies by. ``model`` is untouched.
+
+    >>> net = quantize_model(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), bits=8, example_inputs=(jnp.ones((1, 8)),))
+    >>> net.kernel.get_raw_value().codes.dtype
+    dtype('int8')
+    """
+    from mixle.core.numerics import _resolve_spec
+    from mixle.core.selection import LayerSelector
+    from mixle.flax_backend import qat
+
+    spec = _resolve_spec(spec, spec_fields)
+    if isinstance(model, nn.Module):
+        raise TypeError("quantize_model takes an NNX model; for Linen use convert_linen(apply_qat(module, ..., "
+                        "example_inputs=...), variables)")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"quantize_model takes a flax.nnx.Module, got {type(model).__name__}")
+    if qat._state(model) is not None:
+        raise ValueError("quantize_model got a QAT model: use convert(model) to keep its trained spec")
+    if example_inputs is None:
+        raise TypeError("quantize_model on a Flax model needs example_inputs=(x,), the inputs of one call, to find "
+                        "the kernels each layer multiplies by")
+    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
+    prepared = qat.apply(nnx.clone(model), selector, False, example_inputs)
+    return convert(prepared)
