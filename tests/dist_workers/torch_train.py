@@ -74,7 +74,9 @@ def train(mode, out):
             unsharded.load_state_dict(result["state_dict"], strict=True)
             converted = convert(unsharded)
     if converted is not None:
-        with torch.no_grad():
+        from mixle.torch_backend import packed_linear
+
+        with torch.no_grad(), packed_linear.switched_off():  # the exact path: compared bit for bit
             result["probe_logits/converted"] = converted(probe_batch())
         result["converted_state_dict"] = converted.state_dict()
     torch.save(result, f"{out}/rank{rank}.pt")
