@@ -43,6 +43,10 @@ def build_parser():
     cmp.add_argument("--eval-windows", type=_positive_int, help="evaluate on at most this many held-out windows")
     cmp.add_argument("--seed", type=int, help="seed of initialisation, split and batches")
     cmp.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    cmp.add_argument("--distill", action="store_true",
+                     help="also run QAT with self-distillation from the fp32 checkpoint (mixle.lm.distill)")
+    cmp.add_argument("--distill-temperature", type=float, help="temperature T of the distillation KL term")
+    cmp.add_argument("--distill-weight", type=float, help="weight w in (0, 1] of the distillation KL term")
     cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bars")
     cmp.set_defaults(subparser=cmp)
@@ -50,7 +54,8 @@ def build_parser():
 
 
 _FIELDS = ("steps", "finetune_steps", "bits", "d_model", "n_layer", "n_head", "block", "batch_size", "lr",
-           "finetune_lr", "group_size", "clip_percentile", "corpus", "tokenizer", "eval_windows", "seed", "threads")
+           "finetune_lr", "group_size", "clip_percentile", "corpus", "tokenizer", "eval_windows", "seed", "threads",
+           "distill_temperature", "distill_weight")
 
 
 def config_from_args(args):
@@ -58,6 +63,8 @@ def config_from_args(args):
     from mixle.lm.compare import PRESETS
 
     changes = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
+    if getattr(args, "distill", False):
+        changes["distill"] = True
     if "bits" in changes:
         changes["bits"] = tuple(changes["bits"])
     return PRESETS[args.preset].replace(**changes)

@@ -50,6 +50,8 @@ class CompareConfig:
             ``curve_every`` steps, for the training curves.
         seed: seeds the model initialisation, the split and the batch sampling.
         threads: torch CPU threads (None leaves torch's setting).
+        distill: also run QAT with self-distillation from the fp32 checkpoint (``mixle.lm.distill``)
+            at ``distill_temperature`` and ``distill_weight``.
     """
 
     steps: int = 1600
@@ -73,6 +75,9 @@ class CompareConfig:
     curve_windows: int = 64
     seed: int = 0
     threads: int | None = None
+    distill: bool = False
+    distill_temperature: float = 1.0
+    distill_weight: float = 0.5
 
     def __post_init__(self):
         bits = self.bits if isinstance(self.bits, tuple | list) else (self.bits,)
@@ -95,10 +100,14 @@ class CompareConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int or None")
-        for name in ("lr", "finetune_lr"):
+        for name in ("lr", "finetune_lr", "distill_temperature", "distill_weight"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive number")
+        if not isinstance(self.distill, bool):
+            raise ValueError(f"distill={self.distill!r} must be True or False")
+        if self.distill_weight > 1:
+            raise ValueError(f"distill_weight={self.distill_weight!r} must be in (0, 1]")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         self.spec(self.bits[0])  # validates group_size and clip_percentile
@@ -182,6 +191,10 @@ def _window_density(lm, ids):
 
         def log_density(self, starts):
             return self.lm.sequence_log_prob(self.ids[starts[:, None] + self.offsets])
+
+        def logits(self, starts):  # for distillation: next-token logits of the windows and their targets
+            tokens = self.ids[starts[:, None] + self.offsets]
+            return self.lm(tokens[:, :-1], all_positions=True), tokens[:, 1:]
 
     return WindowDensity()
 
@@ -278,7 +291,7 @@ class _Run:
         self.tokenizer, self.data = data.tokenizer, data.info
         self.rows, self.curves, self.seconds = [], {}, {}
 
-    def train(self, lm, phase, steps, lr, schedule, seed, start):
+    def train(self, lm, phase, steps, lr, schedule, seed, start, distill=None):
         """Train ``lm`` through a GradLeaf M-step; records its curves under ``phase``."""
         from mixle.lm.grad_leaf import GradLeaf
 
@@ -298,7 +311,7 @@ class _Run:
         leaf = GradLeaf(_window_density(lm, self.train_ids), m_steps=steps, lr=lr, batch_size=config.batch_size,
                         optimizer=torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
                         seed=seed, progress=phase if self.progress else None, progress_scale=per_token,
-                        callback=record)
+                        callback=record, distill=distill)
         began = time.perf_counter()
         leaf.fit(self.train_starts)
         self.seconds[phase] = round(time.perf_counter() - began, 2)
@@ -314,15 +327,21 @@ class _Run:
         self.rows.append(row)
         return row
 
-    def finetune_phase(self, base, phase, prepare=None):
+    def finetune_phase(self, base, phase, prepare=None, distill=False):
         model = copy.deepcopy(base)
         if prepare is not None:
             model = prepare(model)
         config = self.config
         schedule = warmup_cosine(max(1, config.finetune_steps // 20), floor=0.0)
+        teacher = None
+        if distill:  # the fp32 checkpoint, frozen: one extra copy of the model's weights
+            from mixle.lm.distill import SelfDistillation
+
+            teacher = SelfDistillation(_window_density(copy.deepcopy(base), self.train_ids),
+                                       config.distill_temperature, config.distill_weight)
         # Every fine-tune sees the same batches in the same order.
         return self.train(model, phase, config.finetune_steps, config.finetune_lr, schedule,
-                          config.seed + 1, config.steps)
+                          config.seed + 1, config.steps, distill=teacher)
 
 
 def run_compare(config=None, *, data=None, progress=True, external=()):
@@ -375,6 +394,10 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
             fake = held_out_loss(qat, run.eval_windows)
             run.add("QAT", bits, convert(qat), fake_quant_loss=fake)
 
+        for method, bits, spec, distill in _option_runs(config):
+            qat = run.finetune_phase(lm, f"{method} int{bits}", lambda m, s=spec: apply_qat(m, spec=s), distill=distill)
+            run.add(method, bits, convert(qat), fake_quant_loss=held_out_loss(qat, run.eval_windows))
+
         for ext in external:
             trained = run.finetune_phase(lm, ext.name, ext.prepare)
             fake = held_out_loss(trained, run.eval_windows)
@@ -400,6 +423,19 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     }
 
 
+QAT_DISTILL = "QAT + distill"
+OPTION_METHODS = (QAT_DISTILL,)
+
+
+def _option_runs(config):
+    """``(method, bits, spec, distill)`` of the optional QAT variants ``config`` asks for."""
+    runs = []
+    for bits in config.bits:
+        if config.distill:
+            runs.append((QAT_DISTILL, bits, config.spec(bits), True))
+    return runs
+
+
 def _row(rows, method, bits):
     return next((r for r in rows if r["method"] == method and r["bits"] == bits), None)
 
@@ -423,7 +459,7 @@ def summarize(rows, bits_list, external_names=()):
         degradation = baseline["loss"] - tuned["loss"]
         entry = {"ptq_degradation_nats": degradation,
                  "ptq_perplexity_increase_percent": 100 * math.expm1(degradation)}
-        for name in ("QAT", *external_names):
+        for name in ("QAT", *OPTION_METHODS, *external_names):
             row = _row(rows, name, bits)
             if row is None:
                 continue
