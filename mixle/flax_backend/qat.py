@@ -30,7 +30,8 @@ from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
 
 STATE_ATTRIBUTE = "_mixle_qat"
-SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(QuantSpec))
+# Qwix calibrates activations by absmax only, so the asymmetric activation choice is refused.
+SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(QuantSpec) if field.name != "act_symmetric")
 KERNEL_KIND = "Flax module with a kernel"
 
 

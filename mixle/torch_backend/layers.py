@@ -10,21 +10,23 @@ from torch import nn
 from mixle.core.numerics import _resolve_spec, block_shape
 from mixle.core.spec import WEIGHT_FIELDS
 from mixle.torch_backend import fused_cpu
+from mixle.torch_backend.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations
 from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches, linear
 
 BACKEND = "torch"
-SPEC_FIELDS = WEIGHT_FIELDS
-_DOES = "fake-quantizes weights only"
+SPEC_FIELDS = WEIGHT_FIELDS + ACTIVATION_FIELDS
+_DOES = "fake-quantizes weights and (act_bits) per-token activations"
 _HOOK_SUFFIXES = ("hooks", "hooks_with_kwargs", "always_called")
 
 
 def check_supported(spec):
-    """Refuse spec options and grids the torch backend cannot honour (it does weights only).
+    """Refuse spec options and grids the torch backend cannot honour.
 
     >>> from mixle.core.spec import QuantSpec
     >>> check_supported(QuantSpec(bits=8))
     """
     spec.check_backend(BACKEND, SPEC_FIELDS, _DOES)
+    check_activation_spec(spec)
 
 
 def _decide_kernels():
@@ -98,7 +100,7 @@ class QATWrapper(nn.Linear):
     def forward(self, x):
         if not self.enabled:
             return F.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, self.spec)
+        return linear(fake_quant_activations(x, self.spec), self.weight, self.bias, self.spec)
 
     def _load_from_state_dict(self, *args, **kwargs):
         invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change

@@ -11,6 +11,7 @@ from torch.nn import functional as F
 from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec
+from mixle.torch_backend.activations import fake_quant_activations
 from mixle.torch_backend.layers import check_supported
 
 __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage"]
@@ -167,7 +168,8 @@ class QuantizedLinear(QuantizedWeight):
         self.register_buffer("bias", bias)
 
     def forward(self, x):
-        return F.linear(x, self.dequantized_weight(), self.bias)
+        # act_bits: activations quantized per token at run time, as in training (activations.py).
+        return F.linear(fake_quant_activations(x, self.spec), self.dequantized_weight(), self.bias)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
