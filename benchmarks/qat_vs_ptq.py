@@ -194,6 +194,8 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's setting)")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if it is installed")
+    parser.add_argument("--no-torchao-weight-only", action="store_true",
+                        help="skip torchao's weight-only int4 QAT (keep its 8da4w QAT with --act8)")
     parser.add_argument("--no-same-grid", action="store_true",
                         help="skip mixle's fine-tune + PTQ and QAT on torchao's -8..7 grid")
     parser.add_argument("--distill", action="store_true", help="add QAT + self-distillation rows")
@@ -217,7 +219,8 @@ def main(argv=None):
         if is_available("torchao"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                external.append(torchao_qat(4))
+                if not args.no_torchao_weight_only:
+                    external.append(torchao_qat(4))
                 if args.act8:
                     external.append(torchao_8da4w(base.act8_group_size))
         else:

@@ -110,12 +110,3 @@ def test_grad_leaf_refuses_distill_without_logits():
     distill = SelfDistillation(_Windows(build_causal_lm(5, 8, 1, 1, 4), ids))
     with pytest.raises(TypeError, match="logits"):
         GradLeaf(Plain(), m_steps=1, lr=0.1, distill=distill)
-
-
-def test_compare_adds_distilled_rows():
-    from mixle.lm.compare import PRESETS, run_compare
-
-    results = run_compare(PRESETS["smoke"].replace(bits=(4,), distill=True, finetune_steps=10), progress=False)
-    methods = [r["method"] for r in results["rows"]]
-    assert "QAT + distill" in methods
-    assert "QAT + distill" in results["summary"]["int4"]
