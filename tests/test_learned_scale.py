@@ -142,3 +142,18 @@ def test_flax_backend_refuses_learned_scales():
 
     with pytest.raises(ValueError, match="scale='learned' is not supported by the flax backend"):
         QuantSpec(bits=4, scale="learned").check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
+
+
+def test_bare_arrays_and_lora_refuse_learned_scales_and_activations():
+    from mixle.models.qat import fake_quantize
+
+    with pytest.raises(ValueError, match="scale='learned'"):
+        fake_quantize(torch.ones(2, 4), bits=4, scale="learned")
+    with pytest.raises(ValueError, match="act_bits=8"):
+        fake_quantize(torch.ones(2, 4), bits=4, act_bits=8)
+    from mixle.experimental.program.lora import LoRASpec
+    from mixle.torch_backend.lora import QATLoRALinear
+
+    for fields in (dict(scale="learned"), dict(act_bits=8)):
+        with pytest.raises(ValueError, match="LoRA layers cannot take"):
+            QATLoRALinear(nn.Linear(8, 4), LoRASpec(rank=2, alpha=4), QuantSpec(bits=4, **fields))
