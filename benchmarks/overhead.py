@@ -131,6 +131,12 @@ def _torchao(granularity):
     return prepare
 
 
+def _mixle_learned(granularity, group_size=None):
+    """int4 weights with learned scales (QuantSpec(scale="learned"), mixle.torch_backend.learned_scale)."""
+    spec = QuantSpec(bits=4, granularity=granularity, group_size=group_size, scale="learned")
+    return lambda model: apply_qat(model, spec=spec)
+
+
 def _mixle_8da4w(symmetric=False, group_size=32):
     """int8 dynamic per-token activations (asymmetric like torchao's 8da4w, or symmetric) + int4 group weights."""
     spec = QuantSpec(bits=4, group_size=group_size, act_bits=8, act_symmetric=symmetric)
@@ -199,6 +205,8 @@ def variants(compile_rows):
     if _installed("torchao"):
         rows.append(Variant("torchao int4 group32", _torchao("group")))
         rows.append(Variant("torchao int4 channel", _torchao("channel")))
+    rows.append(Variant("mixle int4 channel learned", _mixle_learned("channel")))
+    rows.append(Variant("mixle int4 group32 learned", _mixle_learned("group", 32)))
     rows.append(Variant("mixle 8da4w group32", _mixle_8da4w()))
     rows.append(Variant("mixle 8da4w group32 a8 symmetric", _mixle_8da4w(symmetric=True)))
     if _installed("torchao"):
