@@ -169,6 +169,27 @@ def _median_summary(all_results, bits, methods, key=None):
     return lines
 
 
+def merge(dirs):
+    """Medians over the runs saved (summary.json) in ``dirs``, one process per seed run side by side."""
+    runs = []
+    for folder in dirs:
+        with open(os.path.join(folder, "summary.json")) as handle:
+            runs += json.load(handle)["runs"]
+    bits = sorted({b for r in runs for b in r["config"]["bits"]})
+    methods = ["QAT", *OPTION_METHODS, "torchao QAT"]
+    lines = [line for b in bits for line in _median_summary(runs, b, methods)]
+    lines += _median_summary(runs, 4, [*ACT8_METHODS, TORCHAO_8DA4W], key="8da4w")
+    lines += _median_table(runs)
+    config = runs[0]["config"]
+    lines.append(f"seeds {[r['config']['seed'] for r in runs]}: {runs[0]['model']['parameters']:,} parameters, "
+                 f"d_model={config['d_model']}, n_layer={config['n_layer']}, {config['steps']} fp32 steps + "
+                 f"{config['finetune_steps']} fine-tune steps, distill T={config['distill_temperature']} "
+                 f"w={config['distill_weight']}, scale_lr={config['scale_lr'] or config['finetune_lr']}; "
+                 f"torch {runs[0]['environment']['torch']}, {runs[0]['environment']['threads']} threads")
+    print("\n".join(lines))
+    return 0
+
+
 def _median_table(all_results):
     """Median held-out loss and perplexity per method over seeds, and each fine-tune's time vs the fp32 one."""
     keys = list(dict.fromkeys((r["method"], r["bits"]) for res in all_results for r in res["rows"]))
@@ -206,7 +227,12 @@ def main(argv=None):
     parser.add_argument("--scale-lr", type=float)
     parser.add_argument("--bits", type=int, nargs="+")
     parser.add_argument("--out-dir", default="mixle_runs/qat_vs_ptq")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="no training: print the medians over the runs saved in these --out-dir folders "
+                             "(e.g. one process per seed, run side by side)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
 
     changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps),
                                  ("threads", args.threads), ("distill_temperature", args.distill_temperature),
