@@ -85,16 +85,19 @@ def torchao_8da4w(group_size=32):
     """An ExternalQAT entry running torchao's 8da4w QAT (QATConfig with int8 asymmetric per-token
     activations and int4 symmetric group weights), evaluated as mixle's 8da4w spec on the -8..7 grid."""
     from torchao.quantization import quantize_
-    from torchao.quantization.qat import FakeQuantizedLinear, IntxFakeQuantizeConfig, QATConfig
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, IntxFakeQuantizeConfig, QATConfig
 
     def prepare(model):
         act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
         weight = IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=True)
-        # Linear layers only (the tied head too): the embedding has no activation to quantize and
-        # torchao's embedding QAT takes no activation config; mixle's 8da4w ties it to the head's codes.
+        # Linear layers (the tied head too) get activations and weights; the token embedding, tied
+        # to the head and so stored once as int4, gets the weight config alone (it has no
+        # activation to quantize), so training sees the weights deployment uses, as in mixle.
         quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
                   filter_fn=lambda module, path: isinstance(module, nn.Linear))
-        assert isinstance(model.head, FakeQuantizedLinear)
+        quantize_(model, QATConfig(weight_config=weight, step="prepare"), filter_fn=lambda module, path: path == "tok")
+        assert isinstance(model.head, FakeQuantizedLinear) and isinstance(model.tok, FakeQuantizedEmbedding)
+        assert model.head.weight is model.tok.weight, "torchao broke the tied head"
         return model
 
     def to_float(trained):
@@ -103,6 +106,8 @@ def torchao_8da4w(group_size=32):
             for name, child in list(module.named_children()):
                 if isinstance(child, FakeQuantizedLinear):
                     setattr(module, name, child.to_linear())
+                elif isinstance(child, FakeQuantizedEmbedding):
+                    setattr(module, name, child.to_embedding())
         assert plain.head.weight is plain.tok.weight
         return plain
 
