@@ -49,7 +49,7 @@ def build_parser():
     cmp.add_argument("--distill-weight", type=float, help="weight w in (0, 1] of the distillation KL term")
     cmp.add_argument("--learned-scales", action="store_true",
                      help="also run QAT with learned scales (QuantSpec(scale='learned'); with --distill also both)")
-    cmp.add_argument("--scale-lr", type=float, help="learning rate of the learned scales (default: --finetune-lr)")
+    cmp.add_argument("--scale-lr", type=float, help="learning rate of the learned scales (default: 10 x --finetune-lr)")
     cmp.add_argument("--act8", action="store_true",
                      help="also compare 8da4w (int8 per-token activations, int4 group-32 weights): fine-tune + PTQ vs QAT")
     cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
