@@ -45,8 +45,8 @@ def main(argv=None):
     parser.add_argument("--finetune-steps", type=int, help="fine-tune steps (default: the preset's)")
     parser.add_argument("--val-fraction", type=float, default=0.1)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 2.0])
-    parser.add_argument("--weights", type=float, nargs="+", default=[0.5, 0.9])
-    parser.add_argument("--scale-lr-factors", type=float, nargs="+", default=[1.0, 10.0],
+    parser.add_argument("--weights", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.9])
+    parser.add_argument("--scale-lr-factors", type=float, nargs="+", default=[1.0, 10.0, 30.0],
                         help="learned-scale lr as multiples of the preset's finetune_lr")
     args = parser.parse_args(argv)
     changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps)) if v is not None}
