@@ -189,7 +189,7 @@ def merge(dirs):
     lines.append(f"seeds {[r['config']['seed'] for r in runs]}: {runs[0]['model']['parameters']:,} parameters, "
                  f"d_model={config['d_model']}, n_layer={config['n_layer']}, {config['steps']} fp32 steps + "
                  f"{config['finetune_steps']} fine-tune steps, distill T={config['distill_temperature']} "
-                 f"w={config['distill_weight']}, scale_lr={config['scale_lr'] or 10 * config['finetune_lr']}; "
+                 f"w={config['distill_weight']}, scale_lr={config['scale_lr'] or 10 * config['finetune_lr']:g}; "
                  f"torch {runs[0]['environment']['torch']}, {runs[0]['environment']['threads']} threads")
     print("\n".join(lines))
     return 0
