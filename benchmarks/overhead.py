@@ -131,6 +131,33 @@ def _torchao(granularity):
     return prepare
 
 
+def _mixle_learned(granularity, group_size=None):
+    """int4 weights with learned scales (QuantSpec(scale="learned"), mixle.torch_backend.learned_scale)."""
+    spec = QuantSpec(bits=4, granularity=granularity, group_size=group_size, scale="learned")
+    return lambda model: apply_qat(model, spec=spec)
+
+
+def _mixle_8da4w(symmetric=False, group_size=32):
+    """int8 dynamic per-token activations (asymmetric like torchao's 8da4w, or symmetric) + int4 group weights."""
+    spec = QuantSpec(bits=4, group_size=group_size, act_bits=8, act_symmetric=symmetric)
+    return lambda model: apply_qat(model, spec=spec)
+
+
+def _torchao_8da4w(group_size=32):
+    """torchao 0.18's 8da4w QAT: int8 asymmetric per-token activations, int4 symmetric group weights."""
+    def prepare(model):
+        with _quiet():
+            from torchao.quantization import quantize_
+            from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+        weight = IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=True)
+        with _quiet():
+            quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"))
+        return model
+
+    return prepare
+
+
 def _brevitas(per_channel):
     def prepare(model):
         with _quiet():
@@ -178,6 +205,12 @@ def variants(compile_rows):
     if _installed("torchao"):
         rows.append(Variant("torchao int4 group32", _torchao("group")))
         rows.append(Variant("torchao int4 channel", _torchao("channel")))
+    rows.append(Variant("mixle int4 channel learned", _mixle_learned("channel")))
+    rows.append(Variant("mixle int4 group32 learned", _mixle_learned("group", 32)))
+    rows.append(Variant("mixle 8da4w group32", _mixle_8da4w()))
+    rows.append(Variant("mixle 8da4w group32 a8 symmetric", _mixle_8da4w(symmetric=True)))
+    if _installed("torchao"):
+        rows.append(Variant("torchao 8da4w group32", _torchao_8da4w()))
     if _installed("brevitas"):
         rows.append(Variant("brevitas int4 tensor", _brevitas(per_channel=False)))
         rows.append(Variant("brevitas int4 channel", _brevitas(per_channel=True)))
@@ -185,6 +218,7 @@ def variants(compile_rows):
         rows.append(Variant("fp32 compiled", _compiled(lambda model: model), compiled=True))
         rows.append(Variant("mixle int4 channel compiled", _compiled(_mixle(4, "channel")), compiled=True))
         rows.append(Variant("mixle int4 group32 compiled", _compiled(_mixle(4, "group", 32)), compiled=True))
+        rows.append(Variant("mixle 8da4w group32 compiled", _compiled(_mixle_8da4w()), compiled=True))
     return rows
 
 

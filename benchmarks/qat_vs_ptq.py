@@ -13,6 +13,13 @@ With several ``--seeds`` every figure is given per seed and as the median over s
 
     python benchmarks/qat_vs_ptq.py                      # large preset, seed 0, torchao if present
     python benchmarks/qat_vs_ptq.py --preset default --seeds 0 1 2
+    python benchmarks/qat_vs_ptq.py --preset default --seeds 0 --distill --learned-scales --act8
+
+``--distill``, ``--learned-scales`` and ``--act8`` add mixle's QAT variants (self-distillation,
+learned scales, both; 8da4w fine-tune + PTQ vs 8da4w QAT) and, with ``--act8``, torchao's 8da4w
+QAT (int8 asymmetric per-token activations, int4 symmetric group-32 weights) on the same
+checkpoint, batches and grid. Medians over seeds are printed per method, with each fine-tune's
+time relative to the fp32 fine-tune (the training-step overhead, curve evaluations included).
 """
 
 import argparse
@@ -29,6 +36,8 @@ from torch import nn
 
 from mixle._optional import is_available
 from mixle.lm.compare import (
+    ACT8_METHODS,
+    OPTION_METHODS,
     MIN_DEGRADATION,
     PRESETS,
     ExternalQAT,
@@ -72,6 +81,43 @@ def torchao_qat(bits=4):
                        spec=QuantSpec(bits=bits, grid="qwix"))
 
 
+def torchao_8da4w(group_size=32):
+    """An ExternalQAT entry running torchao's 8da4w QAT (QATConfig with int8 asymmetric per-token
+    activations and int4 symmetric group weights), evaluated as mixle's 8da4w spec on the -8..7 grid."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, IntxFakeQuantizeConfig, QATConfig
+
+    def prepare(model):
+        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+        weight = IntxFakeQuantizeConfig(torch.int4, group_size=group_size, is_symmetric=True)
+        # Linear layers (the tied head too) get activations and weights; the token embedding, tied
+        # to the head and so stored once as int4, gets the weight config alone (it has no
+        # activation to quantize), so training sees the weights deployment uses, as in mixle.
+        quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
+                  filter_fn=lambda module, path: isinstance(module, nn.Linear))
+        quantize_(model, QATConfig(weight_config=weight, step="prepare"), filter_fn=lambda module, path: path == "tok")
+        assert isinstance(model.head, FakeQuantizedLinear) and isinstance(model.tok, FakeQuantizedEmbedding)
+        assert model.head.weight is model.tok.weight, "torchao broke the tied head"
+        return model
+
+    def to_float(trained):
+        plain = copy.deepcopy(trained)
+        for module in list(plain.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, FakeQuantizedLinear):
+                    setattr(module, name, child.to_linear())
+                elif isinstance(child, FakeQuantizedEmbedding):
+                    setattr(module, name, child.to_embedding())
+        assert plain.head.weight is plain.tok.weight
+        return plain
+
+    spec = QuantSpec(bits=4, grid="qwix", group_size=group_size, act_bits=8, act_symmetric=False)
+    return ExternalQAT(name=TORCHAO_8DA4W, bits=4, prepare=prepare, to_float=to_float, spec=spec)
+
+
+TORCHAO_8DA4W = "torchao 8da4w QAT"
+
+
 def same_grid_entries(config, vocab):
     """mixle on torchao's grid (codes -8..7, scale absmax/7.5): a fine-tune + PTQ baseline and QAT.
 
@@ -110,10 +156,10 @@ def same_grid_summary(results):
             for name in (QAT_QWIX, "torchao QAT") if name in loss}
 
 
-def _median_summary(all_results, bits, methods):
+def _median_summary(all_results, bits, methods, key=None):
     lines = []
+    key = key or f"int{bits}"
     for method in methods:
-        key = f"int{bits}"
         recovered = [r["summary"][key][method]["recovered_percent"] for r in all_results
                      if method in r["summary"].get(key, {})]
         gaps = [r["summary"][key][method]["perplexity_gap_percent"] for r in all_results
@@ -123,8 +169,46 @@ def _median_summary(all_results, bits, methods):
         rec = [x for x in recovered if x is not None]
         rec_text = (f"recovered median {statistics.median(rec):.1f}% (per seed: {', '.join(f'{x:.1f}' for x in rec)})"
                     if rec else "recovered: not meaningful (PTQ loses nothing measurable)")
-        lines.append(f"int{bits} {method}: {rec_text}; perplexity vs fp32 fine-tune median "
+        lines.append(f"{key} {method}: {rec_text}; perplexity vs fp32 fine-tune median "
                      f"{statistics.median(gaps):+.2f}% (per seed: {', '.join(f'{x:+.2f}' for x in gaps)})")
+    return lines
+
+
+def merge(dirs):
+    """Medians over the runs saved (summary.json) in ``dirs``, one process per seed run side by side."""
+    runs = []
+    for folder in dirs:
+        with open(os.path.join(folder, "summary.json")) as handle:
+            runs += json.load(handle)["runs"]
+    bits = sorted({b for r in runs for b in r["config"]["bits"]})
+    methods = ["QAT", *OPTION_METHODS, "torchao QAT"]
+    lines = [line for b in bits for line in _median_summary(runs, b, methods)]
+    lines += _median_summary(runs, 4, [*ACT8_METHODS, TORCHAO_8DA4W], key="8da4w")
+    lines += _median_table(runs)
+    config = runs[0]["config"]
+    lines.append(f"seeds {[r['config']['seed'] for r in runs]}: {runs[0]['model']['parameters']:,} parameters, "
+                 f"d_model={config['d_model']}, n_layer={config['n_layer']}, {config['steps']} fp32 steps + "
+                 f"{config['finetune_steps']} fine-tune steps, distill T={config['distill_temperature']} "
+                 f"w={config['distill_weight']}, scale_lr={config['scale_lr'] or 10 * config['finetune_lr']:g}; "
+                 f"torch {runs[0]['environment']['torch']}, {runs[0]['environment']['threads']} threads")
+    print("\n".join(lines))
+    return 0
+
+
+def _median_table(all_results):
+    """Median held-out loss and perplexity per method over seeds, and each fine-tune's time vs the fp32 one."""
+    keys = list(dict.fromkeys((r["method"], r["bits"]) for res in all_results for r in res["rows"]))
+    lines = ["", f"{'method (median over seeds)':<30}{'bits':>5}{'loss':>9}{'perplexity':>12}{'seeds':>6}"]
+    for method, bits in keys:
+        losses = [r["loss"] for res in all_results for r in res["rows"] if r["method"] == method and r["bits"] == bits]
+        loss = statistics.median(losses)
+        lines.append(f"{method:<30}{'fp32' if bits == 32 else f'int{bits}':>5}{loss:>9.4f}{math.exp(loss):>12.4f}"
+                     f"{len(losses):>6}")
+    phases = list(dict.fromkeys(p for res in all_results for p in res["seconds"] if p not in ("fp32", "fp32 fine-tune")))
+    ratios = {p: statistics.median(res["seconds"][p] / res["seconds"]["fp32 fine-tune"]
+                                   for res in all_results if p in res["seconds"]) for p in phases}
+    lines.append("fine-tune time vs fp32 fine-tune, median over seeds (same steps; includes curve evaluations): "
+                 + ", ".join(f"{p} {r:.2f}x" for p, r in ratios.items()))
     return lines
 
 
@@ -136,20 +220,40 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's setting)")
     parser.add_argument("--no-torchao", action="store_true", help="skip torchao even if it is installed")
+    parser.add_argument("--no-torchao-weight-only", action="store_true",
+                        help="skip torchao's weight-only int4 QAT (keep its 8da4w QAT with --act8)")
     parser.add_argument("--no-same-grid", action="store_true",
                         help="skip mixle's fine-tune + PTQ and QAT on torchao's -8..7 grid")
+    parser.add_argument("--distill", action="store_true", help="add QAT + self-distillation rows")
+    parser.add_argument("--learned-scales", action="store_true", help="add QAT + learned scales rows")
+    parser.add_argument("--act8", action="store_true", help="add 8da4w rows (mixle PTQ, mixle QAT, torchao QAT)")
+    parser.add_argument("--distill-temperature", type=float)
+    parser.add_argument("--distill-weight", type=float)
+    parser.add_argument("--scale-lr", type=float)
+    parser.add_argument("--bits", type=int, nargs="+")
     parser.add_argument("--out-dir", default="mixle_runs/qat_vs_ptq")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="no training: print the medians over the runs saved in these --out-dir folders "
+                             "(e.g. one process per seed, run side by side)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge)
 
     changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps),
-                                 ("threads", args.threads)) if v is not None}
+                                 ("threads", args.threads), ("distill_temperature", args.distill_temperature),
+                                 ("distill_weight", args.distill_weight), ("scale_lr", args.scale_lr),
+                                 ("bits", tuple(args.bits) if args.bits else None)) if v is not None}
+    changes.update({k: True for k in ("distill", "learned_scales", "act8") if getattr(args, k)})
     base = PRESETS[args.preset].replace(**changes)
     external = []
     if not args.no_torchao:
         if is_available("torchao"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                external.append(torchao_qat(4))
+                if not args.no_torchao_weight_only:
+                    external.append(torchao_qat(4))
+                if args.act8:
+                    external.append(torchao_8da4w(base.act8_group_size))
         else:
             print("torchao is not installed (pip install mixle[bench]): running mixle only", file=sys.stderr)
 
@@ -164,13 +268,13 @@ def main(argv=None):
         results["same_grid"] = same_grid_summary(results)
         if results["same_grid"]:
             # Each QAT against the PTQ baseline on its own grid: the -8..7 ones are summarised below.
-            results["summary"] = summarize(results["rows"], config.bits)
+            results["summary"] = summarize(results["rows"], config.bits, (), [TORCHAO_8DA4W])
         out = os.path.join(args.out_dir, f"seed{seed}")
         write_outputs(results, out)
         print(f"\n=== preset {args.preset}, seed {seed} ({out}) ===")
         print(format_table(results))
         for row in results["rows"]:
-            if row["method"] not in ("QAT", BASELINE_QWIX) and "fake_quant_loss" in row:
+            if row["method"] not in ("QAT", BASELINE_QWIX, *OPTION_METHODS, *ACT8_METHODS) and "fake_quant_loss" in row:
                 print(f"{row['method']}: its own fake-quant loss {row['fake_quant_loss']:.4f}, real int{row['bits']} "
                       f"({row['spec']}) {row['loss']:.4f}")
         for name, entry in results["same_grid"].items():
@@ -184,8 +288,10 @@ def main(argv=None):
               + ", ".join(f"{phase} {s:.0f} s ({s / tuned:.2f}x)" for phase, s in seconds.items() if phase != "fp32"))
         all_results.append(results)
 
-    methods = ["QAT"] + [e.name for e in external]
+    methods = ["QAT", *OPTION_METHODS] + [e.name for e in external if e.spec.act_bits is None]
     lines = [line for bits in base.bits for line in _median_summary(all_results, bits, methods)]
+    lines += _median_summary(all_results, 4, [*ACT8_METHODS, TORCHAO_8DA4W], key="8da4w")
+    lines += _median_table(all_results)
     for name in (QAT_QWIX, "torchao QAT"):
         runs = [r["same_grid"][name] for r in all_results if name in r.get("same_grid", {})]
         if runs:

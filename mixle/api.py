@@ -143,6 +143,12 @@ def fake_quantize(x, *, spec=None, **spec_fields):
     [0.699999988079071, -0.10000000149011612, 0.0]
     """
     spec = _resolve_spec(spec, spec_fields)
+    if spec.scale == "learned" or spec.act_bits is not None:
+        raise ValueError(
+            f"fake_quantize(x) quantizes one array with scales computed from it, so it cannot honour "
+            f"{'scale=' + repr(spec.scale) if spec.scale == 'learned' else 'act_bits=' + repr(spec.act_bits)}: "
+            f"learned scales and activation quantization live in the QAT layers (apply_qat)"
+        )
     backend = backends.for_array(x, "fake_quantize")
     if backend is None:
         return quantize_dequantize_array(x, spec)

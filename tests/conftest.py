@@ -15,3 +15,14 @@ def fake_quant_path(request):
     else:
         with _fused_cpu.switched_off():
             yield request.param
+
+
+@pytest.fixture
+def exact_converted_layers():
+    """Converted layers compute with the exact dequantize-then-matmul path, so "convert ==
+    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
+    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
+    from mixle.torch_backend import packed_linear
+
+    with packed_linear.switched_off():
+        yield

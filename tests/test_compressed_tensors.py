@@ -32,15 +32,8 @@ from mixle.exports.compressed_tensors import (load_pretrained_compressed, save_p
 from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def exact_converted_layers():
-    """Converted layers compute with the exact dequantize-then-matmul path here, so "convert ==
-    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
-    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
-    from mixle.torch_backend import packed_linear
-
-    with packed_linear.switched_off():
-        yield
+# Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("exact_converted_layers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}  # Qwen2: q/k/v have biases

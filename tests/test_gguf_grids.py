@@ -11,15 +11,8 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def exact_converted_layers():
-    """Converted layers compute with the exact dequantize-then-matmul path here, so "convert ==
-    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
-    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
-    from mixle.torch_backend import packed_linear
-
-    with packed_linear.switched_off():
-        yield
+# Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("exact_converted_layers")
 
 GRIDS = {"q4_0": (4, GGMLQuantizationType.Q4_0), "q8_0": (8, GGMLQuantizationType.Q8_0)}
 

@@ -18,15 +18,8 @@ from mixle.api import (apply_qat, convert, get_qat_report, load_quantized, save_
 from tests.test_numerics import reference_codes_scales  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def exact_converted_layers():
-    """Converted layers compute with the exact dequantize-then-matmul path here, so "convert ==
-    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
-    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
-    from mixle.torch_backend import packed_linear
-
-    with packed_linear.switched_off():
-        yield
+# Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("exact_converted_layers")
 
 warnings.filterwarnings("ignore", module="transformers")
 

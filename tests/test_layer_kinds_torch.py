@@ -13,15 +13,8 @@ from mixle.api import (apply_qat, convert, get_qat_report, load_quantized, model
 from tests.test_numerics import reference_codes_scales
 
 
-@pytest.fixture(autouse=True)
-def exact_converted_layers():
-    """Converted layers compute with the exact dequantize-then-matmul path here, so "convert ==
-    fake-quant" is the same float operations in the same order and holds bit for bit (the packed
-    int kernel, which sums in another order, is checked against a tolerance in test_packed_linear)."""
-    from mixle.torch_backend import packed_linear
-
-    with packed_linear.switched_off():
-        yield
+# Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("exact_converted_layers")
 
 
 def conv_net(seed=0):

@@ -62,9 +62,9 @@ def test_calibration_is_normalised_and_fixed_defaults_to_per_tensor():
 
 
 @pytest.mark.parametrize("fields", [
-    dict(act_bits=8), dict(bits=8, grid="qwix", weight_format="float8_e4m3fn"), dict(bwd_bits=8),
+    dict(bits=8, grid="qwix", weight_format="float8_e4m3fn"), dict(bwd_bits=8),
     dict(grid="qwix", calibration="rms,3"),
-])
+])  # act_bits is honoured by the torch backend too (tests/test_activations.py)
 def test_torch_backend_refuses_each_qwix_only_option(fields):
     torch = pytest.importorskip("torch")
     from mixle.models.qat import apply_qat

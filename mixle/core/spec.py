@@ -18,6 +18,9 @@ CALIBRATIONS = ("absmax", "minmax", "rms", "fixed")
 WEIGHT_FIELDS = ("bits", "grid", "granularity", "group_size", "clip_percentile", "clip_gradient")
 # Options only the Flax (Qwix) backend honours; every other backend refuses them when set.
 QWIX_ONLY_FIELDS = ("act_bits", "weight_format", "bwd_bits", "bwd_stochastic_rounding", "calibration")
+# The activation options the torch backend honours (mixle.torch_backend.activations).
+ACTIVATION_FIELDS = ("act_bits", "act_symmetric")
+SCALE_MODES = ("absmax", "learned")
 
 
 def _is_int(value):
@@ -61,6 +64,10 @@ class QuantSpec:
             ``"minmax[,<f>]"`` (asymmetric, with a zero point), ``"rms,<f>"`` or
             ``"fixed,<lo>,<hi>"`` (one fixed range, so ``granularity="tensor"``). Needs
             ``grid="qwix"``: the symmetric grid already is ``absmax,<(qmax+0.5)/qmax>``.
+        act_symmetric: True (default) quantizes activations on the weights' grid (absmax per
+            token); False uses an asymmetric per-token range with a zero point (codes
+            -2^(b-1)..2^(b-1)-1, scale = (max - min) / (2^b - 1), as torchao's 8da4w). Torch
+            backend only (Qwix calibrates activations by absmax); needs ``act_bits``.
         act_static_scale: refused: static activation scales need a calibration pass.
         kv_cache_bits: refused: Qwix's training provider has no KV-cache seam.
 
@@ -81,6 +88,8 @@ class QuantSpec:
     calibration: str | None = None
     act_static_scale: bool = False
     kv_cache_bits: int | None = None
+    act_symmetric: bool = True
+    scale: str = "absmax"
 
     def __post_init__(self):
         if not _is_int(self.bits):
@@ -138,6 +147,30 @@ class QuantSpec:
                 "but clip_percentile is None: set clip_percentile (e.g. 99.9) or clip_gradient=False"
             )
         self._check_qwix_options(calibration)
+        if not isinstance(self.act_symmetric, bool):
+            raise TypeError(f"act_symmetric must be True or False, got {self.act_symmetric!r}")
+        if not self.act_symmetric and self.act_bits is None:
+            raise ValueError("act_symmetric=False chooses how activations are quantized, but act_bits is None: "
+                             "set act_bits=8 too, or drop act_symmetric")
+        self._check_scale(grid)
+
+    def _check_scale(self, grid):
+        if self.scale not in SCALE_MODES:
+            raise ValueError(f"scale={self.scale!r} is unknown: use one of {SCALE_MODES}")
+        if self.scale != "learned":
+            return
+        if grid.block is not None:
+            raise ValueError(
+                f"scale='learned' with grid={grid.name!r}: that file format fixes how each block's scale is "
+                f"computed ({grid.summary}), so a trained scale would not be the one llama.cpp's quantizer "
+                f"writes; use grid='symmetric' or 'qwix' for learned scales"
+            )
+        if self.clip_percentile is not None or self.calibration is not None:
+            raise ValueError(
+                "scale='learned' trains the range itself, but clip_percentile/calibration also set it: drop them"
+            )
+        if self.weight_format != "int":
+            raise ValueError(f"scale='learned' needs integer weights, not weight_format={self.weight_format!r}")
 
     def _fix_block(self, grid):
         """A grid with a fixed block (llama.cpp's) sets group granularity and the block size."""
@@ -265,7 +298,8 @@ class QuantSpec:
         # Qwix-only options appear only when set, so plain specs print as before.
         names = [f.name for f in dataclasses.fields(self)]
         base = QuantSpec.__dataclass_fields__
-        shown = [n for n in names if n not in QWIX_ONLY_FIELDS + ("act_static_scale", "kv_cache_bits")
+        shown = [n for n in names if n not in QWIX_ONLY_FIELDS + ("act_static_scale", "kv_cache_bits", "act_symmetric",
+                                                                  "scale")
                  or getattr(self, n) != base[n].default]
         return "QuantSpec(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in shown) + ")"
 
@@ -353,8 +387,10 @@ class QuantSpec:
             label = label.replace(f"int{self.bits}", "fp8", 1)
         if self.calibration is not None:
             label += f"/{self.calibration}"
+        if self.scale == "learned":
+            label += "/learned"
         if self.act_bits is not None:
-            label += f"/a{self.act_bits}"
+            label += f"/a{self.act_bits}" + ("" if self.act_symmetric else "asym")
         if self.bwd_bits is not None:
             label += f"/g{self.bwd_bits}" + ("sr" if self.bwd_stochastic_rounding else "")
         return label

@@ -42,7 +42,9 @@ from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
 
 STATE_ATTRIBUTE = "_mixle_qat"
-SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(QuantSpec))
+# Qwix calibrates activations by absmax only and recomputes weight scales, so the asymmetric
+# activation choice and learned scales (torch only) are refused.
+SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(QuantSpec) if field.name not in ("act_symmetric", "scale"))
 KERNEL_KIND = "Flax module with a kernel"
 
 

@@ -44,6 +44,15 @@ def build_parser():
     cmp.add_argument("--eval-windows", type=_positive_int, help="evaluate on at most this many held-out windows")
     cmp.add_argument("--seed", type=int, help="seed of initialisation, split and batches")
     cmp.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    cmp.add_argument("--distill", action="store_true",
+                     help="also run QAT with self-distillation from the fp32 checkpoint (mixle.lm.distill)")
+    cmp.add_argument("--distill-temperature", type=float, help="temperature T of the distillation KL term")
+    cmp.add_argument("--distill-weight", type=float, help="weight w in (0, 1] of the distillation KL term")
+    cmp.add_argument("--learned-scales", action="store_true",
+                     help="also run QAT with learned scales (QuantSpec(scale='learned'); with --distill also both)")
+    cmp.add_argument("--scale-lr", type=float, help="learning rate of the learned scales (default: 10 x --finetune-lr)")
+    cmp.add_argument("--act8", action="store_true",
+                     help="also compare 8da4w (int8 per-token activations, int4 group-32 weights): fine-tune + PTQ vs QAT")
     cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bars")
     cmp.set_defaults(subparser=cmp)
@@ -51,7 +60,8 @@ def build_parser():
 
 
 _FIELDS = ("steps", "finetune_steps", "bits", "d_model", "n_layer", "n_head", "block", "batch_size", "lr",
-           "finetune_lr", "group_size", "clip_percentile", "corpus", "tokenizer", "eval_windows", "seed", "threads")
+           "finetune_lr", "group_size", "clip_percentile", "corpus", "tokenizer", "eval_windows", "seed", "threads",
+           "distill_temperature", "distill_weight", "scale_lr")
 
 
 def config_from_args(args):
@@ -59,6 +69,9 @@ def config_from_args(args):
     from mixle.lm.compare import PRESETS
 
     changes = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
+    for flag in ("distill", "learned_scales", "act8"):
+        if getattr(args, flag, False):
+            changes[flag] = True
     if "bits" in changes:
         changes["bits"] = tuple(changes["bits"])
     return PRESETS[args.preset].replace(**changes)

@@ -53,6 +53,14 @@ class CompareConfig:
             ``curve_every`` steps, for the training curves.
         seed: seeds the model initialisation, the split and the batch sampling.
         threads: torch CPU threads (None leaves torch's setting).
+        distill: also run QAT with self-distillation from the fp32 checkpoint (``mixle.lm.distill``)
+            at ``distill_temperature`` and ``distill_weight``.
+        learned_scales: also run QAT with learned scales (``QuantSpec(scale="learned")``), trained
+            at ``scale_lr`` (default: 10 x ``finetune_lr``, the best of 1x/10x/30x on a validation
+            split of the training text) without weight decay; with ``distill`` also the combination.
+        act8: also compare int8-activation int4-weight ("8da4w": asymmetric per-token int8
+            activations, int4 symmetric weights in groups of ``act8_group_size``): fine-tune + PTQ
+            and QAT on that spec.
     """
 
     steps: int = 1600
@@ -76,6 +84,13 @@ class CompareConfig:
     curve_windows: int = 64
     seed: int = 0
     threads: int | None = None
+    distill: bool = False
+    distill_temperature: float = 1.0
+    distill_weight: float = 0.1
+    learned_scales: bool = False
+    scale_lr: float | None = None
+    act8: bool = False
+    act8_group_size: int = 32
 
     def __post_init__(self):
         bits = self.bits if isinstance(self.bits, tuple | list) else (self.bits,)
@@ -98,10 +113,20 @@ class CompareConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int or None")
-        for name in ("lr", "finetune_lr"):
+        for name in ("lr", "finetune_lr", "distill_temperature", "distill_weight"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive number")
+        for name in ("distill", "learned_scales", "act8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.scale_lr is not None and (not isinstance(self.scale_lr, int | float) or not
+                                          (math.isfinite(self.scale_lr) and self.scale_lr > 0)):
+            raise ValueError(f"scale_lr={self.scale_lr!r} must be a positive number or None")
+        if self.act8 and self.d_model % self.act8_group_size:
+            raise ValueError(f"act8_group_size={self.act8_group_size} must divide d_model={self.d_model}")
+        if self.distill_weight > 1:
+            raise ValueError(f"distill_weight={self.distill_weight!r} must be in (0, 1]")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         self.spec(self.bits[0])  # validates group_size and clip_percentile
@@ -114,6 +139,12 @@ class CompareConfig:
     def spec(self, bits):
         """The QuantSpec shared by PTQ and QAT at ``bits``."""
         return QuantSpec(bits=bits, group_size=self.group_size, clip_percentile=self.clip_percentile)
+
+    def act8_spec(self):
+        """The 8da4w QuantSpec: int8 asymmetric per-token activations, int4 symmetric group weights."""
+        # torchao's int4 symmetric grid (codes -8..7, scale absmax / 7.5), so torchao's 8da4w QAT
+        # is evaluated on the same grid.
+        return QuantSpec(bits=4, grid="qwix", group_size=self.act8_group_size, act_bits=8, act_symmetric=False)
 
     def replace(self, **changes):
         """A validated copy with some fields changed."""
@@ -185,6 +216,10 @@ def _window_density(lm, ids):
 
         def log_density(self, starts):
             return self.lm.sequence_log_prob(self.ids[starts[:, None] + self.offsets])
+
+        def logits(self, starts):  # for distillation: next-token logits of the windows and their targets
+            tokens = self.ids[starts[:, None] + self.offsets]
+            return self.lm(tokens[:, :-1], all_positions=True), tokens[:, 1:]
 
     return WindowDensity()
 
@@ -281,7 +316,7 @@ class _Run:
         self.tokenizer, self.data = data.tokenizer, data.info
         self.rows, self.curves, self.seconds = [], {}, {}
 
-    def train(self, lm, phase, steps, lr, schedule, seed, start):
+    def train(self, lm, phase, steps, lr, schedule, seed, start, distill=None, optimizer=None):
         """Train ``lm`` through a GradLeaf M-step; records its curves under ``phase``."""
         from mixle.lm.grad_leaf import GradLeaf
 
@@ -299,9 +334,9 @@ class _Run:
         curve["eval_step"].append(start)
         curve["held_out_loss"].append(held_out_loss(lm, self.curve_windows))
         leaf = GradLeaf(_window_density(lm, self.train_ids), m_steps=steps, lr=lr, batch_size=config.batch_size,
-                        optimizer=torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
+                        optimizer=optimizer or torch.optim.AdamW, lr_schedule=schedule, grad_clip=float(config.block),
                         seed=seed, progress=phase if self.progress else None, progress_scale=per_token,
-                        callback=record)
+                        callback=record, distill=distill)
         began = time.perf_counter()
         leaf.fit(self.train_starts)
         self.seconds[phase] = round(time.perf_counter() - began, 2)
@@ -317,15 +352,28 @@ class _Run:
         self.rows.append(row)
         return row
 
-    def finetune_phase(self, base, phase, prepare=None):
+    def finetune_phase(self, base, phase, prepare=None, distill=False):
         model = copy.deepcopy(base)
         if prepare is not None:
             model = prepare(model)
         config = self.config
         schedule = warmup_cosine(max(1, config.finetune_steps // 20), floor=0.0)
+        teacher = None
+        if distill:  # the fp32 checkpoint, frozen: one extra copy of the model's weights
+            from mixle.lm.distill import SelfDistillation
+
+            teacher = SelfDistillation(_window_density(copy.deepcopy(base), self.train_ids),
+                                       config.distill_temperature, config.distill_weight)
+        optimizer = None
+        if any(getattr(m, "spec", None) is not None and m.spec.scale == "learned" for m in model.modules()):
+            from mixle.torch_backend.learned_scale import param_groups
+
+            torch = self.torch
+            scale_lr = config.scale_lr or 10 * config.finetune_lr
+            optimizer = lambda params, lr: torch.optim.AdamW(param_groups(model, params, lr, scale_lr))  # noqa: E731
         # Every fine-tune sees the same batches in the same order.
         return self.train(model, phase, config.finetune_steps, config.finetune_lr, schedule,
-                          config.seed + 1, config.steps)
+                          config.seed + 1, config.steps, distill=teacher, optimizer=optimizer)
 
 
 def run_compare(config=None, *, data=None, progress=True, external=()):
@@ -378,6 +426,16 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
             fake = held_out_loss(qat, run.eval_windows)
             run.add("QAT", bits, convert(qat), fake_quant_loss=fake)
 
+        for method, bits, spec, distill in _option_runs(config):
+            qat = run.finetune_phase(lm, f"{method} int{bits}", lambda m, s=spec: apply_qat(m, spec=s), distill=distill)
+            run.add(method, bits, convert(qat), fake_quant_loss=held_out_loss(qat, run.eval_windows))
+
+        if config.act8:
+            spec = config.act8_spec()
+            run.add(ACT8_PTQ, 4, quantize_model(tuned, spec), spec=spec.short())
+            qat = run.finetune_phase(lm, ACT8_QAT, lambda m: apply_qat(m, spec=spec))
+            run.add(ACT8_QAT, 4, convert(qat), fake_quant_loss=held_out_loss(qat, run.eval_windows), spec=spec.short())
+
         for ext in external:
             trained = run.finetune_phase(lm, ext.name, ext.prepare)
             fake = held_out_loss(trained, run.eval_windows)
@@ -397,47 +455,84 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
         "data": run.data,
         "model": {"parameters": sum(p.numel() for p in lm.parameters()), "fp32_bytes": model_nbytes(lm).total},
         "rows": run.rows,
-        "summary": summarize(run.rows, config.bits, [e.name for e in external]),
+        "summary": summarize(run.rows, config.bits, [e.name for e in external if e.spec.act_bits is None],
+                             [e.name for e in external if e.spec.act_bits is not None]),
         "curves": run.curves,
         "seconds": run.seconds,
     }
+
+
+QAT_DISTILL = "QAT + distill"
+QAT_LEARNED = "QAT + learned scales"
+QAT_BOTH = "QAT + learned + distill"
+OPTION_METHODS = (QAT_LEARNED, QAT_DISTILL, QAT_BOTH)
+ACT8_PTQ = "8da4w fine-tune + PTQ"
+ACT8_QAT = "8da4w QAT"
+ACT8_METHODS = (ACT8_QAT,)
+
+
+def _option_runs(config):
+    """``(method, bits, spec, distill)`` of the optional QAT variants ``config`` asks for."""
+    runs = []
+    for bits in config.bits:
+        learned = config.spec(bits).replace(scale="learned")
+        if config.learned_scales:
+            runs.append((QAT_LEARNED, bits, learned, False))
+        if config.distill:
+            runs.append((QAT_DISTILL, bits, config.spec(bits), True))
+        if config.distill and config.learned_scales:
+            runs.append((QAT_BOTH, bits, learned, True))
+    return runs
 
 
 def _row(rows, method, bits):
     return next((r for r in rows if r["method"] == method and r["bits"] == bits), None)
 
 
-def summarize(rows, bits_list, external_names=()):
+def summarize(rows, bits_list, external_names=(), act8_external=()):
     """Per bit width: how much of fine-tune + PTQ's held-out loss degradation QAT recovers.
 
     ``recovered = (L_ptq - L_qat) / (L_ptq - L_fp32)`` with L_ptq the fine-tuned model after PTQ
     and L_fp32 the fine-tuned fp32 model (same number of extra steps as QAT). When PTQ loses
     less than ``MIN_DEGRADATION`` nats the ratio is noise, so it is None and a note says why.
+    Rows of the 8da4w spec (and ``act8_external`` methods) are measured against the 8da4w
+    fine-tune + PTQ baseline, under the key ``"8da4w"``.
 
     >>> rows = [{"method": "fp32 fine-tune", "bits": 32, "loss": 1.0}, {"method": "fine-tune + PTQ", "bits": 4, "loss": 1.2},
     ...         {"method": "QAT", "bits": 4, "loss": 1.02}]
     >>> round(summarize(rows, (4,))["int4"]["QAT"]["recovered_percent"], 6)
     90.0
     """
+    summary = _summarize(rows, bits_list, external_names)
+    act8 = _summarize(rows, (4,), act8_external, baseline_method=ACT8_PTQ, methods=ACT8_METHODS, label="8da4w")
+    if act8:
+        summary["8da4w"] = act8["int4"]
+    return summary
+
+
+def _summarize(rows, bits_list, external_names=(), baseline_method="fine-tune + PTQ", methods=("QAT", *OPTION_METHODS),
+               label=None):
     tuned = _row(rows, "fp32 fine-tune", 32)
     summary = {}
     for bits in bits_list:
-        baseline = _row(rows, "fine-tune + PTQ", bits)
+        baseline = _row(rows, baseline_method, bits)
+        if baseline is None:
+            continue
         degradation = baseline["loss"] - tuned["loss"]
         entry = {"ptq_degradation_nats": degradation,
                  "ptq_perplexity_increase_percent": 100 * math.expm1(degradation)}
-        for name in ("QAT", *external_names):
+        for name in (*methods, *external_names):
             row = _row(rows, name, bits)
             if row is None:
                 continue
             gap = 100 * math.expm1(row["loss"] - tuned["loss"])
             if degradation < MIN_DEGRADATION:
                 recovered = None
-                note = (f"PTQ at int{bits} loses only {degradation:+.4f} nats ({entry['ptq_perplexity_increase_percent']:+.2f}% "
+                note = (f"PTQ at {label or f'int{bits}'} loses only {degradation:+.4f} nats ({entry['ptq_perplexity_increase_percent']:+.2f}% "
                         f"perplexity): nothing to recover, so no recovered % is given; {name} is at {gap:+.2f}%")
             else:
                 recovered = 100 * (baseline["loss"] - row["loss"]) / degradation
-                note = (f"{name} recovers {recovered:.1f}% of the held-out loss PTQ loses at int{bits}; "
+                note = (f"{name} recovers {recovered:.1f}% of the held-out loss PTQ loses at {label or f'int{bits}'}; "
                         f"its perplexity is {gap:+.2f}% vs the fp32 fine-tune (PTQ: "
                         f"{entry['ptq_perplexity_increase_percent']:+.2f}%)")
             entry[name] = {"recovered_percent": recovered, "perplexity_gap_percent": gap, "note": note}
@@ -449,11 +544,11 @@ def format_table(results):
     """The results as a plain-text table plus one summary line per bit width."""
     rows = results["rows"]
     fp32_bytes = results["model"]["fp32_bytes"]
-    header = f"{'method':<18}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
+    header = f"{'method':<26}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
     lines = [header, "-" * len(header)]
     for row in rows:
         bits = "fp32" if row["bits"] == 32 else f"int{row['bits']}"
-        lines.append(f"{row['method']:<18}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
+        lines.append(f"{row['method']:<26}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
                      f"{row['bytes']:>11,d}{row['bytes'] / fp32_bytes:>7.1%}")
     lines.append("")
     for name, entry in results["summary"].items():

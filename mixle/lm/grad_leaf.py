@@ -124,6 +124,9 @@ class GradLeaf:
             to show a per-token loss); the history keeps the objective itself.
         callback: ``f(step, loss)`` called after every step (e.g. to record held-out curves).
         eval_batch_size: rows per forward pass in ``seq_log_density``.
+        distill: a ``mixle.lm.distill.SelfDistillation``: train on its distillation objective
+            (``distill.row_log_density(module, *x)``, which needs ``module.logits``) instead of
+            ``module.log_density``; None trains on the log density. Evaluation is unchanged.
 
     Attributes:
         history: the training objective (a float) of every step taken so far.
@@ -140,7 +143,7 @@ class GradLeaf:
     """
 
     def __init__(self, module, *, m_steps, lr=None, batch_size=None, optimizer=None, lr_schedule=None,
-                 grad_clip=None, seed=0, progress=None, progress_scale=1.0, callback=None, eval_batch_size=1024):
+                 grad_clip=None, seed=0, progress=None, progress_scale=1.0, callback=None, eval_batch_size=1024, distill=None):
         if not isinstance(module, torch.nn.Module) or not callable(getattr(module, "log_density", None)):
             raise TypeError(
                 f"GradLeaf needs a torch.nn.Module with a log_density(*fields) method returning one "
@@ -170,6 +173,12 @@ class GradLeaf:
             raise ValueError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be a callable f(step, loss), got {callback!r}")
+        if distill is not None and not callable(getattr(distill, "row_log_density", None)):
+            raise TypeError(f"distill must be a mixle.lm.distill.SelfDistillation or None, got {distill!r}")
+        if distill is not None and not callable(getattr(module, "logits", None)):
+            raise TypeError(f"distill needs module.logits(*fields) -> (logits, targets); "
+                            f"{type(module).__name__} has none")
+        self.distill = distill
         self.lr = lr
         self._optimizer_arg = optimizer
         self._optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -268,7 +277,8 @@ class GradLeaf:
                 x = tuple((f if idx is None else f[idx]).to(device) for f in fields)
                 w = (norm if idx is None else norm[idx]).to(device) * (rows / batch)
                 try:
-                    log_density = self.module.log_density(*x)
+                    log_density = (self.module.log_density(*x) if self.distill is None
+                                   else self.distill.row_log_density(self.module, *x))
                 except Exception as error:
                     # A step left a weight non-finite and the forward refused it (e.g. a QAT
                     # quantizer's ValueError) before the loss could show NaN: the same divergence.

@@ -11,7 +11,7 @@ from torch import nn
 
 from mixle.core.numerics import _resolve_spec
 from mixle.core.selection import LayerSelector
-from mixle.torch_backend import qat
+from mixle.torch_backend import learned_scale, qat
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat
 from mixle.torch_backend.quantized import to_storage
 from mixle.torch_backend.swap import Change
@@ -50,7 +50,10 @@ def _convert_in_place(model):
         weight = kind.weight_of(layer)
         key = (id(weight), layer.spec)
         if key not in storage:
-            storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
+            if learned_scale.is_learned(layer.spec):  # exactly the trained scales
+                storage[key] = to_storage(learned_scale.quantized_array(layer))
+            else:
+                storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
         new = kind.to_quantized(layer, *storage[key])
         new.train(layer.training)
         replacements[id(layer)] = new
@@ -77,6 +80,7 @@ def _check_convertible(model):
             raise ValueError(f"layer {path!r} is a {type(layer).__name__}: convert refuses it because "
                              f"{kind.not_convertible}")
         own = {kind.weight_name, kind.bias_name} | {f"{c}.{n}" for c in kind.linear_children for n in ("weight", "bias")}
+        own.add(learned_scale.SCALE_PARAMETER)
         extra = [name for name, _ in layer.named_parameters() if name not in own]
         if type(layer).forward is not kind.qat_type.forward or extra:
             raise ValueError(

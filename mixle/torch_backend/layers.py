@@ -10,21 +10,24 @@ from torch import nn
 from mixle.core.numerics import _resolve_spec, block_shape
 from mixle.core.spec import WEIGHT_FIELDS
 from mixle.torch_backend import fused_cpu
+from mixle.torch_backend import learned_scale
+from mixle.torch_backend.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations
 from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches, linear
 
 BACKEND = "torch"
-SPEC_FIELDS = WEIGHT_FIELDS
-_DOES = "fake-quantizes weights only"
+SPEC_FIELDS = WEIGHT_FIELDS + ACTIVATION_FIELDS + ("scale",)
+_DOES = "fake-quantizes weights (fixed or learned scales) and (act_bits) per-token activations"
 _HOOK_SUFFIXES = ("hooks", "hooks_with_kwargs", "always_called")
 
 
 def check_supported(spec):
-    """Refuse spec options and grids the torch backend cannot honour (it does weights only).
+    """Refuse spec options and grids the torch backend cannot honour.
 
     >>> from mixle.core.spec import QuantSpec
     >>> check_supported(QuantSpec(bits=8))
     """
     spec.check_backend(BACKEND, SPEC_FIELDS, _DOES)
+    check_activation_spec(spec)
 
 
 def _decide_kernels():
@@ -85,6 +88,8 @@ class QATWrapper(nn.Linear):
         adopt(self, linear, ("in_features", "out_features", "weight", "bias"))
         self.spec = spec
         self.enabled = enabled
+        if learned_scale.is_learned(spec):
+            learned_scale.attach(self)
         _decide_kernels()
 
     def quantized_weight(self):
@@ -93,11 +98,16 @@ class QATWrapper(nn.Linear):
         Computed once per version of the weight and reused until an in-place change, an
         optimizer step or ``load_state_dict`` (see ``mixle.torch_backend.fake_quant``).
         """
+        if learned_scale.is_learned(self.spec):
+            return learned_scale.learned_weight(self)
         return fake_quantized_weight(self.weight, self.spec)[0]
 
     def forward(self, x):
         if not self.enabled:
             return F.linear(x, self.weight, self.bias)
+        x = fake_quant_activations(x, self.spec)
+        if learned_scale.is_learned(self.spec):
+            return F.linear(x, learned_scale.learned_weight(self), self.bias)
         return linear(x, self.weight, self.bias, self.spec)
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -126,11 +136,18 @@ class QATEmbedding(nn.Embedding):
                                 "scale_grad_by_freq", "sparse", "weight"))
         self.spec = spec
         self.enabled = enabled
+        if learned_scale.is_learned(spec):
+            learned_scale.attach(self)  # the same scale Parameter as the tied head
         _decide_kernels()
 
     def forward(self, x):
         # shared: the tied head uses this weight too, so its codes are kept for that second use.
-        weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0] if self.enabled else self.weight
+        if not self.enabled:
+            weight = self.weight
+        elif learned_scale.is_learned(self.spec):
+            weight = learned_scale.learned_weight(self)
+        else:
+            weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
         return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
 

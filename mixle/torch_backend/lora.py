@@ -101,6 +101,11 @@ class QATLoRALinear(LoRALinear, QATWrapper):
     def __init__(self, linear, lora, spec, *, enabled=True, adapters=None):
         if isinstance(linear, (LoRALinear, QATWrapper)):
             raise TypeError(f"QATLoRALinear takes a plain nn.Linear, got {type(linear).__name__}: use apply_lora")
+        if spec.scale == "learned" or spec.act_bits is not None:
+            # The adapter reads the raw input and merge_lora changes W under its scales, so the
+            # merged, converted layer would not compute what training saw.
+            raise ValueError(f"LoRA layers cannot take {spec.short()} yet: learned scales and activation "
+                             f"fake-quant are not carried through merge_lora; drop scale='learned'/act_bits")
         QATWrapper.__init__(self, linear, spec, enabled=enabled)
         self._set_adapters(lora, adapters)
 

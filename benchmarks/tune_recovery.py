@@ -1,0 +1,92 @@
+"""Choose the distillation temperature/weight and the learned-scale learning rate on a validation
+split carved from the *training* text (the held-out text is never looked at).
+
+The last ``--val-fraction`` of the training ids becomes the validation text; the fp32 model trains
+on the rest exactly like ``mixle compare`` (same preset), then every candidate fine-tune (int4 QAT
+with the preset's spec) starts from that checkpoint with the same batches, and the validation loss
+of its real int4 model (``convert``) is printed beside fp32 fine-tune, fine-tune + PTQ and plain QAT.
+
+    python benchmarks/tune_recovery.py --preset default --threads 2
+"""
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mixle.api import apply_qat, convert, quantize_model  # noqa: E402
+from mixle.lm.compare import PRESETS, _Run, held_out_loss, held_out_windows, prepare_data, warmup_cosine  # noqa: E402
+from mixle.lm.transformer import build_causal_lm  # noqa: E402
+
+
+def carve_validation(data, config, fraction):
+    """Train on the first ``1 - fraction`` of the training ids; validate on the rest."""
+    ids = data.train_ids
+    cut = int(len(ids) * (1 - fraction))
+    val = ids[cut:].numpy()
+    data.train_starts = torch.arange(cut - config.block)  # every training window lies before the cut
+    data.eval_windows = held_out_windows(val, config.block, config.eval_windows)
+    data.curve_windows = held_out_windows(val, config.block, config.curve_windows)
+    data.info = dict(data.info, validation_tokens=len(val), train_tokens=cut)
+    return data
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--steps", type=int, help="fp32 training steps (default: the preset's)")
+    parser.add_argument("--finetune-steps", type=int, help="fine-tune steps (default: the preset's)")
+    parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument("--weights", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.9])
+    parser.add_argument("--scale-lr-factors", type=float, nargs="+", default=[1.0, 10.0, 30.0],
+                        help="learned-scale lr as multiples of the preset's finetune_lr")
+    args = parser.parse_args(argv)
+    changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps)) if v is not None}
+    config = PRESETS[args.preset].replace(seed=args.seed, bits=(4,), threads=args.threads, **changes)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    data = carve_validation(prepare_data(config), config, args.val_fraction)
+    run = _Run(config, data, progress=True)
+    torch.manual_seed(config.seed)
+    lm = build_causal_lm(run.tokenizer.vocab_size, config.d_model, config.n_layer, config.n_head, config.block)
+    run.train(lm, "fp32", config.steps, config.lr, warmup_cosine(config.warmup, floor=0.1), config.seed, 0)
+    spec = config.spec(4)
+    results = {}
+
+    def report(name, model):
+        results[name] = held_out_loss(model, run.eval_windows)
+        print(f"{name:<40} validation loss {results[name]:.4f}", flush=True)
+
+    tuned = run.finetune_phase(lm, "fp32 fine-tune")
+    report("fp32 fine-tune", tuned)
+    report("fine-tune + PTQ", quantize_model(tuned, spec))
+    report("QAT", convert(run.finetune_phase(lm, "QAT", lambda m: apply_qat(m, spec=spec))))
+    for factor in args.scale_lr_factors:
+        run.config = config.replace(scale_lr=config.finetune_lr * factor)
+        name = f"QAT + learned scales, scale_lr x{factor:g}"
+        report(name, convert(run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned")))))
+    for temperature, weight in itertools.product(args.temperatures, args.weights):
+        run.config = config.replace(distill_temperature=temperature, distill_weight=weight)
+        name = f"QAT + distill, T={temperature:g} w={weight:g}"
+        report(name, convert(run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec), distill=True)))
+    base, tuned_loss = results["fine-tune + PTQ"], results["fp32 fine-tune"]
+    print(f"\nvalidation ({data.info['validation_tokens']:,} tokens carved from the training text; preset "
+          f"{args.preset}, seed {args.seed}): recovered % of fine-tune + PTQ's degradation, perplexity vs fp32 fine-tune")
+    for name, loss in results.items():
+        if name in ("fp32 fine-tune", "fine-tune + PTQ"):
+            continue
+        print(f"{name:<40} {100 * (base - loss) / (base - tuned_loss):6.1f}%  {100 * math.expm1(loss - tuned_loss):+.2f}%")
+    print("phase seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in run.seconds.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
