@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors", "describe_array",
+__all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors", "describe_array", "check_listed", "add_aliases",
            "TensorInfo", "replace_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
            "MANIFEST_KEY", "DTYPE_ITEMSIZE"]
 
@@ -336,3 +336,27 @@ def read_manifest(path):
     """
     metadata, _ = read_header(path)
     return manifest_from(metadata, str(path))
+
+
+def check_listed(manifest, infos, source):
+    """Refuse a file whose tensors are not exactly those its manifest lists, with their dtypes and
+    shapes (the hashes are each backend's to check as it reads the bytes)."""
+    listed = manifest["tensors"]
+    if set(listed) != set(infos):
+        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(infos))} missing from the "
+                         f"file and the file has unlisted tensors {sorted(set(infos) - set(listed))}")
+    for name, info in infos.items():
+        entry = listed[name]
+        if not isinstance(entry, dict) or entry.get("dtype") != info.dtype or entry.get("shape") != list(info.shape):
+            said = f"{entry.get('dtype')} {entry.get('shape')}" if isinstance(entry, dict) else repr(entry)
+            raise ValueError(f"{source}: tensor {name!r} is {info.dtype} {list(info.shape)} in the file but "
+                             f"{said:.80} in the manifest")
+
+
+def add_aliases(manifest, tensors, source):
+    """Add each alias of the manifest to ``tensors`` ({name: tensor}) as the very tensor it names."""
+    for alias, target in manifest["aliases"].items():
+        if not isinstance(target, str) or alias in tensors or target not in tensors:
+            raise ValueError(f"{source}: alias {alias!r} -> {target!r:.80} does not name one stored tensor")
+        tensors[alias] = tensors[target]
+    return tensors

@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 
 import mixle
-from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, canonical_manifest, describe_array,
-                                   manifest_from, open_tensors, write_safetensors)
+from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, add_aliases, canonical_manifest,
+                                   check_listed, describe_array, manifest_from, open_tensors, write_safetensors)
 from mixle.core.packing import packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes
@@ -221,27 +221,16 @@ def _layer_entry(torch_path, layer, value, arrays, bias):
 
 def _checked_arrays(manifest, infos, handle, source):
     """``{name: numpy array}`` (aliases included) after dtype/shape/sha256 checks."""
-    listed = manifest["tensors"]
-    if set(listed) != set(infos):
-        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(infos))} missing from the "
-                         f"file and the file has unlisted tensors {sorted(set(infos) - set(listed))}")
+    check_listed(manifest, infos, source)
     arrays = {}
     for name, info in infos.items():
-        entry = listed[name]
-        if not isinstance(entry, dict) or entry.get("dtype") != info.dtype or entry.get("shape") != list(info.shape):
-            raise ValueError(f"{source}: tensor {name!r} is {info.dtype} {list(info.shape)} in the file, not as the "
-                             f"manifest lists it ({entry!r:.120})")
         if info.dtype == "BF16":
             raise ValueError(f"{source}: tensor {name!r} is bfloat16, which this loader does not read yet")
         array = handle.get_tensor(name)
-        if describe_array(array, name) != (info.dtype, info.shape, entry.get("sha256")):
+        if describe_array(array, name) != (info.dtype, info.shape, manifest["tensors"][name].get("sha256")):
             raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
         arrays[name] = array.astype(array.dtype.newbyteorder("="))
-    for alias, target in manifest["aliases"].items():
-        if not isinstance(target, str) or alias in arrays or target not in arrays:
-            raise ValueError(f"{source}: alias {alias!r} -> {target!r:.80} does not name one stored tensor")
-        arrays[alias] = arrays[target]
-    return arrays
+    return add_aliases(manifest, arrays, source)
 
 
 def _quantized_value(entry, arrays, param, layer, where):

@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 
 import mixle
-from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, canonical_manifest,
-                                   manifest_from, open_tensors, replace_atomically)
+from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, add_aliases, canonical_manifest,
+                                   check_listed, manifest_from, open_tensors, replace_atomically)
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
 from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage, file_scale_dtype, scale_nbytes
@@ -173,29 +173,17 @@ def save_quantized(model, path):
 
 def _checked_tensors(manifest, infos, handle, source):
     """``{state_dict name: tensor}`` (aliases share one tensor) after dtype/shape/sha256 checks."""
-    listed = manifest["tensors"]
-    if set(listed) != set(infos):
-        raise ValueError(f"{source}: the manifest lists tensors {sorted(set(listed) - set(infos))} missing from the "
-                         f"file and the file has unlisted tensors {sorted(set(infos) - set(listed))}")
+    check_listed(manifest, infos, source)
     tensors = {}
     for name, info in infos.items():
-        entry = listed[name]
-        if not isinstance(entry, dict) or entry.get("dtype") != info.dtype or entry.get("shape") != list(info.shape):
-            said = f"{entry.get('dtype')} {entry.get('shape')}" if isinstance(entry, dict) else repr(entry)
-            raise ValueError(f"{source}: tensor {name!r} is {info.dtype} {list(info.shape)} in the file but "
-                             f"{said:.80} in the manifest")
         tensor = handle.get_tensor(name)
         if _st_dtype(tensor.dtype) != info.dtype or tuple(tensor.shape) != info.shape:
             raise ValueError(f"{source}: tensor {name!r} reads as {tensor.dtype} {list(tensor.shape)}, its header "
                              f"says {info.dtype} {list(info.shape)}")
-        if _sha256(tensor) != entry.get("sha256"):
+        if _sha256(tensor) != manifest["tensors"][name].get("sha256"):
             raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
         tensors[name] = tensor
-    for alias, target in manifest["aliases"].items():
-        if not isinstance(target, str) or alias in tensors or target not in tensors:
-            raise ValueError(f"{source}: alias {alias!r} -> {target!r:.80} does not name one stored tensor")
-        tensors[alias] = tensors[target]
-    return tensors
+    return add_aliases(manifest, tensors, source)
 
 
 def _skeleton_copy(model, replaced_paths):
