@@ -1,6 +1,7 @@
 """Converted layers' products straight from packed codes: numpy reference, dispatch, fallback, compile."""
 
 import copy
+import os
 import platform
 import warnings
 
@@ -55,7 +56,7 @@ def reference(x, codes, scale, bias):
 
 def _build_variant(extra_flags):
     try:
-        return packed_linear._load(fused_cpu.os.environ.get("CXX", "c++"), fused_cpu.FLAGS + extra_flags)
+        return packed_linear._load(os.environ.get("CXX", "c++"), fused_cpu.FLAGS + extra_flags)
     except (RuntimeError, OSError) as error:
         pytest.skip(f"could not build the kernel with {extra_flags}: {error}")
 

@@ -10,9 +10,6 @@ separate torch ops. ``MIXLE_FUSED_KERNELS=0`` turns the kernels off.
 
 import contextlib
 import ctypes
-import os
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -24,10 +21,9 @@ from mixle.torch_backend import kernel_cache
 SOURCE = Path(__file__).with_name("fused_fake_quant.cpp")
 # -ffp-contract=off: no fused multiply-add, every operation rounds as numpy's does.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
-SWITCH = "MIXLE_FUSED_KERNELS"
+SWITCH = kernel_cache.SWITCH
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
-_lock = threading.Lock()
 _loaded = {}  # "kernels" -> _Kernels or None, once decided
 
 
@@ -95,27 +91,10 @@ def library_path():
 
 
 def _kernels():
-    kernels = _loaded.get("kernels", False)
-    if kernels is not False:
-        return kernels
-    with _lock:
-        if "kernels" not in _loaded:
-            kernels = None
-            if os.environ.get(SWITCH, "1") != "0":
-                try:
-                    kernels = _Kernels(_build(os.environ.get("CXX", "c++")))
-                except (RuntimeError, OSError) as error:
-                    warnings.warn(
-                        f"mixle could not build its fused CPU fake-quant kernels ({error}); QAT on CPU "
-                        f"runs the same numerics as separate torch ops, which makes a training step "
-                        f"slower (about 1.25x fp32 instead of 1.1x on an MLP). Install a C++ compiler "
-                        f"(e.g. `apt install g++`), or set {SWITCH}=0 to use the torch ops without "
-                        f"this warning.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-            _loaded["kernels"] = kernels
-    return _loaded["kernels"]
+    return kernel_cache.decide_once(
+        _loaded, "kernels", lambda compiler: _Kernels(_build(compiler)), "its fused CPU fake-quant kernels",
+        "QAT on CPU runs the same numerics as separate torch ops, which makes a training step slower "
+        "(about 1.25x fp32 instead of 1.1x on an MLP)")
 
 
 @contextlib.contextmanager

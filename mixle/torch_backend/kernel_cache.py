@@ -22,6 +22,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 __all__ = ["cache_dir", "private_dir", "build_key", "find", "build", "load"]
@@ -240,3 +242,32 @@ def load(path):
     # by the name "/proc/self/fd/N", and a later dlopen of a reused N would get this library back.
     _held_descriptors.append(fd)
     return library
+
+
+SWITCH = "MIXLE_FUSED_KERNELS"
+_deciding = threading.Lock()
+
+
+def decide_once(loaded, key, make, what, without):
+    """``loaded[key]``, decided once per process: ``make(compiler)`` (the bound library), or None
+    when ``MIXLE_FUSED_KERNELS=0``, or when it cannot be built, then with one RuntimeWarning naming
+    ``what`` could not be built, saying ``without`` (what runs instead, what it costs) and the fixes.
+    """
+    found = loaded.get(key, False)
+    if found is not False:
+        return found
+    with _deciding:
+        if key not in loaded:
+            library = None
+            if os.environ.get(SWITCH, "1") != "0":
+                try:
+                    library = make(os.environ.get("CXX", "c++"))
+                except (RuntimeError, OSError) as error:
+                    warnings.warn(
+                        f"mixle could not build {what} ({error}); {without}. Install a C++ compiler (e.g. "
+                        f"`apt install g++`), or set {SWITCH}=0 to use that path without this warning.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+            loaded[key] = library
+    return loaded[key]

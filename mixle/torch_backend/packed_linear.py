@@ -21,9 +21,6 @@ or inside ``switched_off()``) takes that exact dequantize-then-``F.linear`` path
 
 import contextlib
 import ctypes
-import os
-import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -49,7 +46,6 @@ DEQUANTIZE_THREADS = 1  # a tile decodes in ~1/60 of its matmul's time: a parall
 # than it saves, 10 us on an idle machine and up to ~20 ms on an oversubscribed one.
 PARALLEL_WEIGHTS = 1 << 20
 
-_lock = threading.Lock()
 _loaded = {}  # "library" -> _Library or None, once decided
 _state = {"off": 0}  # depth of switched_off() blocks
 
@@ -77,26 +73,10 @@ def _load(compiler, flags=FLAGS):
 
 
 def _library():
-    library = _loaded.get("library", False)
-    if library is not False:
-        return library
-    with _lock:
-        if "library" not in _loaded:
-            library = None
-            if os.environ.get(_fused_cpu.SWITCH, "1") != "0":
-                try:
-                    library = _load(os.environ.get("CXX", "c++"))
-                except (RuntimeError, OSError) as error:
-                    warnings.warn(
-                        f"mixle could not build its packed int4/int8 CPU kernel ({error}); converted "
-                        f"layers dequantize their whole weight on every call instead, which is several "
-                        f"times slower than float32 at batch 1. Install a C++ compiler (e.g. `apt install "
-                        f"g++`), or set {_fused_cpu.SWITCH}=0 to use that path without this warning.",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-            _loaded["library"] = library
-    return _loaded["library"]
+    return kernel_cache.decide_once(
+        _loaded, "library", _load, "its packed int4/int8 CPU kernel",
+        "converted layers dequantize their whole weight on every call instead, which is several times "
+        "slower than float32 at batch 1")
 
 
 def _built():
