@@ -26,7 +26,7 @@ Layout: every matrix is written in torch's ``(out, in)`` row order, which gguf s
 ``ne = [in, out]``; gpt2's fused qkv rows stay ``[q; k; v]`` (what llama.cpp's gpt2 graph
 splits); only Llama's q/k rows are permuted (see ``gguf_layouts``).
 
-Numerics llama.cpp computes differently (measured in /work/shared/notes/deploy.md): its gpt2
+Numerics llama.cpp computes differently (``benchmarks/gguf_parity.py`` measures it): its gpt2
 graph uses ggml's tanh-approximated GELU where mixle's block uses the erf GELU, its KV cache is
 float16 by default, and its CPU path quantizes activations to Q8_0 before Q4_0/Q8_0 products.
 """
