@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixle.core.numerics import QuantizedArray, block_shape, quantize_conv_weight
-from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches
-from mixle.torch_backend.layers import adopt, check_supported
+from mixle.torch_backend.fake_quant import fake_quantized_weight
+from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
 from mixle.torch_backend.quantized import QuantizedWeight
 
 _CONV_ATTRIBUTES = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
                     "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice", "weight", "bias")
 
 
-class _QATConvMixin(nn.Module):
+class _QATConvMixin(QATLayerMixin, nn.Module):
     """A convolution whose weight is fake-quantized per output channel while enabled.
 
     Shares the wrapped layer's Parameters; the forward is the convolution's own
@@ -49,14 +49,6 @@ class _QATConvMixin(nn.Module):
 
     def forward(self, x):
         return self._conv_forward(x, self.quantized_weight() if self.enabled else self.weight, self.bias)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        invalidate_caches()
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def extra_repr(self):
-        state = "on" if self.enabled else "off"
-        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
 
 
 class QATConv1d(_QATConvMixin, nn.Conv1d):

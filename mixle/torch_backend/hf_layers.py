@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from mixle.core.numerics import block_shape
-from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches
-from mixle.torch_backend.layers import adopt, check_supported
+from mixle.torch_backend.fake_quant import fake_quantized_weight
+from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
 from mixle.torch_backend.quantized import QuantizedWeight
 
 HF_MODULE, HF_NAME = "transformers.pytorch_utils", "Conv1D"
@@ -47,7 +47,7 @@ class Conv1DType(metaclass=_Conv1DType):
     """
 
 
-class _QATConv1DMixin(nn.Module):
+class _QATConv1DMixin(QATLayerMixin, nn.Module):
     """A Conv1D whose weight is fake-quantized per output channel (per column) while enabled.
 
     Shares the wrapped layer's ``weight`` and ``bias`` Parameters. Enabled, the forward is
@@ -73,13 +73,8 @@ class _QATConv1DMixin(nn.Module):
         size_out = x.size()[:-1] + (self.nf,)
         return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.quantized_weight().t()).view(size_out)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        invalidate_caches()
-        super()._load_from_state_dict(*args, **kwargs)
-
     def __repr__(self):
-        state = "on" if self.enabled else "off"
-        return f"QATConv1D(nf={self.nf}, nx={self.nx}, qat={self.spec.short()} ({state}))"
+        return f"QATConv1D(nf={self.nf}, nx={self.nx}, {self.qat_state()})"
 
 
 _QAT_CLASS = []

@@ -57,7 +57,23 @@ def plain_linear(layer):
     return adopt(out, layer, ("in_features", "out_features", "weight", "bias"))
 
 
-class QATWrapper(nn.Linear):
+class QATLayerMixin:
+    """What every QAT layer class shares (listed before its torch base class): loading a
+    checkpoint makes cached fake-quantized weights stale, and the repr names the spec and state."""
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def qat_state(self, detail=""):
+        """``qat=<spec> (on|off<detail>)`` for reprs."""
+        return f"qat={self.spec.short()} ({'on' if self.enabled else 'off'}{detail})"
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, {self.qat_state()}"
+
+
+class QATWrapper(QATLayerMixin, nn.Linear):
     """An ``nn.Linear`` whose weight is fake-quantized in the forward while enabled.
 
     It reuses the wrapped layer's ``weight`` and ``bias`` Parameter objects (no copies), so tied
@@ -110,16 +126,8 @@ class QATWrapper(nn.Linear):
             return F.linear(x, learned_scale.learned_weight(self), self.bias)
         return linear(x, self.weight, self.bias, self.spec)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change
-        super()._load_from_state_dict(*args, **kwargs)
 
-    def extra_repr(self):
-        state = "on" if self.enabled else "off"
-        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
-
-
-class QATEmbedding(nn.Embedding):
+class QATEmbedding(QATLayerMixin, nn.Embedding):
     """An ``nn.Embedding`` whose table is fake-quantized per row (one scale row per token).
 
     ``apply_qat`` makes one for an embedding tied to a fake-quantized head (lookups then use the
@@ -150,14 +158,6 @@ class QATEmbedding(nn.Embedding):
             weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
         return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        invalidate_caches()
-        super()._load_from_state_dict(*args, **kwargs)
-
-    def extra_repr(self):
-        state = "on" if self.enabled else "off"
-        return f"{super().extra_repr()}, qat={self.spec.short()} ({state})"
 
 
 QAT_LAYERS = (QATWrapper, QATEmbedding)

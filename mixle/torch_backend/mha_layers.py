@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from torch import nn
 
 from mixle.core.numerics import block_shape
-from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches
-from mixle.torch_backend.layers import adopt, check_supported
+from mixle.torch_backend.fake_quant import fake_quantized_weight
+from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
 from mixle.torch_backend.quantized import QuantizedWeight
 
 OPTIONS = ("embed_dim", "num_heads", "dropout", "batch_first", "add_zero_attn")
@@ -43,7 +43,7 @@ def _run(attrs, training, in_weight, in_bias, out_weight, out_bias, args, kwargs
     return nn.MultiheadAttention.forward(shadow, *args, **kwargs)
 
 
-class QATMultiheadAttention(nn.MultiheadAttention):
+class QATMultiheadAttention(QATLayerMixin, nn.MultiheadAttention):
     """An ``nn.MultiheadAttention`` whose ``in_proj_weight`` and ``out_proj.weight`` are
     fake-quantized (one spec) while enabled; disabled, it is the stock forward, bit for bit.
 
@@ -81,13 +81,8 @@ class QATMultiheadAttention(nn.MultiheadAttention):
         attrs = {name: getattr(self, name) for name in OPTIONS}
         return _run(attrs, self.training, in_weight, self.in_proj_bias, out_weight, self.out_proj.bias, args, kwargs)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        invalidate_caches()
-        super()._load_from_state_dict(*args, **kwargs)
-
     def extra_repr(self):
-        state = "on" if self.enabled else "off"
-        return f"qat={self.spec.short()} ({state}, in_proj and out_proj)"
+        return self.qat_state(", in_proj and out_proj")
 
 
 def wrap_mha(mha, spec, enabled):
