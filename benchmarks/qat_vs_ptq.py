@@ -50,6 +50,21 @@ from mixle.lm.compare import (
 from mixle.core.spec import QuantSpec
 
 
+def _torchao_to_float(trained):
+    """A copy of a torchao-QAT model with its fake-quantized layers back to plain ones (tie kept)."""
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear
+
+    plain = copy.deepcopy(trained)
+    for module in list(plain.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, FakeQuantizedLinear):
+                setattr(module, name, child.to_linear())
+            elif isinstance(child, FakeQuantizedEmbedding):
+                setattr(module, name, child.to_embedding())
+    assert plain.head.weight is plain.tok.weight
+    return plain
+
+
 def torchao_qat(bits=4):
     """An ExternalQAT entry running torchao's weight-only QAT, per-channel symmetric int4."""
     from torchao.quantization import quantize_
@@ -66,18 +81,7 @@ def torchao_qat(bits=4):
         assert model.head.weight is model.tok.weight, "torchao broke the tied head"
         return model
 
-    def to_float(trained):
-        plain = copy.deepcopy(trained)
-        for module in list(plain.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, FakeQuantizedLinear):
-                    setattr(module, name, child.to_linear())
-                elif isinstance(child, FakeQuantizedEmbedding):
-                    setattr(module, name, child.to_embedding())
-        assert plain.head.weight is plain.tok.weight
-        return plain
-
-    return ExternalQAT(name="torchao QAT", bits=bits, prepare=prepare, to_float=to_float,
+    return ExternalQAT(name="torchao QAT", bits=bits, prepare=prepare, to_float=_torchao_to_float,
                        spec=QuantSpec(bits=bits, grid="qwix"))
 
 
@@ -100,19 +104,8 @@ def torchao_8da4w(group_size=32):
         assert model.head.weight is model.tok.weight, "torchao broke the tied head"
         return model
 
-    def to_float(trained):
-        plain = copy.deepcopy(trained)
-        for module in list(plain.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, FakeQuantizedLinear):
-                    setattr(module, name, child.to_linear())
-                elif isinstance(child, FakeQuantizedEmbedding):
-                    setattr(module, name, child.to_embedding())
-        assert plain.head.weight is plain.tok.weight
-        return plain
-
     spec = QuantSpec(bits=4, grid="qwix", group_size=group_size, act_bits=8, act_symmetric=False)
-    return ExternalQAT(name=TORCHAO_8DA4W, bits=4, prepare=prepare, to_float=to_float, spec=spec)
+    return ExternalQAT(name=TORCHAO_8DA4W, bits=4, prepare=prepare, to_float=_torchao_to_float, spec=spec)
 
 
 TORCHAO_8DA4W = "torchao 8da4w QAT"
