@@ -158,6 +158,3 @@ class QATEmbedding(QATLayerMixin, nn.Embedding):
             weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
         return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
-
-
-QAT_LAYERS = (QATWrapper, QATEmbedding)
