@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixle.api import apply_qat, convert, quantize_model  # noqa: E402
+from mixle.api import apply_qat, convert, quantize_model, set_fake_quant_enabled  # noqa: E402
 from mixle.lm.compare import PRESETS, _Run, held_out_loss, held_out_windows, prepare_data, warmup_cosine  # noqa: E402
 from mixle.lm.transformer import build_causal_lm  # noqa: E402
 
@@ -61,29 +61,41 @@ def main(argv=None):
     spec = config.spec(4)
     results = {}
 
+    floats = {}
+
     def report(name, model):
+        if any(getattr(m, "spec", None) is not None for m in model.modules()):
+            # The same trained weights with fake-quant off: splits QAT's remaining gap to the fp32
+            # fine-tune into "the float weights are worse" and "rounding them costs".
+            set_fake_quant_enabled(model, False)
+            floats[name] = held_out_loss(model, run.eval_windows)
+            set_fake_quant_enabled(model, True)
+            model = convert(model)
         results[name] = held_out_loss(model, run.eval_windows)
         print(f"{name:<40} validation loss {results[name]:.4f}", flush=True)
 
     tuned = run.finetune_phase(lm, "fp32 fine-tune")
     report("fp32 fine-tune", tuned)
     report("fine-tune + PTQ", quantize_model(tuned, spec))
-    report("QAT", convert(run.finetune_phase(lm, "QAT", lambda m: apply_qat(m, spec=spec))))
+    report("QAT", run.finetune_phase(lm, "QAT", lambda m: apply_qat(m, spec=spec)))
     for factor in args.scale_lr_factors:
         run.config = config.replace(scale_lr=config.finetune_lr * factor)
         name = f"QAT + learned scales, scale_lr x{factor:g}"
-        report(name, convert(run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned")))))
+        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned"))))
     for temperature, weight in itertools.product(args.temperatures, args.weights):
         run.config = config.replace(distill_temperature=temperature, distill_weight=weight)
         name = f"QAT + distill, T={temperature:g} w={weight:g}"
-        report(name, convert(run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec), distill=True)))
+        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec), distill=True))
     base, tuned_loss = results["fine-tune + PTQ"], results["fp32 fine-tune"]
     print(f"\nvalidation ({data.info['validation_tokens']:,} tokens carved from the training text; preset "
           f"{args.preset}, seed {args.seed}): recovered % of fine-tune + PTQ's degradation, perplexity vs fp32 fine-tune")
     for name, loss in results.items():
         if name in ("fp32 fine-tune", "fine-tune + PTQ"):
             continue
-        print(f"{name:<40} {100 * (base - loss) / (base - tuned_loss):6.1f}%  {100 * math.expm1(loss - tuned_loss):+.2f}%")
+        line = f"{name:<40} {100 * (base - loss) / (base - tuned_loss):6.1f}%  {100 * math.expm1(loss - tuned_loss):+.2f}%"
+        if name in floats:  # of the int model's gap to fp32 fine-tune, the share already in its float weights
+            line += f"   float weights {100 * math.expm1(floats[name] - tuned_loss):+.2f}%, rounding {100 * math.expm1(loss - floats[name]):+.2f}%"
+        print(line)
     print("phase seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in run.seconds.items()))
     return 0
 

@@ -358,3 +358,34 @@ def test_face_exports_lazily_without_importing_transformers():
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_learned_scales_are_stored_exactly_as_trained(tmp_path, tied):
+    # scale="learned": the file's weight_scale is 2**weight_log2_scale after training (not the absmax
+    # rule re-applied to the weight), and transformers' forward equals the QAT forward exactly.
+    model = apply_qat(tiny_lm("llama", tied), bits=4, group_size=16, scale="learned")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(3):
+        ids = token_ids()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    directory = str(tmp_path / "checkpoint")
+    save_pretrained_compressed(model, directory)
+    tensors = stored_tensors(directory)
+    learned = {path: torch.exp2(m.weight_log2_scale.detach()) for path, m in model.named_modules()
+               if hasattr(m, "weight_log2_scale")}
+    packed = {key.rsplit(".", 1)[0] for key in tensors if key.endswith(".weight_packed")}
+    tied_table = {"lm_head", "model.embed_tokens"} if tied else set()  # stored once, dequantized (see above)
+    assert packed == set(learned) - tied_table
+    moved = 0
+    for path in packed:
+        weight = model.get_submodule(path).weight.detach()
+        absmax_rule = weight.reshape(weight.shape[0], -1, 16).abs().amax(-1) / 7
+        moved += not torch.equal(learned[path].reshape(absmax_rule.shape), absmax_rule)
+        assert torch.equal(tensors[f"{path}.weight_scale"].reshape(-1), learned[path].reshape(-1)), path
+    assert moved == len(packed)  # training moved every layer's scales off the absmax rule
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert torch.equal(logits(loaded), logits(model))
