@@ -44,10 +44,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="fp32 training steps (default: the preset's)")
     parser.add_argument("--finetune-steps", type=int, help="fine-tune steps (default: the preset's)")
     parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--checkpoint", help="reuse the fp32 model saved here by an earlier run with the same "
+                                             "preset, seed and steps (saved here if the file does not exist)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 2.0])
-    parser.add_argument("--weights", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.9])
-    parser.add_argument("--scale-lr-factors", type=float, nargs="+", default=[1.0, 10.0, 30.0],
+    parser.add_argument("--weights", type=float, nargs="*", default=[0.1, 0.25, 0.5, 0.9])
+    parser.add_argument("--scale-lr-factors", type=float, nargs="*", default=[1.0, 10.0, 30.0],
                         help="learned-scale lr as multiples of the preset's finetune_lr")
+    parser.add_argument("--combine", action="store_true",
+                        help="also every learned-scale lr x distillation setting together (learned + distill)")
     args = parser.parse_args(argv)
     changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps)) if v is not None}
     config = PRESETS[args.preset].replace(seed=args.seed, bits=(4,), threads=args.threads, **changes)
@@ -57,14 +61,19 @@ def main(argv=None):
     run = _Run(config, data, progress=True)
     torch.manual_seed(config.seed)
     lm = build_causal_lm(run.tokenizer.vocab_size, config.d_model, config.n_layer, config.n_head, config.block)
-    run.train(lm, "fp32", config.steps, config.lr, warmup_cosine(config.warmup, floor=0.1), config.seed, 0)
+    if args.checkpoint and Path(args.checkpoint).exists():
+        lm.load_state_dict(torch.load(args.checkpoint))
+    else:
+        run.train(lm, "fp32", config.steps, config.lr, warmup_cosine(config.warmup, floor=0.1), config.seed, 0)
+        if args.checkpoint:
+            torch.save(lm.state_dict(), args.checkpoint)
     spec = config.spec(4)
     results = {}
 
     floats = {}
 
-    def report(name, model):
-        if any(getattr(m, "spec", None) is not None for m in model.modules()):
+    def report(name, model, qat=True):
+        if qat:
             # The same trained weights with fake-quant off: splits QAT's remaining gap to the fp32
             # fine-tune into "the float weights are worse" and "rounding them costs".
             set_fake_quant_enabled(model, False)
@@ -75,17 +84,24 @@ def main(argv=None):
         print(f"{name:<40} validation loss {results[name]:.4f}", flush=True)
 
     tuned = run.finetune_phase(lm, "fp32 fine-tune")
-    report("fp32 fine-tune", tuned)
-    report("fine-tune + PTQ", quantize_model(tuned, spec))
+    report("fp32 fine-tune", tuned, qat=False)
+    report("fine-tune + PTQ", quantize_model(tuned, spec), qat=False)
     report("QAT", run.finetune_phase(lm, "QAT", lambda m: apply_qat(m, spec=spec)))
-    for factor in args.scale_lr_factors:
+    for factor in args.scale_lr_factors if not args.combine else ():
         run.config = config.replace(scale_lr=config.finetune_lr * factor)
         name = f"QAT + learned scales, scale_lr x{factor:g}"
         report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned"))))
-    for temperature, weight in itertools.product(args.temperatures, args.weights):
+    for temperature, weight in itertools.product(args.temperatures, args.weights) if not args.combine else ():
         run.config = config.replace(distill_temperature=temperature, distill_weight=weight)
         name = f"QAT + distill, T={temperature:g} w={weight:g}"
         report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec), distill=True))
+    combinations = itertools.product(args.scale_lr_factors, args.temperatures, args.weights) if args.combine else ()
+    for factor, temperature, weight in combinations:
+        run.config = config.replace(scale_lr=config.finetune_lr * factor, distill_temperature=temperature,
+                                    distill_weight=weight)
+        name = f"QAT + learned x{factor:g} + distill T={temperature:g} w={weight:g}"
+        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned")),
+                                        distill=True))
     base, tuned_loss = results["fine-tune + PTQ"], results["fp32 fine-tune"]
     print(f"\nvalidation ({data.info['validation_tokens']:,} tokens carved from the training text; preset "
           f"{args.preset}, seed {args.seed}): recovered % of fine-tune + PTQ's degradation, perplexity vs fp32 fine-tune")
