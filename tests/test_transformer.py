@@ -99,3 +99,19 @@ def test_bad_sizes_and_inputs_are_refused():
         lm(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         lm(torch.zeros(5, dtype=torch.long))
+
+
+def test_gelu_tanh_option_computes_the_tanh_approximation():
+    erf, tanh = small(seed=3), small(seed=3, activation="gelu_tanh")
+    assert [b.activation for b in tanh.blocks] == ["gelu_tanh"] * 2 and erf.blocks[0].activation == "gelu"
+    seen = []
+    tanh.blocks[0].out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    tanh.blocks[0].fc.register_forward_hook(lambda module, args, out: seen.append(out))
+    idx = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        tanh(idx), erf(idx)
+    up, act = seen[0].double().numpy(), seen[1].double().numpy()  # fc runs before out
+    want = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up**3)))
+    np.testing.assert_allclose(act, want, rtol=1e-6, atol=1e-7)  # float32 torch vs float64 numpy
+    with pytest.raises(ValueError, match=r"activation='relu' is unknown: use one of \['gelu', 'gelu_tanh'\]"):
+        small(activation="relu")

@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CausalLM", "Block", "build_causal_lm"]
+__all__ = ["CausalLM", "Block", "build_causal_lm", "ACTIVATIONS"]
+
+# The MLP activations a block can use: erf GELU (torch's default) or the tanh approximation,
+# which is what llama.cpp's ``gpt2`` graph computes (so a model meant for save_gguf trains on it).
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class Block(nn.Module):
@@ -14,12 +21,14 @@ class Block(nn.Module):
 
     Every weight matrix is a plain ``nn.Linear`` (``qkv``, ``proj``, ``fc``, ``out``), so
     ``apply_qat`` can wrap all of them; ``nn.MultiheadAttention`` would read its output weight
-    directly and could not be fake-quantized.
+    directly and could not be fake-quantized. ``activation`` names the MLP's entry in
+    ``ACTIVATIONS``.
     """
 
-    def __init__(self, d_model, n_head):
+    def __init__(self, d_model, n_head, activation="gelu"):
         super().__init__()
         self.n_head = n_head
+        self.activation = activation
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -33,7 +42,7 @@ class Block(nn.Module):
         heads = lambda t: t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2)
         att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(batch, length, width))
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+        return x + self.out(ACTIVATIONS[self.activation](self.fc(self.norm2(x))))
 
 
 class CausalLM(nn.Module):
@@ -48,12 +57,12 @@ class CausalLM(nn.Module):
         block: the longest context the model accepts.
     """
 
-    def __init__(self, vocab, d_model, n_layer, n_head, block):
+    def __init__(self, vocab, d_model, n_layer, n_head, block, activation="gelu"):
         super().__init__()
         self.vocab, self.block = vocab, block
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(block, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, activation) for _ in range(n_layer))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.tok.weight
@@ -105,7 +114,7 @@ class CausalLM(nn.Module):
         return -nll.view(tokens.shape[0], -1).sum(dim=1)
 
 
-def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64):
+def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64, activation="gelu"):
     """Build a ``CausalLM`` (head tied to the token embedding), initialised from torch's RNG.
 
     Args:
@@ -114,6 +123,9 @@ def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64):
         n_layer: number of transformer blocks.
         n_head: attention heads per block.
         block: longest context (number of learned positions).
+        activation: the MLP activation, ``"gelu"`` (erf, the default) or ``"gelu_tanh"`` (the tanh
+            approximation llama.cpp's ``gpt2`` graph computes: use it for a model meant for
+            ``save_gguf``).
 
     >>> lm = build_causal_lm(vocab=50, d_model=32, n_layer=1, n_head=2, block=8)
     >>> lm.head.weight is lm.tok.weight, lm(torch.zeros(3, 5, dtype=torch.long)).shape
@@ -125,4 +137,7 @@ def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if d_model % n_head:
         raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}: e.g. n_head=4 with d_model=128")
-    return CausalLM(vocab, d_model, n_layer, n_head, block)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is unknown: use one of {sorted(ACTIVATIONS)} "
+                         f"('gelu_tanh' is what llama.cpp's gpt2 graph computes)")
+    return CausalLM(vocab, d_model, n_layer, n_head, block, activation)
