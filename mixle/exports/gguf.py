@@ -51,7 +51,7 @@ from mixle.torch_backend.convert import _check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
 
-__all__ = ["save_gguf", "FLOAT_MATRICES"]
+__all__ = ["save_gguf", "load_gguf_weights", "FLOAT_MATRICES"]
 
 FLOAT_MATRICES = ("q8_0", "f16", "f32")
 
@@ -226,3 +226,71 @@ def _write(path, layout, tensors, words, name, gguf):
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def load_gguf_weights(model, path):
+    """A float copy of ``model`` holding the weights of a GGUF file, as llama.cpp multiplies with them.
+
+    Every tensor is read with gguf-py's ``GGUFReader`` and dequantized with gguf's own code
+    (``gguf.quants.dequantize``), then put back where ``save_gguf``'s layout took it from, with
+    its row order undone (Llama's q/k rows). Evaluating the copy with mixle's forward is
+    evaluating the file's weights.
+
+    Args:
+        model: a float model of the file's architecture and shapes (e.g. the model before
+            ``apply_qat``); it is not changed.
+        path: a ``.gguf`` file written by ``save_gguf`` (or with the same layout).
+
+    Returns:
+        The float copy.
+
+    Raises:
+        ValueError: the file's architecture, tensor names or shapes do not match ``model``'s
+            layout, or ``model`` has quantized layers (pass its float original).
+
+    >>> import os, tempfile, torch
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> from mixle.api import quantize_model
+    >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8, activation="gelu_tanh")
+    >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
+    >>> _ = save_gguf(quantize_model(lm, grid="q4_0"), path)
+    >>> back = load_gguf_weights(lm, path)
+    >>> torch.equal(back.blocks[0].fc.weight, quantize_model(lm, grid="q4_0").blocks[0].fc.dequantized_weight())
+    True
+    """
+    import copy
+
+    gguf = require("gguf", extra="gguf", purpose="load_gguf_weights")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_gguf_weights takes a torch.nn.Module, got {type(model).__name__}")
+    quantized = [name for name, m in model.named_modules() if getattr(m, "spec", None) is not None]
+    if quantized:
+        raise ValueError(f"model has quantized layers ({quantized[0]!r}, ...): pass the float model they were made "
+                         f"from, whose copy load_gguf_weights fills with the file's weights")
+    out = copy.deepcopy(model)
+    layout = layout_of(out, gguf)
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch != layout.arch:
+        raise ValueError(f"{str(path)!r} holds llama.cpp's {arch!r}, but the model is written as {layout.arch!r}")
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    wanted = {part.name for part in layout.parts}
+    if set(stored) != wanted:
+        raise ValueError(f"{str(path)!r} does not hold this model's tensors: missing {sorted(wanted - set(stored))}, "
+                         f"unexpected {sorted(set(stored) - wanted)}")
+    with torch.no_grad():
+        for part in layout.parts:
+            target = part.module.weight if part.module is not None else part.tensor
+            tensor = stored[part.name]
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            if values.size != target.numel() or shape[-1] != target.shape[-1]:
+                raise ValueError(f"tensor {part.name!r} of {str(path)!r} has shape {list(shape)}, but {part.path!r} "
+                                 f"has {list(target.shape)}")
+            values = values.reshape(target.shape)
+            if part.rows is not None:  # file row r holds model row rows[r]
+                unpermuted = np.empty_like(values)
+                unpermuted[part.rows] = values
+                values = unpermuted
+            target.copy_(torch.from_numpy(values))
+    return out
