@@ -14,9 +14,9 @@ from mixle.task.quantize import save_gguf  # noqa: E402
 IDS = [5, 17, 3, 3, 40, 12, 0, 29, 8, 33, 2, 1]
 
 
-def _lm():
+def _lm(activation="gelu_tanh"):
     torch.manual_seed(0)
-    return build_causal_lm(vocab=48, d_model=64, n_layer=2, n_head=2, block=16, activation="gelu_tanh")
+    return build_causal_lm(vocab=48, d_model=64, n_layer=2, n_head=2, block=16, activation=activation)
 
 
 def _llama_logits(path):
@@ -42,9 +42,21 @@ def test_qat_file_reproduces_the_fake_quant_forward(grid, tmp_path):
     save_gguf(lm, tmp_path / "lm.gguf")
     with torch.no_grad():
         want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
-    # Measured 3.7e-3 (q4_0) / 4.1e-3 (q8_0) at |logit| ~1 on AMD EPYC AVX2; without the
-    # activation emulation the same, but 4x larger once logits reach ~9 (benchmarks/gguf_parity.py).
+    # Measured 3.7e-3 (q4_0) / 4.1e-3 (q8_0) at |logit| ~1 on AMD EPYC (AVX-512): ggml's float16
+    # GELU table moves some Q8_0 activation codes (see the next test).
     np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=0.02)
+
+
+@pytest.mark.parametrize("grid", ["q4_0", "q8_0"])
+def test_cpu_numerics_are_reproduced_with_the_float16_gelu_table(grid, tmp_path):
+    """act_bits=8 and activation='gelu_tanh_f16': mixle computes what llama.cpp's CPU path computes."""
+    lm = apply_qat(_lm("gelu_tanh_f16"), bits=4 if grid == "q4_0" else 8, grid=grid, act_bits=8)
+    save_gguf(lm, tmp_path / "lm.gguf")
+    with torch.no_grad():
+        want = lm(torch.tensor([IDS]), all_positions=True)[0].numpy()
+    # Measured 1.8e-7 (q4_0) / 1.2e-7 (q8_0) at |logit| ~1 on AMD EPYC (AVX-512): float32 sums in
+    # another order. Other SIMD paths round exact Q8_0 ties differently, so the bound is wider.
+    np.testing.assert_allclose(_llama_logits(tmp_path / "lm.gguf"), want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

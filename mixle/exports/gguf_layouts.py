@@ -105,8 +105,10 @@ def _norm_eps(norm, path, kind, eps):
 # ----------------------------------------------------------------------------------------------
 # gpt2: mixle's build_causal_lm.
 
-# llama.cpp's gpt2 graph computes ggml_gelu, the tanh approximation: build_causal_lm's "gelu_tanh".
+# llama.cpp's gpt2 graph computes ggml_gelu, the tanh approximation: build_causal_lm's "gelu_tanh"
+# ("gelu_tanh_f16": the same through the float16 table its CPU backend uses).
 GPT2_ACTIVATION = "gelu_tanh"
+GPT2_ACTIVATIONS = ("gelu_tanh", "gelu_tanh_f16")
 
 
 def gpt2_layout(model, names, kinds):
@@ -125,7 +127,7 @@ def gpt2_layout(model, names, kinds):
                  ("norm2", kinds.FFN_NORM), ("fc", kinds.FFN_UP), ("out", kinds.FFN_DOWN))
     heads = {block.n_head for block in model.blocks}
     notes = []
-    erf = [i for i, block in enumerate(model.blocks) if getattr(block, "activation", "gelu") != GPT2_ACTIVATION]
+    erf = [i for i, block in enumerate(model.blocks) if getattr(block, "activation", "gelu") not in GPT2_ACTIVATIONS]
     if erf:
         found = model.blocks[erf[0]].activation
         notes.append((f"blocks {erf} use activation={found!r}, but llama.cpp's gpt2 graph computes tanh-approximated "

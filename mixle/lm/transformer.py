@@ -8,11 +8,56 @@ from torch import nn
 
 __all__ = ["CausalLM", "Block", "build_causal_lm", "ACTIVATIONS"]
 
-# The MLP activations a block can use: erf GELU (torch's default) or the tanh approximation,
-# which is what llama.cpp's ``gpt2`` graph computes (so a model meant for save_gguf trains on it).
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_F16_TABLE = []
+
+
+def _gelu_f16_table():
+    """ggml's table: ``float16(gelu_tanh(h))`` for every float16 ``h``, in float32 and in ggml's
+    operation order (``0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x)))``)."""
+    if not _F16_TABLE:
+        import numpy as np
+
+        h = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        with np.errstate(all="ignore"):
+            inner = np.float32(math.sqrt(2 / math.pi)) * h * (np.float32(1) + np.float32(0.044715) * h * h)
+            tanh = np.tanh(inner.astype(np.float64)).astype(np.float32)  # tanhf, correctly rounded
+            table = (np.float32(0.5) * h * (np.float32(1) + tanh)).astype(np.float16).astype(np.float32)
+        _F16_TABLE.append(torch.from_numpy(table))
+    return _F16_TABLE[0]
+
+
+class _GeluTanhF16(torch.autograd.Function):
+    """llama.cpp's CPU GELU: a table of tanh GELU at every float16 value, looked up at
+    ``float16(x)`` for ``-10 < x < 10``; 0 at or below -10, ``x`` at or above 10. The backward is
+    tanh GELU's own derivative at ``x`` (the float16 roundings pass the gradient straight through)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        index = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+        table = _gelu_f16_table().to(x.device)[index].to(x.dtype)
+        return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, table))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            return torch.autograd.grad(_gelu_tanh(leaf), leaf, grad)[0]
+
+
+# The MLP activations a block can use: erf GELU (torch's default); the tanh approximation, which
+# is what llama.cpp's ``gpt2`` graph computes (so a model meant for save_gguf trains on it); and
+# the same through the float16 table llama.cpp's CPU backend looks it up in, value for value.
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": _gelu_tanh,
+    "gelu_tanh_f16": _GeluTanhF16.apply,
 }
 
 
@@ -123,9 +168,11 @@ def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64, activatio
         n_layer: number of transformer blocks.
         n_head: attention heads per block.
         block: longest context (number of learned positions).
-        activation: the MLP activation, ``"gelu"`` (erf, the default) or ``"gelu_tanh"`` (the tanh
+        activation: the MLP activation, ``"gelu"`` (erf, the default), ``"gelu_tanh"`` (the tanh
             approximation llama.cpp's ``gpt2`` graph computes: use it for a model meant for
-            ``save_gguf``).
+            ``save_gguf``) or ``"gelu_tanh_f16"`` (the same through llama.cpp's CPU float16
+            table, ``float16(gelu_tanh(float16(x)))``: with ``act_bits=8`` on the q4_0/q8_0
+            grids, mixle's forward then matches llama.cpp's CPU logits to float rounding).
 
     >>> lm = build_causal_lm(vocab=50, d_model=32, n_layer=1, n_head=2, block=8)
     >>> lm.head.weight is lm.tok.weight, lm(torch.zeros(3, 5, dtype=torch.long)).shape
@@ -139,5 +186,5 @@ def build_causal_lm(vocab, d_model=128, n_layer=3, n_head=4, block=64, activatio
         raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}: e.g. n_head=4 with d_model=128")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is unknown: use one of {sorted(ACTIVATIONS)} "
-                         f"('gelu_tanh' is what llama.cpp's gpt2 graph computes)")
+                         f"('gelu_tanh' is what llama.cpp's gpt2 graph computes, 'gelu_tanh_f16' as its CPU table)")
     return CausalLM(vocab, d_model, n_layer, n_head, block, activation)
