@@ -170,6 +170,8 @@ def test_bad_input_gets_clear_errors(tmp_path, capsys):
     assert "needs d_model divisible by 32, the Q4_0 block, got d_model=48" in _cli_error(["--d-model", "48"], capsys)
     assert "--no-gguf" in _cli_error(["--d-model", "48"], capsys)
     assert not CompareConfig(d_model=48, gguf=False).gguf  # the rows left out, any width
+    parse = lambda *flags: cli.config_from_args(cli.build_parser().parse_args(["compare", *flags]))  # noqa: E731
+    assert parse().gguf and not parse("--no-gguf").gguf
     with pytest.raises(ValueError, match="bits=3 is not supported"):
         CompareConfig(bits=(4, 3))
     with pytest.raises(ValueError, match="group_size=7 does not divide d_model=32"):
