@@ -141,16 +141,16 @@ class CompareConfig:
         if self.scale_lr is not None and (not isinstance(self.scale_lr, int | float) or not
                                           (math.isfinite(self.scale_lr) and self.scale_lr > 0)):
             raise ValueError(f"scale_lr={self.scale_lr!r} must be a positive number or None")
-        if self.gguf and self.d_model % GGUF_SPEC.group_size:
-            raise ValueError(f"gguf=True (the llama.cpp rows) needs d_model divisible by {GGUF_SPEC.group_size}, "
-                             f"the Q4_0 block, got d_model={self.d_model}: use e.g. 128, or gguf=False "
-                             f"(--no-gguf) to leave those rows out")
         if self.act8 and self.d_model % self.act8_group_size:
             raise ValueError(f"act8_group_size={self.act8_group_size} must divide d_model={self.d_model}")
         if self.distill_weight > 1:
             raise ValueError(f"distill_weight={self.distill_weight!r} must be in (0, 1]")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.gguf and self.d_model % GGUF_SPEC.group_size:
+            raise ValueError(f"gguf=True (the llama.cpp rows) needs d_model divisible by {GGUF_SPEC.group_size}, "
+                             f"the Q4_0 block, got d_model={self.d_model}: use e.g. 128, or gguf=False "
+                             f"(--no-gguf) to leave those rows out")
         self.spec(self.bits[0])  # validates group_size and clip_percentile
         if self.group_size is not None and self.d_model % self.group_size:
             raise ValueError(
@@ -561,19 +561,23 @@ def _llama_cpp():
 
 @contextlib.contextmanager
 def _quiet_stderr():
-    """Send what C code writes to stderr (file descriptor 2) to the null device meanwhile."""
+    """Silence stderr meanwhile: what C code writes to file descriptor 2 and what Python prints to
+    ``sys.stderr`` (llama-cpp-python's log callback)."""
+    import io
+
     try:
         saved = os.dup(2)
     except OSError:
-        yield
-        return
+        saved = None
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(io.StringIO()):
+            if saved is not None:
+                os.dup2(null.fileno(), 2)
             yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _llama_cpp_loss(path, windows, threads):
@@ -584,18 +588,19 @@ def _llama_cpp_loss(path, windows, threads):
         return None
     block = windows.shape[1] - 1
     threads = threads or _torch().get_num_threads()
+    total = 0.0
     with _quiet_stderr():  # llama.cpp notes that it pads the context to 256 tokens: nothing to act on
         llm = llama_cpp.Llama(model_path=path, n_ctx=block, logits_all=True, n_threads=threads,
                               n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
-    total = 0.0
-    for window in windows:
-        llm.reset()
-        llm.eval(window[:-1].tolist())
-        logits = np.asarray(llm.scores[:block], dtype=np.float64)
-        top = logits.max(-1, keepdims=True)
-        logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-        total += float((logz - logits[np.arange(block), window[1:]]).sum())
-    llm.close()
+        for window in windows:
+            llm.reset()
+            llm.eval(window[:-1].tolist())
+            logits = np.asarray(llm.scores[:block], dtype=np.float64)
+            top = logits.max(-1, keepdims=True)
+            logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+            total += float((logz - logits[np.arange(block), window[1:]]).sum())
+        llm.close()
+        del llm
     info = {"llama_cpp_python": llama_cpp.__version__, "kv_cache": "f32", "threads": threads}
     return total / (windows.shape[0] * block), info
 
