@@ -1,21 +1,23 @@
 """Parity of save_gguf files with llama.cpp: weights, logits and held-out perplexity per architecture.
 
-For each architecture (mixle's build_causal_lm as ``gpt2``, transformers' Llama as ``llama`` and
-Qwen2 as ``qwen2``, all tiny and on the embedded corpus' characters) the model is trained in fp32,
-then QAT-trained on ``grid="q4_0"`` (``--grid``), written with ``save_gguf`` and:
+For each architecture (mixle's build_causal_lm as ``gpt2``, with the tanh GELU llama.cpp's graph
+computes; transformers' Llama as ``llama`` and Qwen2 as ``qwen2``, all tiny and on the embedded
+corpus' characters) the model is trained in fp32, then QAT-trained on ``grid="q4_0"`` (``--grid``)
+twice from that checkpoint with the same batches: weights only, and with ``act_bits=8`` (the
+activations of every quantized product fake-quantized as the Q8_0 blocks of 32 llama.cpp's CPU
+path makes of them, in training and evaluation). Each is written with ``save_gguf`` and:
 
 * weights: every tensor read back with gguf-py and dequantized with gguf's code, compared bit for
   bit with what mixle's fake-quant forward multiplies with (rows of Llama's q/k put back);
 * logits: the file loaded in llama.cpp (llama-cpp-python, F32 KV cache) fed the same token ids as
-  mixle's fake-quant forward; max |logit difference| over the held-out windows;
-* activations: llama.cpp's CPU path quantizes each matmul input to Q8_0 blocks before Q4_0/Q8_0
-  dot products; the same max difference against mixle's forward with that emulated (inputs of
-  every quantized layer through ``quantize_dequantize_array(x, bits=8, grid="q8_0")``) says how
-  much of the difference it explains;
+  mixle's fake-quant forward; max |logit difference| over the held-out windows. For the
+  weights-only model also against its forward with ``act_bits=8`` switched on at evaluation
+  only (how much of the gap the activation quantization explains);
 * perplexity on the held-out windows, from mixle's logits and from llama.cpp's.
 
-Float matrices (Qwen2's untied token embedding) are written with save_gguf's default Q8_0, so
-llama.cpp embeds with those while mixle's forward uses the float table: part of qwen2's gap.
+gpt2 also runs a third QAT with ``act_bits=8`` and ``activation="gelu_tanh_f16"`` (its GELU
+through the float16 table llama.cpp's CPU backend looks it up in): then mixle's forward computes
+what llama.cpp's CPU path computes, up to float32 summation order.
 
     pip install llama-cpp-python==0.3.36    # builds llama.cpp from source (~13 min on 2 cores)
     python benchmarks/gguf_parity.py --quick
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mixle.core.numerics import quantize_dequantize_array
+from mixle.torch_backend.activations import quantize_dequantize_activations
 from mixle.exports.gguf_layouts import layout_of
 from mixle.lm.data import load_splits
 from mixle.models.qat import apply_qat
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", default="q4_0", choices=("q4_0", "q8_0"))
     p.add_argument("--steps", type=int, default=200, help="fp32 training steps per model")
-    p.add_argument("--qat-steps", type=int, default=100, help="QAT steps per model")
+    p.add_argument("--qat-steps", type=int, default=100, help="QAT steps per model (each of the two QAT runs)")
     p.add_argument("--windows", type=int, default=16, help="held-out windows evaluated")
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
@@ -63,7 +66,7 @@ def parse_args(argv=None):
 def build(arch, vocab, block):
     torch.manual_seed(0)
     if arch == "gpt2":
-        return build_causal_lm(vocab=vocab, d_model=128, n_layer=2, n_head=4, block=block)
+        return build_causal_lm(vocab=vocab, d_model=128, n_layer=2, n_head=4, block=block, activation="gelu_tanh")
     import transformers
 
     fields = dict(vocab_size=vocab, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
@@ -125,7 +128,7 @@ def weight_parity(model, path, gguf, float_matrices):
 
 
 class ActivationQ8:
-    """Fake-quantize the input of every quantized layer to Q8_0 blocks, as ggml's CPU path does."""
+    """Evaluate a weights-only QAT model with its activations as llama.cpp's Q8_0 blocks (act_bits=8)."""
 
     def __init__(self, model):
         self.handles = [m.register_forward_pre_hook(self.hook) for m in model.modules()
@@ -133,7 +136,7 @@ class ActivationQ8:
 
     @staticmethod
     def hook(module, args):
-        return (quantize_dequantize_array(args[0].contiguous(), bits=8, grid="q8_0"),) + args[1:]
+        return (quantize_dequantize_activations(args[0], module.spec.replace(act_bits=8)),) + args[1:]
 
     def remove(self):
         for handle in self.handles:
@@ -148,34 +151,64 @@ def perplexity(logits, ids):
     return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
 
 
-def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
-    model = build(arch, tokenizer.vocab_size, args.block)
-    train(model, train_ids, args.block, args.steps, 0, f"{arch} fp32")
-    model = apply_qat(model, bits=4 if args.grid == "q4_0" else 8, grid=args.grid)
-    train(model, train_ids, args.block, args.qat_steps, 1, f"{arch} QAT {args.grid}")
-    path = os.path.join(tempfile.mkdtemp(), f"{arch}.gguf")
-    save_gguf(model, path, tokenizer=tokenizer, float_matrices=args.float_matrices)
-    same, total = weight_parity(model, path, gguf, args.float_matrices)
-    starts = np.linspace(0, len(held_ids) - args.block - 1, args.windows).astype(int)
-    windows = [held_ids[s : s + args.block].numpy() for s in starts]
-    with torch.no_grad():
-        mixle_logits = [logits_of(model, torch.from_numpy(w)[None])[0].numpy() for w in windows]
-        hooks = ActivationQ8(model)
-        emulated = [logits_of(model, torch.from_numpy(w)[None])[0].numpy() for w in windows]
-        hooks.remove()
+def llama_cpp_logits(path, windows, args, llama_cpp, label):
     llm = llama_cpp.Llama(model_path=path, n_ctx=args.block, logits_all=True, n_threads=args.threads,
                           type_k=0, type_v=0, verbose=False)
-    cpp_logits = []
-    for w in tqdm(windows, desc=f"{arch} llama.cpp", leave=False):
+    out = []
+    for w in tqdm(windows, desc=label, leave=False):
         llm.reset()
         llm.eval(w.tolist())
-        cpp_logits.append(np.array(llm.scores[: len(w)], dtype=np.float32))
-    diff = max(float(np.abs(c - m).max()) for c, m in zip(cpp_logits, mixle_logits))
-    diff_emulated = max(float(np.abs(c - e).max()) for c, e in zip(cpp_logits, emulated))
-    scale = max(float(np.abs(m).max()) for m in mixle_logits)
+        out.append(np.array(llm.scores[: len(w)], dtype=np.float32))
+    return out
+
+
+def mixle_logits(model, windows):
+    with torch.no_grad():
+        return [logits_of(model, torch.from_numpy(w)[None])[0].numpy() for w in windows]
+
+
+def max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def mean_diff(a, b):
+    return float(np.mean([np.abs(x - y).mean() for x, y in zip(a, b)]))
+
+
+def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
+    import copy
+
+    base = build(arch, tokenizer.vocab_size, args.block)
+    train(base, train_ids, args.block, args.steps, 0, f"{arch} fp32")
+    starts = np.linspace(0, len(held_ids) - args.block - 1, args.windows).astype(int)
+    windows = [held_ids[s : s + args.block].numpy() for s in starts]
     ppl = lambda runs: math.exp(np.mean([math.log(perplexity(l, w)) for l, w in zip(runs, windows)]))  # noqa: E731
-    return dict(arch=arch, same=same, total=total, diff=diff, diff_emulated=diff_emulated, scale=scale,
-                ppl_mixle=ppl(mixle_logits), ppl_emulated=ppl(emulated), ppl_cpp=ppl(cpp_logits))
+    rows = []
+    # gpt2 also with the GELU through llama.cpp's CPU float16 table (same checkpoint, switched for QAT).
+    variants = [(None, None), (8, None)] + ([(8, "gelu_tanh_f16")] if arch == "gpt2" else [])
+    for act_bits, activation in variants:
+        label = f"{arch} QAT {args.grid}" + (" + act Q8_0" if act_bits else "") + (f" {activation}" if activation else "")
+        start = copy.deepcopy(base)
+        if activation is not None:
+            for block in start.blocks:
+                block.activation = activation
+        model = apply_qat(start, bits=4 if args.grid == "q4_0" else 8, grid=args.grid, act_bits=act_bits)
+        train(model, train_ids, args.block, args.qat_steps, 1, label)  # same batches for both
+        path = os.path.join(tempfile.mkdtemp(), f"{arch}.gguf")
+        save_gguf(model, path, tokenizer=tokenizer, float_matrices=args.float_matrices)
+        same, total = weight_parity(model, path, gguf, args.float_matrices)
+        ours = mixle_logits(model, windows)
+        cpp = llama_cpp_logits(path, windows, args, llama_cpp, f"{label} llama.cpp")
+        row = dict(arch=arch, act=("a8" if act_bits else "-") + (" f16 GELU" if activation else ""), same=same, total=total, diff=max_diff(cpp, ours),
+                   mean=mean_diff(cpp, ours),
+                   scale=max(float(np.abs(m).max()) for m in ours), ppl_mixle=ppl(ours), ppl_cpp=ppl(cpp),
+                   diff_emulated=None)
+        if act_bits is None:
+            hooks = ActivationQ8(model)
+            row["diff_emulated"] = max_diff(cpp, mixle_logits(model, windows))
+            hooks.remove()
+        rows.append(row)
+    return rows
 
 
 def cpu_name():
@@ -202,13 +235,16 @@ def main(argv=None):
     rows = []
     for arch in args.archs.split(","):
         start = time.perf_counter()
-        rows.append(run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp))
+        rows += run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp)
         rows[-1]["seconds"] = time.perf_counter() - start
-    print(f"{'arch':<6} {'tensors bit-identical':>22} {'max|dlogit| vs fq':>18} {'vs fq+act Q8_0':>15} "
-          f"{'max|logit|':>10} {'ppl mixle':>10} {'ppl fq+actQ8':>12} {'ppl llama.cpp':>13}")
+    print("max|dlogit| (mean): llama.cpp vs mixle's forward of the same model; 'eval a8': max for the weights-only "
+          "model evaluated with act_bits=8")
+    print(f"{'arch':<6} {'QAT act':<12} {'tensors bit-identical':>22} {'max|dlogit|':>12} {'mean':>9} {'eval a8':>9} "
+          f"{'max|logit|':>10} {'ppl mixle':>10} {'ppl llama.cpp':>13}")
     for r in rows:
-        print(f"{r['arch']:<6} {r['same']:>12d} / {r['total']:<7d} {r['diff']:>18.4g} {r['diff_emulated']:>15.4g} "
-              f"{r['scale']:>10.3g} {r['ppl_mixle']:>10.4f} {r['ppl_emulated']:>12.4f} {r['ppl_cpp']:>13.4f}")
+        emulated = "" if r["diff_emulated"] is None else f"{r['diff_emulated']:.4g}"
+        print(f"{r['arch']:<6} {r['act']:<12} {r['same']:>12d} / {r['total']:<7d} {r['diff']:>12.4g} {r['mean']:>9.2g} {emulated:>9} "
+              f"{r['scale']:>10.3g} {r['ppl_mixle']:>10.4f} {r['ppl_cpp']:>13.4f}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ def int_model_bytes(vocab, d, n_layer, block, bits):
     return codes + scales + floats
 
 
+def gguf_q4_0_bytes(vocab, d, n_layer, block):
+    """Tensor bytes of the GGUF file of a build_causal_lm with every matrix Q4_0 (18 bytes per 32 weights)."""
+    weights = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * n_layer + [(vocab, d)]
+    floats = 4 * (block * d + n_layer * (2 * d + 3 * d + d + 2 * d + 4 * d + d) + 2 * d)
+    return sum(o * i for o, i in weights) // 32 * 18 + floats
+
+
 def test_held_out_loss_matches_a_numpy_cross_entropy():
     torch.manual_seed(0)
     lm = build_causal_lm(vocab=20, d_model=16, n_layer=1, n_head=2, block=8)
@@ -76,6 +83,18 @@ def test_qat_beats_ptq_at_int4_on_the_embedded_corpus():
     assert baseline - tuned > 0.01  # PTQ really loses something at this size (about 0.02 nats)
     assert qat < baseline - 0.5 * (baseline - tuned)  # QAT recovers more than half of it (about 80%)
     assert qat < loss[("PTQ", 4)]
+    # The llama.cpp rows, from the GGUF files' weights: QAT on q4_0 vs fine-tune + PTQ into Q4_0.
+    rows = {r["method"]: r for r in results["rows"]}
+    tuned, baseline = loss[("fp32 fine-tune (tanh GELU)", 32)], loss[("fine-tune + PTQ (GGUF q4_0)", 4)]
+    qat = rows["QAT (GGUF q4_0)"]
+    assert baseline - tuned > 0.005  # Q4_0's blocks of 32 lose less than per-channel int4 (about 0.009 nats)
+    assert qat["loss"] < baseline - 0.5 * (baseline - tuned)
+    assert qat["loss"] == qat["fake_quant_loss"]  # the file's weights are the ones QAT trained, bit for bit
+    assert results["summary"]["gguf_q4_0"]["QAT (GGUF q4_0)"]["recovered_percent"] > 50
+    if results["llama_cpp"] is not None:  # llama.cpp itself on the same windows (Q8_0 activations, f16 GELU table)
+        for row in rows.values():
+            if "llama_cpp_loss" in row:
+                assert row["llama_cpp_loss"] == pytest.approx(row["loss"], abs=0.01)
 
 
 def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
@@ -88,22 +107,26 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     methods = [(r["method"], r["bits"]) for r in results["rows"]]
     assert methods == [("fp32", 32), ("PTQ", 4), ("PTQ", 8), ("fp32 fine-tune", 32),
-                       ("fine-tune + PTQ", 4), ("fine-tune + PTQ", 8), ("QAT", 4), ("QAT", 8)]
+                       ("fine-tune + PTQ", 4), ("fine-tune + PTQ", 8), ("QAT", 4), ("QAT", 8),
+                       ("fp32 fine-tune (tanh GELU)", 32), ("fine-tune + PTQ (GGUF q4_0)", 4), ("QAT (GGUF q4_0)", 4)]
     smoke = PRESETS["smoke"]
     vocab = results["data"]["vocab"]
     for row in results["rows"]:
         assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
-        if row["bits"] != 32:
+        if "GGUF" in row["method"]:
+            assert row["bytes"] == gguf_q4_0_bytes(vocab, smoke.d_model, smoke.n_layer, smoke.block)
+        elif row["bits"] != 32:
             assert row["bytes"] == int_model_bytes(vocab, smoke.d_model, smoke.n_layer, smoke.block, row["bits"])
         if row["method"] == "QAT":
             assert row["loss"] == row["fake_quant_loss"]  # converted int model == fake-quant model
     n_params = results["model"]["parameters"]
     assert results["model"]["fp32_bytes"] == 4 * n_params
-    assert set(results["summary"]) == {"int4", "int8"}
-    assert set(results["curves"]) == {"fp32", "fp32 fine-tune", "QAT int4", "QAT int8"}
+    assert set(results["summary"]) == {"int4", "int8", "gguf_q4_0"}
+    assert set(results["curves"]) == {"fp32", "fp32 fine-tune", "QAT int4", "QAT int8", "fp32 fine-tune (tanh GELU)",
+                                      "QAT (GGUF q4_0)"}
     assert len(results["curves"]["QAT int4"]["train_loss"]) == smoke.finetune_steps
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for line in ("QAT", "fine-tune + PTQ", "int4:", "int8:"):
+    for line in ("QAT", "fine-tune + PTQ", "int4:", "int8:", "gguf_q4_0:", "evaluated from the GGUF file's weights"):
         assert line in table
 
 
@@ -144,6 +167,11 @@ def test_bad_input_gets_clear_errors(tmp_path, capsys):
     assert "block=600000 is larger than the data" in _cli_error(["--block", "600000"], capsys)
     assert "bits=3 is not supported: compare int4 and/or int8" in _cli_error(["--bits", "3"], capsys)
     assert "d_model=30 must be divisible by n_head=4" in _cli_error(["--d-model", "30", "--n-head", "4"], capsys)
+    assert "needs d_model divisible by 32, the Q4_0 block, got d_model=48" in _cli_error(["--d-model", "48"], capsys)
+    assert "--no-gguf" in _cli_error(["--d-model", "48"], capsys)
+    assert not CompareConfig(d_model=48, gguf=False).gguf  # the rows left out, any width
+    parse = lambda *flags: cli.config_from_args(cli.build_parser().parse_args(["compare", *flags]))  # noqa: E731
+    assert parse().gguf and not parse("--no-gguf").gguf
     with pytest.raises(ValueError, match="bits=3 is not supported"):
         CompareConfig(bits=(4, 3))
     with pytest.raises(ValueError, match="group_size=7 does not divide d_model=32"):

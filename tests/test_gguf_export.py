@@ -23,7 +23,7 @@ PARTS = {"norm1": "attn_norm", "qkv": "attn_qkv", "proj": "attn_output", "norm2"
 
 def _lm(seed=0):
     torch.manual_seed(seed)
-    lm = build_causal_lm(vocab=VOCAB, d_model=D, n_layer=LAYERS, n_head=HEADS, block=CONTEXT)
+    lm = build_causal_lm(vocab=VOCAB, d_model=D, n_layer=LAYERS, n_head=HEADS, block=CONTEXT, activation="gelu_tanh")
     with torch.no_grad():  # non-zero biases and norms, so a swapped tensor would show
         for name, param in lm.named_parameters():
             if param.dim() == 1:
@@ -117,7 +117,7 @@ def test_float_model_and_float_matrix_options(tmp_path):
 
 
 def _gpt2_logits(tensors, ids, heads, eps):
-    """llama.cpp's gpt2 graph in numpy from the file's tensors (erf GELU, as mixle's block)."""
+    """llama.cpp's gpt2 graph in numpy from the file's tensors (tanh GELU, as ggml_gelu)."""
     t = {name: value for name, (_, value) in tensors.items()}
 
     def norm(x, name):
@@ -128,7 +128,6 @@ def _gpt2_logits(tensors, ids, heads, eps):
     def dense(x, name):
         return x @ t[name + ".weight"].T + t[name + ".bias"]
 
-    erf = np.vectorize(math.erf)
     x = t["token_embd.weight"][ids] + t["position_embd.weight"][: len(ids)]
     n, width = x.shape
     hd = width // heads
@@ -143,7 +142,8 @@ def _gpt2_logits(tensors, ids, heads, eps):
             out[:, cols] = (weights / weights.sum(-1, keepdims=True)) @ v[:, cols]
         x = x + dense(out, f"blk.{i}.attn_output")
         up = dense(norm(x, f"blk.{i}.ffn_norm"), f"blk.{i}.ffn_up")
-        x = x + dense(0.5 * up * (1 + erf(up / np.sqrt(2))), f"blk.{i}.ffn_down")
+        gelu = 0.5 * up * (1 + np.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up**3)))
+        x = x + dense(gelu, f"blk.{i}.ffn_down")
     return norm(x, "output_norm") @ t["token_embd.weight"].T  # no output.weight: the tied head
 
 
@@ -164,7 +164,8 @@ def test_file_computes_the_qat_forward(tmp_path):
 def test_metadata_llama_cpp_needs_for_gpt2(tmp_path):
     text = "hello, gguf world\n"
     tokenizer = CharTokenizer(text)
-    lm = apply_qat(build_causal_lm(vocab=tokenizer.vocab_size, d_model=32, n_layer=1, n_head=2, block=8), grid="q4_0")
+    lm = apply_qat(build_causal_lm(vocab=tokenizer.vocab_size, d_model=32, n_layer=1, n_head=2, block=8,
+                                   activation="gelu_tanh"), grid="q4_0")
     save_gguf(lm, tmp_path / "lm.gguf", tokenizer=tokenizer)
     reader = gguf.GGUFReader(tmp_path / "lm.gguf")
     expected = {"general.architecture": "gpt2", "gpt2.context_length": 8, "gpt2.embedding_length": 32,
@@ -177,6 +178,25 @@ def test_metadata_llama_cpp_needs_for_gpt2(tmp_path):
     assert tokens == [{" ": "Ġ", "\n": "Ċ"}.get(ch, ch) for ch in tokenizer.chars]
     assert _field(reader, "tokenizer.ggml.token_type") == [1] * tokenizer.vocab_size
     assert len(_field(reader, "tokenizer.ggml.merges")) >= 1  # llama.cpp refuses gpt2 without merges
+
+
+def test_erf_gelu_is_refused_unless_accepted_and_the_written_epsilon_is_the_models(tmp_path):
+    erf = build_causal_lm(vocab=VOCAB, d_model=D, n_layer=LAYERS, n_head=HEADS, block=CONTEXT)
+    with pytest.raises(ValueError, match=r"blocks \[0, 1\] use activation='gelu'.*activation='gelu_tanh'.*"
+                                         r"allow_activation_mismatch=True"):
+        save_gguf(erf, tmp_path / "erf.gguf")
+    assert not (tmp_path / "erf.gguf").exists()
+    save_gguf(erf, tmp_path / "erf.gguf", allow_activation_mismatch=True)
+    lm = _lm()
+    for module in lm.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = 3e-6
+    save_gguf(lm, tmp_path / "lm.gguf")
+    eps = _field(gguf.GGUFReader(tmp_path / "lm.gguf"), "gpt2.attention.layer_norm_epsilon")
+    assert eps == np.float32(3e-6)  # stored as float32, the precision ggml's norm computes in
+    lm.blocks[1].norm2.eps = 1e-5
+    with pytest.raises(ValueError, match=r"layer 'blocks.1.norm2' has eps=1e-05, another norm eps=3e-06"):
+        save_gguf(lm, tmp_path / "lm.gguf")
 
 
 def test_vocabulary_merges_come_from_the_tokens():

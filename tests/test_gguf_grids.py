@@ -241,3 +241,94 @@ def test_flax_refuses_the_llama_cpp_grids():
 
     with pytest.raises(ValueError, match=r"grid='q4_0'.*not supported by the flax backend"):
         QuantSpec(grid="q4_0").check_backend("flax", WEIGHT_FIELDS, "fake-quantizes weights")
+
+
+# ----------------------------------------------------------------------------------------------
+# act_bits=8 on llama.cpp's grids: the activations of a Q4_0/Q8_0 product as ggml's CPU path
+# quantizes them, Q8_0 blocks of 32 along each token's inputs.
+
+
+def _gguf_activations(x):
+    """The oracle: each token's inputs through gguf-py's Q8_0 quantize and dequantize."""
+    x = np.asarray(x, np.float32)
+    return gguf_round_trip(x.reshape(-1, x.shape[-1]), "q8_0").reshape(x.shape)
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_activation_blocks_equal_gguf_q8_0_bit_for_bit(grid):
+    from mixle.torch_backend.activations import quantize_dequantize_activations
+
+    rng = np.random.default_rng(7)
+    special = np.stack([np.asarray(r, np.float32) for r in special_blocks()]).reshape(-1, 64)
+    tokens = np.concatenate([special, (rng.standard_normal((5 * 7, 64)) * rng.choice([1e-3, 1, 30], (35, 1)))])
+    x = tokens.astype(np.float32)[: 5 * (len(tokens) // 5)].reshape(5, -1, 64)
+    spec = QuantSpec(**_spec_fields(grid), act_bits=8)
+    got = quantize_dequantize_activations(torch.from_numpy(x), spec)
+    np.testing.assert_array_equal(bits_of(got), bits_of(_gguf_activations(x)))
+    assert spec.grid_record.activation_grid == "q8_0"  # data on the grid, not a branch on its name
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_act8_qat_forward_backward_convert_and_toggle(grid, tmp_path):
+    from mixle.api import apply_qat, convert, load_quantized, save_quantized, set_fake_quant_enabled
+
+    model = apply_qat(_mlp(), **_spec_fields(grid), act_bits=8)
+    x = (torch.randn(3, 4, 64) * 2).requires_grad_()
+    w0, w1 = (torch.from_numpy(gguf_round_trip(layer.weight.detach().numpy(), grid)) for layer in (model[0], model[2]))
+    a0 = torch.from_numpy(_gguf_activations(x.detach().numpy())).requires_grad_()
+    hidden = model[1](torch.nn.functional.linear(a0, w0, model[0].bias))
+    a1 = torch.from_numpy(_gguf_activations(hidden.detach().numpy()))
+    a1 = a1 + (hidden - hidden.detach())  # STE: the gradient passes the activation rounding unchanged
+    want = torch.nn.functional.linear(a1, w1, model[2].bias)
+    got = model(x)
+    assert torch.equal(got, want)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    (input_grad,) = torch.autograd.grad(want, a0, grad)
+    assert torch.equal(x.grad, input_grad)
+    with torch.no_grad():
+        fake = model(x)
+        converted = convert(model)
+        assert torch.equal(converted(x), fake)  # convert == fake-quant, bit for bit
+        save_quantized(converted, tmp_path / "m.safetensors")
+        loaded = load_quantized(tmp_path / "m.safetensors", _mlp(1))
+        assert loaded[0].spec.act_bits == 8 and torch.equal(loaded(x), fake)
+        set_fake_quant_enabled(model, False)
+        assert torch.equal(model(x), _mlp()(x))  # the toggle is exact: plain float maths
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_scale_overflow_names_the_layer_in_the_qat_forward_and_convert():
+    from mixle.api import apply_qat, convert
+
+    model = apply_qat(_mlp(), grid="q4_0")
+    with torch.no_grad():
+        model[2].weight[3, 5] = 1e6
+    words = r"layer '2': a block scale does not fit float16 \(largest 125000\)"
+    with pytest.raises(ValueError, match=words):
+        model(torch.randn(2, 64))
+    with pytest.raises(ValueError, match=words):
+        convert(model)
+    # Activations: a Q8_0 block scale above float16's range (|x| > 127 * 65504), in training and converted.
+    model = apply_qat(_mlp(), bits=8, grid="q8_0", act_bits=8)
+    x = torch.ones(2, 64)
+    x[1, 40] = 1e7
+    words = r"layer '0': the activations reach 1e\+07: their q8_0 block scale .* does not fit float16"
+    with pytest.raises(ValueError, match=words):
+        model(x)
+    with torch.no_grad(), pytest.raises(ValueError, match=words):
+        convert(model)(x)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(bits=4, grid="q4_0", act_bits=4), r"act_bits=4 with grid='q4_0': its activations are quantized on "
+                                            r"grid 'q8_0'.*use act_bits=8"),
+    (dict(bits=8, grid="q8_0", act_bits=8, act_symmetric=False), r"act_symmetric=False with grid='q8_0'.*symmetric"),
+])
+def test_activation_forms_the_grids_do_not_have_are_refused(fields, words):
+    from mixle.api import apply_qat
+
+    net = _mlp()
+    with pytest.raises(ValueError, match=words):
+        apply_qat(net, **fields)
+    assert type(net[0]) is torch.nn.Linear  # the model is unchanged

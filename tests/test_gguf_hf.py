@@ -202,3 +202,24 @@ def test_non_byte_level_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"WordLevel model without GPT-2's byte-level pre-tokenizer.*pass vocab="):
         save_gguf(_model("qwen2", False), tmp_path / "m.gguf", tokenizer=tokenizer)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_load_gguf_weights_puts_the_file_back_into_the_model(tmp_path):
+    """The file's weights, llama.cpp's q/k row order undone, give the QAT model's logits."""
+    from mixle.task.quantize import load_gguf_weights
+
+    model = apply_qat(_model("llama", False), grid="q4_0")
+    save_gguf(model, tmp_path / "m.gguf", float_matrices="f32")
+    float_model = _model("llama", False)
+    back = load_gguf_weights(float_model, tmp_path / "m.gguf")
+    assert not any(hasattr(m, "spec") for m in back.modules()) and back is not float_model
+    attn, qat_attn = back.model.layers[1].self_attn, model.model.layers[1].self_attn
+    for name in ("q_proj", "k_proj", "o_proj"):
+        assert torch.equal(getattr(attn, name).weight, getattr(qat_attn, name).quantized_weight().detach()), name
+    ids = torch.tensor([[1, 7, 3, 60, 2, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"model has quantized layers \('model.layers.0.self_attn.q_proj'"):
+        load_gguf_weights(model, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"holds llama.cpp's 'llama', but the model is written as 'qwen2'"):
+        load_gguf_weights(_model("qwen2", False), tmp_path / "m.gguf")

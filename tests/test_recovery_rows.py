@@ -8,7 +8,7 @@ from mixle.lm.compare import PRESETS, run_compare, summarize
 
 def test_compare_adds_every_option_row_with_real_int_models():
     config = PRESETS["smoke"].replace(bits=(4,), distill=True, learned_scales=True, act8=True, finetune_steps=6,
-                                      eval_windows=8)
+                                      eval_windows=8, gguf=False)  # the llama.cpp rows: test_compare
     results = run_compare(config, progress=False)
     rows = {r["method"]: r for r in results["rows"]}
     for method in ("QAT + learned scales", "QAT + distill", "QAT + learned + distill", "8da4w fine-tune + PTQ",

@@ -1,5 +1,7 @@
 """build_causal_lm: shapes, causality, the tied head, sequence log-probabilities and QAT wrapping."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,41 @@ def test_bad_sizes_and_inputs_are_refused():
         lm(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         lm(torch.zeros(5, dtype=torch.long))
+
+
+def test_gelu_tanh_option_computes_the_tanh_approximation():
+    erf, tanh = small(seed=3), small(seed=3, activation="gelu_tanh")
+    assert [b.activation for b in tanh.blocks] == ["gelu_tanh"] * 2 and erf.blocks[0].activation == "gelu"
+    seen = []
+    tanh.blocks[0].out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    tanh.blocks[0].fc.register_forward_hook(lambda module, args, out: seen.append(out))
+    idx = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        tanh(idx), erf(idx)
+    up, act = seen[0].double().numpy(), seen[1].double().numpy()  # fc runs before out
+    want = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up**3)))
+    np.testing.assert_allclose(act, want, rtol=1e-6, atol=1e-7)  # float32 torch vs float64 numpy
+    with pytest.raises(ValueError, match=r"activation='relu' is unknown: use one of \['gelu', 'gelu_tanh', "):
+        small(activation="relu")
+
+
+def test_gelu_tanh_f16_is_llama_cpps_float16_table():
+    """ggml's CPU GELU: float16(gelu(float16(x))) from a table computed in float32 (numpy here, in
+    ggml's own operation order), 0 at or below -10, x at or above 10; backward: tanh GELU's derivative."""
+    from mixle.lm.transformer import ACTIVATIONS
+
+    halves = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    x = np.concatenate([halves[np.isfinite(halves) & (np.abs(halves) < 12)], [-10.0, 10.0, 0.1234567, -3.3333333]])
+    x = x.astype(np.float32)
+    h = x.astype(np.float16).astype(np.float32)
+    c, a = np.float32(math.sqrt(2 / math.pi)), np.float32(0.044715)
+    tanh = np.tanh((c * h * (np.float32(1) + a * h * h)).astype(np.float64)).astype(np.float32)  # C's tanhf
+    table = (np.float32(0.5) * h * (np.float32(1) + tanh)).astype(np.float16)
+    want = np.where(x <= -10, 0, np.where(x >= 10, x, table.astype(np.float32))).astype(np.float32)
+    xt = torch.from_numpy(x).requires_grad_()
+    got = ACTIVATIONS["gelu_tanh_f16"](xt)
+    assert np.array_equal(got.detach().numpy(), want)
+    got.sum().backward()
+    leaf = torch.from_numpy(x).requires_grad_()
+    torch.nn.functional.gelu(leaf, approximate="tanh").sum().backward()
+    assert torch.equal(xt.grad, leaf.grad)

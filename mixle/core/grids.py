@@ -22,6 +22,12 @@ A zero block gets ``Grid.zero_scale`` (1: codes 0 and no division by zero); ``No
 computed (signed) zero, as ggml's grids do, whose reciprocal is then 0 too. ``scale_dtype="float16"`` means the scale is *computed* in the
 weight's dtype (the codes use that value) and *stored* in float16, and the dequantized weight is
 ``code * float16(scale)``.
+
+Activations (``QuantSpec.act_bits``): ``Grid.activation_grid`` names the grid the activations
+feeding a matmul on this grid are fake-quantized on, in blocks of that grid's ``block`` along the
+input axis of each token. llama.cpp's CPU path quantizes the input of every Q4_0/Q8_0 product to
+Q8_0 blocks of 32 (ggml's ``quantize_row_q8_0``), so ``q4_0`` and ``q8_0`` name ``"q8_0"``;
+``None`` means one scale per token on the weights' own grid.
 """
 
 from dataclasses import dataclass
@@ -44,6 +50,8 @@ class Grid:
         scale_dtype: ``None`` (the weight's own dtype) or ``"float16"``.
         zero_scale: the scale of an all-zero block (None: the computed zero is kept).
         block: a fixed group size the grid imposes (``None``: any granularity).
+        activation_grid: the grid (in blocks of its ``block`` along each token's inputs) that
+            ``act_bits`` fake-quantizes activations on; ``None``: per token on this grid.
         packing: how two int4 codes share a byte in storage (see ``mixle.core.packing``).
         backends: the backends that train on this grid (the numerics in ``mixle.core.numerics``
             implement every grid; a backend is listed once its layers, kernels and storage do).
@@ -61,6 +69,7 @@ class Grid:
     scale_dtype: str | None = None
     zero_scale: float | None = 1.0
     block: int | None = None
+    activation_grid: str | None = None
     packing: str = "pairs"
     backends: tuple = ("torch", "flax")
     summary: str = ""
@@ -70,6 +79,14 @@ class Grid:
             raise ValueError(f"grid {self.name!r}: codes and divisor must list the same bit widths")
         if self.scale_rule not in SCALE_RULES or self.rounding not in ROUNDINGS or self.packing not in PACKINGS:
             raise ValueError(f"grid {self.name!r}: unknown rule in {self!r}")
+
+    def activation_record(self):
+        """The Grid activations are fake-quantized on (this one when ``activation_grid`` is None).
+
+        >>> GRIDS["q4_0"].activation_record().name, GRIDS["qwix"].activation_record().name
+        ('q8_0', 'qwix')
+        """
+        return self if self.activation_grid is None else GRIDS[self.activation_grid]
 
     def code_range(self, bits):
         """``(code_min, code_max)`` at ``bits``."""
@@ -95,10 +112,10 @@ GRIDS = {
                      "compressed-tensors' symmetric int scheme)"),
         Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",
              rounding="offset_trunc", scale_dtype="float16", zero_scale=None, block=32, packing="ggml_q4_0",
-             backends=("torch",),
+             activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q4_0: blocks of 32, scale = signed max / -8 stored as float16"),
         Grid(name="q8_0", codes={8: (-127, 127)}, divisor={8: 127.0}, rounding="half_away",
-             scale_dtype="float16", zero_scale=None, block=32, backends=("torch",),
+             scale_dtype="float16", zero_scale=None, block=32, activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
     )
 }

@@ -30,7 +30,12 @@ __all__ = [
     "quantize_linear_weight",
     "quantize_conv_weight",
     "quantize_embedding_weight",
+    "ScaleOverflowError",
 ]
+
+
+class ScaleOverflowError(ValueError):
+    """A block scale does not fit the dtype its grid stores scales in (float16 on llama.cpp's)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,7 +473,7 @@ def _stored_scale(ops, scale, spec):
         return scale
     narrow = ops.to_named(scale, dtype)
     if not _is_tracer(narrow) and not ops.all_finite(narrow):
-        raise ValueError(
+        raise ScaleOverflowError(
             f"a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), which grid="
             f"{spec.grid!r} stores its scales in: the weights are too large for this file format; "
             f"rescale them or use another grid"

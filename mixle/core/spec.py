@@ -54,7 +54,10 @@ class QuantSpec:
 
     Args:
         act_bits: also quantize the activations entering each selected matmul to 4 or 8 bits,
-            dynamically with one scale per token, on the same grid as the weights.
+            dynamically with one scale per token, on the same grid as the weights (Flax and
+            torch). On ``grid="q4_0"`` / ``"q8_0"`` (torch): ``act_bits=8`` is what llama.cpp's
+            CPU path does to them, Q8_0 blocks of 32 along each token's inputs (the grid
+            record's ``activation_grid``).
         weight_format: ``"int"`` (codes of ``bits`` bits) or ``"float8_e4m3fn"`` (fp8 weights,
             scale = absmax / 448; needs ``bits=8`` and ``grid="qwix"``).
         bwd_bits: quantize the incoming gradients of the backward matmuls to 4 or 8 bits.

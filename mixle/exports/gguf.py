@@ -4,7 +4,9 @@
 ``mixle.exports.gguf_layouts``):
 
 * mixle's ``build_causal_lm`` (pre-norm blocks, fused qkv with bias, learned positions,
-  LayerNorm, erf GELU, head tied to the token embedding) as llama.cpp's ``gpt2``;
+  LayerNorm, GELU, head tied to the token embedding) as llama.cpp's ``gpt2``, whose graph computes
+  tanh-approximated GELU: a model built with ``activation="gelu_tanh"`` (an erf-GELU model is
+  refused unless ``allow_activation_mismatch=True``);
 * transformers' ``LlamaForCausalLM`` as ``llama`` (q/k rows reordered for llama.cpp's rotary
   layout) and ``Qwen2ForCausalLM`` as ``qwen2``, tied or untied.
 
@@ -26,9 +28,10 @@ Layout: every matrix is written in torch's ``(out, in)`` row order, which gguf s
 ``ne = [in, out]``; gpt2's fused qkv rows stay ``[q; k; v]`` (what llama.cpp's gpt2 graph
 splits); only Llama's q/k rows are permuted (see ``gguf_layouts``).
 
-Numerics llama.cpp computes differently (``benchmarks/gguf_parity.py`` measures it): its gpt2
-graph uses ggml's tanh-approximated GELU where mixle's block uses the erf GELU, its KV cache is
-float16 by default, and its CPU path quantizes activations to Q8_0 before Q4_0/Q8_0 products.
+Numerics llama.cpp computes differently (``benchmarks/gguf_parity.py`` measures it): its KV cache
+is float16 by default, its CPU GELU goes through a float16 table, and its CPU path quantizes
+activations to Q8_0 before Q4_0/Q8_0 products (train and evaluate with ``act_bits=8`` on the
+q4_0/q8_0 grids to fake-quantize them the same way).
 """
 
 import os
@@ -48,7 +51,7 @@ from mixle.torch_backend.convert import _check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
 
-__all__ = ["save_gguf", "FLOAT_MATRICES"]
+__all__ = ["save_gguf", "load_gguf_weights", "FLOAT_MATRICES"]
 
 FLOAT_MATRICES = ("q8_0", "f16", "f32")
 
@@ -132,7 +135,8 @@ def _file_type(tensors, gguf):
     return gguf.LlamaFileType.ALL_F32
 
 
-def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0", name=None):
+def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0", name=None,
+              allow_activation_mismatch=False):
     """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama`` or ``qwen2``).
 
     Layers QAT-trained (or converted) on ``grid="q4_0"`` / ``"q8_0"`` are written as the Q4_0 /
@@ -151,19 +155,23 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
             see ``mixle.exports.gguf_vocab``.
         float_matrices: how float weight matrices are stored: ``"q8_0"``, ``"f16"`` or ``"f32"``.
         name: ``general.name`` (default: the file's stem).
+        allow_activation_mismatch: write a model whose activation llama.cpp's graph does not
+            compute (a ``build_causal_lm`` with erf GELU, where the file computes tanh GELU);
+            refused by default, because llama.cpp's outputs would then differ from the model's.
 
     Returns:
         ``{gguf tensor name: ggml type name}`` of what was written.
 
     Raises:
         ValueError: an unsupported architecture, a layer on a grid GGUF has no type for, a
-            float16-overflowing scale, or a vocabulary that does not fit; the message names the
-            layer or argument and the fix.
+            float16-overflowing scale, an activation llama.cpp does not compute, or a vocabulary
+            that does not fit; the message names the layer or argument and the fix.
 
     >>> import os, tempfile, torch
     >>> from mixle.models.transformer import build_causal_lm
     >>> from mixle.models.qat import apply_qat
-    >>> lm = apply_qat(build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8), grid="q4_0")
+    >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8, activation="gelu_tanh")
+    >>> lm = apply_qat(lm, grid="q4_0")
     >>> types = save_gguf(lm, os.path.join(tempfile.mkdtemp(), "lm.gguf"))
     >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
     ('Q4_0', 'Q4_0', 'F32')
@@ -173,8 +181,13 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
         raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
     if float_matrices not in FLOAT_MATRICES:
         raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
+    if not isinstance(allow_activation_mismatch, bool):
+        raise TypeError(f"allow_activation_mismatch must be True or False, got {allow_activation_mismatch!r}")
     _check_convertible(model)  # e.g. LoRA layers: fold them in first
     layout = layout_of(model, gguf)
+    if layout.notes and not allow_activation_mismatch:
+        what, fix = layout.notes[0]
+        raise ValueError(f"save_gguf: {what}; {fix}")
     with torch.no_grad():
         tensors = _plan(layout, float_matrices, gguf)
     words = vocabulary(layout.vocab_size, vocab, tokenizer)
@@ -213,3 +226,71 @@ def _write(path, layout, tensors, words, name, gguf):
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def load_gguf_weights(model, path):
+    """A float copy of ``model`` holding the weights of a GGUF file, as llama.cpp multiplies with them.
+
+    Every tensor is read with gguf-py's ``GGUFReader`` and dequantized with gguf's own code
+    (``gguf.quants.dequantize``), then put back where ``save_gguf``'s layout took it from, with
+    its row order undone (Llama's q/k rows). Evaluating the copy with mixle's forward is
+    evaluating the file's weights.
+
+    Args:
+        model: a float model of the file's architecture and shapes (e.g. the model before
+            ``apply_qat``); it is not changed.
+        path: a ``.gguf`` file written by ``save_gguf`` (or with the same layout).
+
+    Returns:
+        The float copy.
+
+    Raises:
+        ValueError: the file's architecture, tensor names or shapes do not match ``model``'s
+            layout, or ``model`` has quantized layers (pass its float original).
+
+    >>> import os, tempfile, torch
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> from mixle.api import quantize_model
+    >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8, activation="gelu_tanh")
+    >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
+    >>> _ = save_gguf(quantize_model(lm, grid="q4_0"), path)
+    >>> back = load_gguf_weights(lm, path)
+    >>> torch.equal(back.blocks[0].fc.weight, quantize_model(lm, grid="q4_0").blocks[0].fc.dequantized_weight())
+    True
+    """
+    import copy
+
+    gguf = require("gguf", extra="gguf", purpose="load_gguf_weights")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_gguf_weights takes a torch.nn.Module, got {type(model).__name__}")
+    quantized = [name for name, m in model.named_modules() if getattr(m, "spec", None) is not None]
+    if quantized:
+        raise ValueError(f"model has quantized layers ({quantized[0]!r}, ...): pass the float model they were made "
+                         f"from, whose copy load_gguf_weights fills with the file's weights")
+    out = copy.deepcopy(model)
+    layout = layout_of(out, gguf)
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch != layout.arch:
+        raise ValueError(f"{str(path)!r} holds llama.cpp's {arch!r}, but the model is written as {layout.arch!r}")
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    wanted = {part.name for part in layout.parts}
+    if set(stored) != wanted:
+        raise ValueError(f"{str(path)!r} does not hold this model's tensors: missing {sorted(wanted - set(stored))}, "
+                         f"unexpected {sorted(set(stored) - wanted)}")
+    with torch.no_grad():
+        for part in layout.parts:
+            target = part.module.weight if part.module is not None else part.tensor
+            tensor = stored[part.name]
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            if values.size != target.numel() or shape[-1] != target.shape[-1]:
+                raise ValueError(f"tensor {part.name!r} of {str(path)!r} has shape {list(shape)}, but {part.path!r} "
+                                 f"has {list(target.shape)}")
+            values = values.reshape(target.shape)
+            if part.rows is not None:  # file row r holds model row rows[r]
+                unpermuted = np.empty_like(values)
+                unpermuted[part.rows] = values
+                values = unpermuted
+            target.copy_(torch.from_numpy(values))
+    return out

@@ -42,7 +42,11 @@ class Part:
 
 @dataclass
 class Layout:
-    """A model as one llama.cpp architecture: its name, ``[(add_* method, value)]`` and parts."""
+    """A model as one llama.cpp architecture: its name, ``[(add_* method, value)]`` and parts.
+
+    ``notes`` lists what llama.cpp's graph would compute differently from the model (e.g. another
+    activation), each as ``(what, fix)``; ``save_gguf`` refuses them unless told to accept them.
+    """
 
     arch: str
     hparams: list
@@ -101,6 +105,11 @@ def _norm_eps(norm, path, kind, eps):
 # ----------------------------------------------------------------------------------------------
 # gpt2: mixle's build_causal_lm.
 
+# llama.cpp's gpt2 graph computes ggml_gelu, the tanh approximation: build_causal_lm's "gelu_tanh"
+# ("gelu_tanh_f16": the same through the float16 table its CPU backend uses).
+GPT2_ACTIVATION = "gelu_tanh"
+GPT2_ACTIVATIONS = ("gelu_tanh", "gelu_tanh_f16")
+
 
 def gpt2_layout(model, names, kinds):
     """mixle's ``CausalLM`` (``build_causal_lm``) as llama.cpp's ``gpt2``, or None for other models."""
@@ -117,6 +126,14 @@ def gpt2_layout(model, names, kinds):
     per_block = (("norm1", kinds.ATTN_NORM), ("qkv", kinds.ATTN_QKV), ("proj", kinds.ATTN_OUT),
                  ("norm2", kinds.FFN_NORM), ("fc", kinds.FFN_UP), ("out", kinds.FFN_DOWN))
     heads = {block.n_head for block in model.blocks}
+    notes = []
+    erf = [i for i, block in enumerate(model.blocks) if getattr(block, "activation", "gelu") not in GPT2_ACTIVATIONS]
+    if erf:
+        found = model.blocks[erf[0]].activation
+        notes.append((f"blocks {erf} use activation={found!r}, but llama.cpp's gpt2 graph computes tanh-approximated "
+                      f"GELU ({GPT2_ACTIVATION!r}), so the file would compute another function than the model",
+                      f"train with build_causal_lm(..., activation={GPT2_ACTIVATION!r}), or pass "
+                      f"allow_activation_mismatch=True to write it anyway"))
     for index, block in enumerate(model.blocks):
         for attr, kind in per_block:
             module, path, base = getattr(block, attr), f"blocks.{index}.{attr}", names[kind].format(bid=index)
@@ -138,7 +155,7 @@ def gpt2_layout(model, names, kinds):
                ("add_block_count", len(model.blocks)), ("add_feed_forward_length", ffn),
                ("add_head_count", heads.pop() if heads else 1), ("add_layer_norm_eps", eps)]
     vocab = tok.num_embeddings if hasattr(tok, "num_embeddings") else tok.weight_shape[0]
-    return Layout("gpt2", hparams, parts, vocab, tied)
+    return Layout("gpt2", hparams, parts, vocab, tied, notes)
 
 
 # ----------------------------------------------------------------------------------------------

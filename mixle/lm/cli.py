@@ -53,6 +53,9 @@ def build_parser():
     cmp.add_argument("--scale-lr", type=float, help="learning rate of the learned scales (default: 10 x --finetune-lr)")
     cmp.add_argument("--act8", action="store_true",
                      help="also compare 8da4w (int8 per-token activations, int4 group-32 weights): fine-tune + PTQ vs QAT")
+    cmp.add_argument("--no-gguf", dest="gguf", action="store_false", default=None,
+                     help="leave out the llama.cpp rows (QAT on q4_0 vs fine-tune + PTQ into Q4_0, evaluated from "
+                          "the GGUF file; also run in llama.cpp when llama-cpp-python is installed)")
     cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bars")
     cmp.set_defaults(subparser=cmp)
@@ -72,6 +75,8 @@ def config_from_args(args):
     for flag in ("distill", "learned_scales", "act8"):
         if getattr(args, flag, False):
             changes[flag] = True
+    if getattr(args, "gguf", None) is False:
+        changes["gguf"] = False
     if "bits" in changes:
         changes["bits"] = tuple(changes["bits"])
     return PRESETS[args.preset].replace(**changes)

@@ -3,8 +3,18 @@
 Every training phase is a ``GradLeaf`` M-step on windows of the training text; every quantized
 model is evaluated as real integer weights (``quantize_model`` for PTQ, ``convert`` for QAT)
 on the same held-out windows, and its size is the real bytes of those weights.
+
+The llama.cpp rows (``gguf``) compare QAT on ``grid="q4_0"`` with a fine-tune followed by PTQ
+into Q4_0 (what ``llama-quantize --pure`` does to a float model: ggml's reference Q4_0 of every
+matrix), both written with ``save_gguf`` and evaluated from the file's weights: read back with
+gguf-py, dequantized with gguf's code and put into a float copy of the model
+(``load_gguf_weights``), then run by mixle's forward (and by llama.cpp itself when
+llama-cpp-python is installed). llama.cpp's ``gpt2`` graph computes tanh-approximated GELU, so
+both start from the fp32 checkpoint with its blocks switched to ``activation="gelu_tanh"`` and get
+their own fp32 fine-tune baseline.
 """
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -27,6 +37,10 @@ __all__ = ["CompareConfig", "PRESETS", "ExternalQAT", "run_compare", "format_tab
 
 # Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
 MIN_DEGRADATION = 0.005
+
+# The llama.cpp rows: llama.cpp's Q4_0 grid, and the activation its gpt2 graph computes.
+GGUF_SPEC = QuantSpec(grid="q4_0")
+GGUF_ACTIVATION = "gelu_tanh"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +75,9 @@ class CompareConfig:
         act8: also compare int8-activation int4-weight ("8da4w": asymmetric per-token int8
             activations, int4 symmetric weights in groups of ``act8_group_size``): fine-tune + PTQ
             and QAT on that spec.
+        gguf: also the llama.cpp rows (see the module docstring): QAT on ``grid="q4_0"`` vs
+            fine-tune + PTQ into Q4_0, evaluated from the GGUF file (needs gguf-py and
+            ``d_model`` divisible by 32, Q4_0's block).
     """
 
     steps: int = 1600
@@ -91,6 +108,7 @@ class CompareConfig:
     scale_lr: float | None = None
     act8: bool = False
     act8_group_size: int = 32
+    gguf: bool = True
 
     def __post_init__(self):
         bits = self.bits if isinstance(self.bits, tuple | list) else (self.bits,)
@@ -117,7 +135,7 @@ class CompareConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive number")
-        for name in ("distill", "learned_scales", "act8"):
+        for name in ("distill", "learned_scales", "act8", "gguf"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.scale_lr is not None and (not isinstance(self.scale_lr, int | float) or not
@@ -129,6 +147,10 @@ class CompareConfig:
             raise ValueError(f"distill_weight={self.distill_weight!r} must be in (0, 1]")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.gguf and self.d_model % GGUF_SPEC.group_size:
+            raise ValueError(f"gguf=True (the llama.cpp rows) needs d_model divisible by {GGUF_SPEC.group_size}, "
+                             f"the Q4_0 block, got d_model={self.d_model}: use e.g. 128, or gguf=False "
+                             f"(--no-gguf) to leave those rows out")
         self.spec(self.bits[0])  # validates group_size and clip_percentile
         if self.group_size is not None and self.d_model % self.group_size:
             raise ValueError(
@@ -315,6 +337,7 @@ class _Run:
         self.eval_windows, self.curve_windows = data.eval_windows, data.curve_windows
         self.tokenizer, self.data = data.tokenizer, data.info
         self.rows, self.curves, self.seconds = [], {}, {}
+        self.llama_cpp_info = None
 
     def train(self, lm, phase, steps, lr, schedule, seed, start, distill=None, optimizer=None):
         """Train ``lm`` through a GradLeaf M-step; records its curves under ``phase``."""
@@ -398,6 +421,8 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     from mixle.lm.transformer import build_causal_lm
     from mixle.api import convert, quantize_model
 
+    if config.gguf:
+        require("gguf", extra="gguf", purpose="the llama.cpp rows of mixle compare (or pass gguf=False / --no-gguf)")
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -436,6 +461,9 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
             qat = run.finetune_phase(lm, ACT8_QAT, lambda m: apply_qat(m, spec=spec))
             run.add(ACT8_QAT, 4, convert(qat), fake_quant_loss=held_out_loss(qat, run.eval_windows), spec=spec.short())
 
+        if config.gguf:
+            _gguf_rows(run, lm)
+
         for ext in external:
             trained = run.finetune_phase(lm, ext.name, ext.prepare)
             fake = held_out_loss(trained, run.eval_windows)
@@ -457,6 +485,7 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
         "rows": run.rows,
         "summary": summarize(run.rows, config.bits, [e.name for e in external if e.spec.act_bits is None],
                              [e.name for e in external if e.spec.act_bits is not None]),
+        "llama_cpp": run.llama_cpp_info,
         "curves": run.curves,
         "seconds": run.seconds,
     }
@@ -469,6 +498,111 @@ OPTION_METHODS = (QAT_LEARNED, QAT_DISTILL, QAT_BOTH)
 ACT8_PTQ = "8da4w fine-tune + PTQ"
 ACT8_QAT = "8da4w QAT"
 ACT8_METHODS = (ACT8_QAT,)
+GGUF_FINETUNE = "fp32 fine-tune (tanh GELU)"
+GGUF_PTQ = "fine-tune + PTQ (GGUF q4_0)"
+GGUF_QAT = "QAT (GGUF q4_0)"
+GGUF_METHODS = (GGUF_QAT,)
+
+
+def _gguf_rows(run, lm):
+    """The llama.cpp rows: fp32 fine-tune, its PTQ into Q4_0 and QAT on q4_0, the last two from their files."""
+    from mixle.api import apply_qat, quantize_model
+
+    base = copy.deepcopy(lm)
+    for block in base.blocks:  # the GELU llama.cpp's gpt2 graph computes
+        block.activation = GGUF_ACTIVATION
+    tuned = run.finetune_phase(base, GGUF_FINETUNE)
+    row = run.add(GGUF_FINETUNE, 32, tuned)
+    with tempfile.TemporaryDirectory(prefix="mixle-gguf-") as folder:
+        if _llama_cpp() is not None:  # llama.cpp's own baseline: the float model as an F32 file
+            from mixle.exports.gguf import save_gguf
+
+            path = os.path.join(folder, "fp32.gguf")
+            save_gguf(tuned, path, tokenizer=run.tokenizer, float_matrices="f32")
+            row["llama_cpp_loss"], run.llama_cpp_info = _llama_cpp_loss(path, run.eval_windows, run.config.threads)
+            row["llama_cpp_perplexity"] = math.exp(row["llama_cpp_loss"])
+        _add_from_gguf(run, GGUF_PTQ, quantize_model(tuned, GGUF_SPEC), base, folder)
+        qat = run.finetune_phase(base, GGUF_QAT, lambda m: apply_qat(m, spec=GGUF_SPEC))
+        _add_from_gguf(run, GGUF_QAT, qat, base, folder, fake_quant_loss=held_out_loss(qat, run.eval_windows))
+
+
+def _add_from_gguf(run, method, model, template, folder, **extra):
+    """A row evaluated from ``model``'s GGUF file: its weights read back into ``template``'s float copy.
+
+    ``bytes`` is the file's tensor data; with llama-cpp-python installed the file is also run by
+    llama.cpp on the same held-out windows (``llama_cpp_loss``).
+    """
+    import gguf
+
+    from mixle.exports.gguf import load_gguf_weights, save_gguf
+
+    path = os.path.join(folder, method.replace(" ", "_").replace("(", "").replace(")", "") + ".gguf")
+    save_gguf(model, path, tokenizer=run.tokenizer)
+    from_file = load_gguf_weights(template, path)
+    nbytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    loss = held_out_loss(from_file, run.eval_windows)
+    row = {"method": method, "bits": 4, "loss": loss, "perplexity": math.exp(loss), "bytes": nbytes,
+           "spec": GGUF_SPEC.short(), **extra}
+    cpp = _llama_cpp_loss(path, run.eval_windows, run.config.threads)
+    if cpp is not None:
+        row["llama_cpp_loss"], row["llama_cpp_perplexity"], run.llama_cpp_info = cpp[0], math.exp(cpp[0]), cpp[1]
+    run.rows.append(row)
+    return row
+
+
+def _llama_cpp():
+    """llama-cpp-python if installed (the ``llama`` extra), else None: the llama.cpp column is optional."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence stderr meanwhile: what C code writes to file descriptor 2 and what Python prints to
+    ``sys.stderr`` (llama-cpp-python's log callback)."""
+    import io
+
+    try:
+        saved = os.dup(2)
+    except OSError:
+        saved = None
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(io.StringIO()):
+            if saved is not None:
+                os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _llama_cpp_loss(path, windows, threads):
+    """``(held-out loss, info)`` of the GGUF file run by llama.cpp (F32 KV cache), or None without
+    llama-cpp-python."""
+    llama_cpp = _llama_cpp()
+    if llama_cpp is None:
+        return None
+    block = windows.shape[1] - 1
+    threads = threads or _torch().get_num_threads()
+    total = 0.0
+    with _quiet_stderr():  # llama.cpp notes that it pads the context to 256 tokens: nothing to act on
+        llm = llama_cpp.Llama(model_path=path, n_ctx=block, logits_all=True, n_threads=threads,
+                              n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+        for window in windows:
+            llm.reset()
+            llm.eval(window[:-1].tolist())
+            logits = np.asarray(llm.scores[:block], dtype=np.float64)
+            top = logits.max(-1, keepdims=True)
+            logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+            total += float((logz - logits[np.arange(block), window[1:]]).sum())
+        llm.close()
+        del llm
+    info = {"llama_cpp_python": llama_cpp.__version__, "kv_cache": "f32", "threads": threads}
+    return total / (windows.shape[0] * block), info
 
 
 def _option_runs(config):
@@ -496,7 +630,8 @@ def summarize(rows, bits_list, external_names=(), act8_external=()):
     and L_fp32 the fine-tuned fp32 model (same number of extra steps as QAT). When PTQ loses
     less than ``MIN_DEGRADATION`` nats the ratio is noise, so it is None and a note says why.
     Rows of the 8da4w spec (and ``act8_external`` methods) are measured against the 8da4w
-    fine-tune + PTQ baseline, under the key ``"8da4w"``.
+    fine-tune + PTQ baseline, under the key ``"8da4w"``; the llama.cpp rows against their own
+    fine-tune + PTQ into Q4_0 and tanh-GELU fp32 fine-tune, under ``"gguf_q4_0"``.
 
     >>> rows = [{"method": "fp32 fine-tune", "bits": 32, "loss": 1.0}, {"method": "fine-tune + PTQ", "bits": 4, "loss": 1.2},
     ...         {"method": "QAT", "bits": 4, "loss": 1.02}]
@@ -507,12 +642,16 @@ def summarize(rows, bits_list, external_names=(), act8_external=()):
     act8 = _summarize(rows, (4,), act8_external, baseline_method=ACT8_PTQ, methods=ACT8_METHODS, label="8da4w")
     if act8:
         summary["8da4w"] = act8["int4"]
+    gguf = _summarize(rows, (4,), (), baseline_method=GGUF_PTQ, methods=GGUF_METHODS, label="GGUF q4_0",
+                      tuned_method=GGUF_FINETUNE)
+    if gguf:
+        summary["gguf_q4_0"] = gguf["int4"]
     return summary
 
 
 def _summarize(rows, bits_list, external_names=(), baseline_method="fine-tune + PTQ", methods=("QAT", *OPTION_METHODS),
-               label=None):
-    tuned = _row(rows, "fp32 fine-tune", 32)
+               label=None, tuned_method="fp32 fine-tune"):
+    tuned = _row(rows, tuned_method, 32)
     summary = {}
     for bits in bits_list:
         baseline = _row(rows, baseline_method, bits)
@@ -533,9 +672,18 @@ def _summarize(rows, bits_list, external_names=(), baseline_method="fine-tune + 
             else:
                 recovered = 100 * (baseline["loss"] - row["loss"]) / degradation
                 note = (f"{name} recovers {recovered:.1f}% of the held-out loss PTQ loses at {label or f'int{bits}'}; "
-                        f"its perplexity is {gap:+.2f}% vs the fp32 fine-tune (PTQ: "
+                        f"its perplexity is {gap:+.2f}% vs the {tuned_method} (PTQ: "
                         f"{entry['ptq_perplexity_increase_percent']:+.2f}%)")
             entry[name] = {"recovered_percent": recovered, "perplexity_gap_percent": gap, "note": note}
+            cpp = [r.get("llama_cpp_loss") for r in (tuned, baseline, row)]
+            if None not in cpp:  # the same measure from llama.cpp's own logits
+                cpp_degradation = cpp[1] - cpp[0]
+                entry[name]["llama_cpp_recovered_percent"] = (
+                    None if cpp_degradation < MIN_DEGRADATION else 100 * (cpp[1] - cpp[2]) / cpp_degradation)
+                entry[name]["note"] += "; in llama.cpp " + (
+                    "PTQ loses nothing measurable" if cpp_degradation < MIN_DEGRADATION else
+                    f"{entry[name]['llama_cpp_recovered_percent']:.1f}% recovered, perplexity "
+                    f"{100 * math.expm1(cpp[2] - cpp[0]):+.2f}% (PTQ: {100 * math.expm1(cpp_degradation):+.2f}%)")
         summary[f"int{bits}"] = entry
     return summary
 
@@ -544,17 +692,25 @@ def format_table(results):
     """The results as a plain-text table plus one summary line per bit width."""
     rows = results["rows"]
     fp32_bytes = results["model"]["fp32_bytes"]
-    header = f"{'method':<26}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
+    cpp = any("llama_cpp_perplexity" in row for row in rows)
+    header = (f"{'method':<28}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
+              + (f"{'llama.cpp ppl':>15}" if cpp else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         bits = "fp32" if row["bits"] == 32 else f"int{row['bits']}"
-        lines.append(f"{row['method']:<26}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
-                     f"{row['bytes']:>11,d}{row['bytes'] / fp32_bytes:>7.1%}")
+        lines.append(f"{row['method']:<28}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
+                     f"{row['bytes']:>11,d}{row['bytes'] / fp32_bytes:>7.1%}"
+                     + (f"{row['llama_cpp_perplexity']:>15.4f}" if "llama_cpp_perplexity" in row else ""))
     lines.append("")
     for name, entry in results["summary"].items():
         for method, value in entry.items():
             if isinstance(value, dict):
                 lines.append(f"{name}: {value['note']}")
+    if any(row["method"] == GGUF_QAT for row in rows):
+        lines.append(f"(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
+                     f"bytes = the file's tensor data"
+                     + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
+                        if results.get("llama_cpp") else ""))
     data, env = results["data"], results["environment"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['corpus']} ({data['tokenizer']}-level, "
                  f"vocab {data['vocab']}); {results['model']['parameters']:,} parameters; torch {env['torch']}, "
@@ -599,8 +755,10 @@ def save_plot(results, path):
                 ys.append(_row(rows, method, bits)["perplexity"])
         bars = right.bar(xs, ys, width, label=method)
         right.bar_label(bars, fmt="%.3f", fontsize=7)
-    for method, style in (("fp32", ":"), ("fp32 fine-tune", "--")):
+    for method, style in (("fp32", ":"), ("fp32 fine-tune", "--"), (GGUF_FINETUNE, "-.")):
         row = _row(results["rows"], method, 32)
+        if row is None:
+            continue
         right.axhline(row["perplexity"], linestyle=style, color="black", linewidth=1, label=f"{method} ({row['perplexity']:.3f})")
     all_ppl = [r["perplexity"] for r in results["rows"]]
     low, high = min(all_ppl), max(all_ppl)

@@ -27,6 +27,7 @@ _LAZY = {
     "load_quantized": "mixle.api",
     "model_nbytes": "mixle.api",
     "save_gguf": "mixle.exports.gguf",
+    "load_gguf_weights": "mixle.exports.gguf",
     "quantize_mlp": "mixle.torch_backend.convert",
     "QuantizedLinear": "mixle.torch_backend.quantized",
     "QuantizedEmbedding": "mixle.torch_backend.quantized",

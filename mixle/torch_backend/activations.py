@@ -1,7 +1,13 @@
-"""Dynamic per-token activation fake-quant for the torch backend (``QuantSpec.act_bits``).
+"""Dynamic activation fake-quant for the torch backend (``QuantSpec.act_bits``).
 
 Every token (each vector along the last axis of a Linear's input) gets its own range, computed
-from the token itself at run time:
+from the token itself at run time. On llama.cpp's grids (``q4_0``, ``q8_0``: a grid whose
+``activation_grid`` is set) the activations take exactly the form llama.cpp's CPU path gives the
+input of a Q4_0/Q8_0 product, Q8_0 blocks of 32 along each token's inputs (ggml's reference
+``quantize_row_q8_0``, which gguf-py's Q8_0 quantizer reproduces): ``d = max|x| / 127`` in the
+activations' dtype, code ``round_half_away(x * (1/d))`` (0 where d is 0), scale stored as
+``float16(d)``, value ``code * float16(d)``; a scale above float16's range is an error. On the
+other grids:
 
 * symmetric (``act_symmetric=True``, the default): the weights' grid at ``act_bits``:
   ``scale = absmax / divisor``, codes ``round(x / scale)`` clipped to ``[code_min, code_max]``
@@ -21,9 +27,12 @@ No fused CPU kernel: the per-token pass is three elementwise ops and two row red
 the activations, which torch runs vectorised; ``benchmarks/overhead.py`` measures its cost.
 """
 
+import functools
+
 import torch
 
-from mixle.core.spec import ACTIVATION_FIELDS
+from mixle.core.numerics import ScaleOverflowError, fake_quant_forward
+from mixle.core.spec import ACTIVATION_FIELDS, QuantSpec
 
 __all__ = ["fake_quant_activations", "check_activation_spec", "ACTIVATION_FIELDS"]
 
@@ -33,21 +42,26 @@ def check_activation_spec(spec):
 
     >>> from mixle.core.spec import QuantSpec
     >>> check_activation_spec(QuantSpec(bits=4, act_bits=8))
-    >>> check_activation_spec(QuantSpec(bits=4, grid="q4_0", act_bits=8))
+    >>> check_activation_spec(QuantSpec(bits=4, grid="q4_0", act_bits=4))
     Traceback (most recent call last):
-    ValueError: act_bits=8 with grid='q4_0': llama.cpp quantizes activations in blocks of 32 (Q8_0) inside its own matmul, which the torch backend does not reproduce (it quantizes per token); use grid='symmetric' or 'qwix' for activation fake-quant, or leave act_bits=None
+    ValueError: act_bits=4 with grid='q4_0': its activations are quantized on grid 'q8_0' (llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16), which has no 4-bit codes: use act_bits=8
     """
     if spec.act_bits is None:
         return
     grid = spec.grid_record
-    if grid.block is not None:
+    act = grid.activation_record()
+    if spec.act_bits not in act.codes:
+        if act is grid:
+            raise ValueError(f"act_bits={spec.act_bits} has no codes on grid={spec.grid!r} ({grid.summary})")
         raise ValueError(
-            f"act_bits={spec.act_bits} with grid={spec.grid!r}: llama.cpp quantizes activations in blocks of 32 "
-            f"(Q8_0) inside its own matmul, which the torch backend does not reproduce (it quantizes per token); "
-            f"use grid='symmetric' or 'qwix' for activation fake-quant, or leave act_bits=None"
+            f"act_bits={spec.act_bits} with grid={spec.grid!r}: its activations are quantized on grid {act.name!r} "
+            f"({act.summary}), which has no {spec.act_bits}-bit codes: use act_bits={' or '.join(map(str, act.codes))}"
         )
-    if spec.act_bits not in grid.codes:
-        raise ValueError(f"act_bits={spec.act_bits} has no codes on grid={spec.grid!r} ({grid.summary})")
+    if not spec.act_symmetric and act.block is not None:
+        raise ValueError(
+            f"act_symmetric=False with grid={spec.grid!r}: its activations take llama.cpp's symmetric {act.name} "
+            f"blocks ({act.summary}); drop act_symmetric"
+        )
 
 
 def _symmetric(x, bits, grid):
@@ -67,13 +81,47 @@ def _asymmetric(x, bits):
     return (codes - zero) * scale
 
 
+@functools.lru_cache(maxsize=None)
+def _block_spec(grid, bits):
+    return QuantSpec(bits=bits, grid=grid)
+
+
+def _blocks(x, bits, grid):
+    """Blocks of ``grid.block`` along each token's inputs on ``grid`` (llama.cpp's Q8_0 activations)."""
+    width = x.shape[-1]
+    if width % grid.block:
+        raise ValueError(f"activations with {width} inputs per token do not split into {grid.name} blocks of "
+                         f"{grid.block}: the layer's input size must be a multiple of {grid.block}")
+    try:
+        out, _ = fake_quant_forward(x.reshape(-1, width), _block_spec(grid.name, bits), out_ndim=1)
+    except ScaleOverflowError:
+        largest = float(x.detach().abs().amax())
+        if not torch.isfinite(x).all():
+            raise ValueError("the activations contain NaN or infinity: training diverged (lower the learning "
+                             "rate) or the input is corrupt") from None
+        raise ValueError(
+            f"the activations reach {largest:.6g}: their {grid.name} block scale (max / {grid.divisor[bits]:g}) "
+            f"does not fit float16, so llama.cpp would compute infinity; keep activations below "
+            f"{grid.divisor[bits] * 65504:.6g} (e.g. normalise the input) or leave act_bits=None"
+        ) from None
+    return out.reshape(x.shape)
+
+
 def quantize_dequantize_activations(x, spec):
-    """The per-token quantize-dequantize of ``x`` under ``spec`` (no gradient rule).
+    """The quantize-dequantize of ``x`` under ``spec`` (no gradient rule): per token, or in
+    llama.cpp's Q8_0 blocks on the ``q4_0`` / ``q8_0`` grids.
 
     >>> from mixle.core.spec import QuantSpec
     >>> quantize_dequantize_activations(torch.tensor([[1.0, -0.5, 0.25]]), QuantSpec(bits=4, act_bits=8)).tolist()
     [[1.0, -0.5039370059967041, 0.25196850299835205]]
+    >>> x = torch.linspace(-1, 1, 64)[None]
+    >>> y = quantize_dequantize_activations(x, QuantSpec(bits=4, grid="q4_0", act_bits=8))
+    >>> round(float(y[0, 0]), 6), round(float(y[0, 1]), 6)  # codes -127, -123 times float16(1 / 127)
+    (-0.999939, -0.968445)
     """
+    act = spec.grid_record.activation_record()
+    if act.block is not None:
+        return _blocks(x, spec.act_bits, act)
     if spec.act_symmetric:
         return _symmetric(x, spec.act_bits, spec.grid_record)
     return _asymmetric(x, spec.act_bits)
@@ -90,7 +138,8 @@ class _STE(torch.autograd.Function):
 
 
 def fake_quant_activations(x, spec):
-    """``x`` fake-quantized per token at ``spec.act_bits`` with a straight-through gradient.
+    """``x`` fake-quantized at ``spec.act_bits`` (per token, or llama.cpp's Q8_0 blocks on its
+    grids) with a straight-through gradient.
 
     Returns ``x`` itself when ``spec.act_bits`` is None.
 

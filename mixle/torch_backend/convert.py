@@ -13,6 +13,7 @@ from mixle.core.numerics import _resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat
+from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import to_storage
 from mixle.torch_backend.swap import Change
 
@@ -45,17 +46,23 @@ def _convert_in_place(model):
     """Swap every QAT layer of ``model`` (already a private copy) for its quantized module."""
     storage = {}  # (id(weight), spec) -> (codes, scale): a tied weight is quantized and stored once
     replacements = {}
+    paths = {id(module): path for path, module in model.named_modules()}
     for layer in qat.qat_layers(model):
         kind = kind_of_qat(layer)
         weight = kind.weight_of(layer)
         key = (id(weight), layer.spec)
-        if key not in storage:
-            if learned_scale.is_learned(layer.spec):  # exactly the trained scales
-                storage[key] = to_storage(learned_scale.quantized_array(layer))
-            else:
-                storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
-        new = kind.to_quantized(layer, *storage[key])
+        path = paths.get(id(layer), getattr(layer, PATH_ATTRIBUTE, None))
+        try:  # e.g. a scale that does not fit float16 on llama.cpp's grids
+            if key not in storage:
+                if learned_scale.is_learned(layer.spec):  # exactly the trained scales
+                    storage[key] = to_storage(learned_scale.quantized_array(layer))
+                else:
+                    storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
+            new = kind.to_quantized(layer, *storage[key])
+        except ValueError as err:
+            raise ValueError(f"layer {path!r}: {err}") from None
         new.train(layer.training)
+        setattr(new, PATH_ATTRIBUTE, path)  # run-time errors (activations) name it
         replacements[id(layer)] = new
     with Change() as change:
         root = change.swap(model, replacements)

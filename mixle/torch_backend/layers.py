@@ -18,6 +18,24 @@ BACKEND = "torch"
 SPEC_FIELDS = WEIGHT_FIELDS + ACTIVATION_FIELDS + ("scale",)
 _DOES = "fake-quantizes weights (fixed or learned scales) and (act_bits) per-token activations"
 _HOOK_SUFFIXES = ("hooks", "hooks_with_kwargs", "always_called")
+# apply_qat (and convert) record each layer's path in the model here, so run-time errors name it.
+PATH_ATTRIBUTE = "_mixle_path"
+
+
+def named_error(module, err):
+    """``err`` (a ValueError raised in ``module``'s forward) as one that names the layer.
+
+    >>> layer = QATWrapper(nn.Linear(32, 2), grid="q4_0", bits=4)
+    >>> setattr(layer, PATH_ATTRIBUTE, "blocks.0.fc")
+    >>> str(named_error(layer, ValueError("a block scale does not fit float16")))
+    "layer 'blocks.0.fc': a block scale does not fit float16"
+    """
+    path = getattr(module, PATH_ATTRIBUTE, None)
+    weight = getattr(module, "weight", None)
+    where = f"layer {path!r}" if path is not None else (
+        f"a {type(module).__name__} with weight shape {list(weight.shape) if weight is not None else '?'} "
+        f"(apply_qat names its layers)")
+    return ValueError(f"{where}: {err}")
 
 
 def check_supported(spec):
@@ -121,10 +139,13 @@ class QATWrapper(QATLayerMixin, nn.Linear):
     def forward(self, x):
         if not self.enabled:
             return F.linear(x, self.weight, self.bias)
-        x = fake_quant_activations(x, self.spec)
-        if learned_scale.is_learned(self.spec):
-            return F.linear(x, learned_scale.learned_weight(self), self.bias)
-        return linear(x, self.weight, self.bias, self.spec)
+        try:  # a scale that does not fit float16 (llama.cpp's grids) or a NaN weight: name the layer
+            x = fake_quant_activations(x, self.spec)
+            if learned_scale.is_learned(self.spec):
+                return F.linear(x, learned_scale.learned_weight(self), self.bias)
+            return linear(x, self.weight, self.bias, self.spec)
+        except ValueError as err:
+            raise named_error(self, err) from None
 
 
 class QATEmbedding(QATLayerMixin, nn.Embedding):
@@ -155,6 +176,9 @@ class QATEmbedding(QATLayerMixin, nn.Embedding):
         elif learned_scale.is_learned(self.spec):
             weight = learned_scale.learned_weight(self)
         else:
-            weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
+            try:
+                weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
+            except ValueError as err:
+                raise named_error(self, err) from None
         return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)

@@ -10,7 +10,7 @@ from torch import nn
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
 from mixle.torch_backend.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
-from mixle.torch_backend.layers import check_supported
+from mixle.torch_backend.layers import PATH_ATTRIBUTE, check_supported
 from mixle.torch_backend.lora import LoRALinear
 from mixle.torch_backend.mha_layers import unsupported_reason
 from mixle.torch_backend.swap import Change
@@ -252,6 +252,7 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
                              f"quantize; leave it out with exclude=[{path!r}] or drop the layer")
         if kind is None:
             replacements[id(module)] = kind_of_float(module).wrap(module, spec, enabled)
+            setattr(replacements[id(module)], PATH_ATTRIBUTE, path)
             return "wrapped"
         if module.spec == spec:
             return "unchanged"
@@ -306,6 +307,7 @@ def _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled
             action = "wrapped"
             try:
                 replacements[id(module)] = kind_of_float(module).wrap(module, spec, enabled)
+                setattr(replacements[id(module)], PATH_ATTRIBUTE, path)
             except ValueError as err:
                 raise ValueError(f"layer {path!r}: {err}") from None
         extra.append(LayerDecision(path=path, kind=kind_name, action=action, reason=reason, spec=spec))

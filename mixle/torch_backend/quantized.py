@@ -16,7 +16,7 @@ from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend import packed_linear as _packed_linear
 from mixle.torch_backend.activations import fake_quant_activations
-from mixle.torch_backend.layers import check_supported
+from mixle.torch_backend.layers import check_supported, named_error
 
 __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage",
            "file_scale_dtype", "scale_nbytes"]
@@ -245,8 +245,11 @@ class QuantizedLinear(QuantizedWeight):
         self.register_buffer("bias", bias)
 
     def forward(self, x):
-        # act_bits: activations quantized per token at run time, as in training (activations.py).
-        x = fake_quant_activations(x, self.spec)
+        # act_bits: activations quantized at run time, as in training (activations.py).
+        try:
+            x = fake_quant_activations(x, self.spec)
+        except ValueError as err:
+            raise named_error(self, err) from None
         if _packed_linear.applies(x, self):
             return _packed_linear.linear(x, self)  # same weights, float sums in another order
         return F.linear(x, self.dequantized_weight(), self.bias)
