@@ -214,3 +214,76 @@ def test_torch_compile_keeps_the_op_in_one_graph_and_matches_eager():
     targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert sum(target.startswith("mixle.packed_linear") for target in targets) == 2, targets
     assert torch.equal(recorded, eager) and torch.equal(aot, eager)
+
+
+# ------------------------------------------------------------------------- embedding lookups
+
+EMBEDDING_CASES = [  # (bits, granularity, grid, vocab, dim, group)
+    (4, "channel", "qwix", 11, 33, None),  # odd dim: rows start mid-byte
+    (4, "channel", "qwix", 12, 64, None),
+    (4, "group", "qwix", 9, 96, 32),
+    (4, "tensor", "qwix", 7, 21, None),
+    (8, "channel", "qwix", 10, 33, None),
+    (8, "group", "qwix", 6, 64, 16),
+    (4, "group", "q4_0", 9, 64, 32),
+    (8, "group", "q8_0", 9, 64, 32),
+]
+
+
+def embedding_storage(bits, granularity, grid, vocab, dim, group):
+    """(numpy codes, numpy scales, QuantizedEmbedding): random qwix storage, or llama.cpp grids' own."""
+    from mixle.core.numerics import quantize_embedding_weight
+    from mixle.torch_backend.quantized import QuantizedEmbedding, to_storage
+
+    if grid == "qwix":
+        codes, scale, spec, stored, scale_t = make_storage(bits, granularity, vocab, dim, group or dim, seed=vocab)
+        return codes, scale, QuantizedEmbedding(stored, scale_t, spec, (vocab, dim))
+    spec = QuantSpec(bits=bits, grid=grid)
+    stored, scale_t = to_storage(quantize_embedding_weight(torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3)), spec))
+    if bits == 4:  # unpacked by hand: low nibble first, two's complement
+        raw = stored.numpy()
+        nibbles = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(-1)[:vocab * dim]
+        codes = ((nibbles.astype(np.int16) ^ 8) - 8).astype(np.int8).reshape(vocab, dim)
+    else:
+        codes = stored.numpy()
+    scale = scale_t.numpy().reshape(-1)
+    assert grid == "q8_0" or (scale < 0).any()  # q4_0's signed-max scales: the sign must survive the lookup
+    return codes, scale, QuantizedEmbedding(stored, scale_t, spec, (vocab, dim))
+
+
+@pytest.mark.parametrize("case", EMBEDDING_CASES, ids=lambda c: f"int{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}")
+def test_embedding_lookups_dequantize_only_their_rows_bit_for_bit(case, monkeypatch):
+    codes, scale, table = embedding_storage(*case)
+    vocab, dim = codes.shape
+    table_np = (codes.astype(np.float32).reshape(scale.size, -1) * scale[:, None]).reshape(vocab, dim)
+    # A lookup must not rebuild the whole table.
+    monkeypatch.setattr(type(table), "dequantized_weight", lambda self: pytest.fail("whole table dequantized"))
+    rng = np.random.default_rng(0)
+    for indices in (rng.integers(0, vocab, (3, 5)), np.array([vocab - 1, 0, vocab - 1]), np.zeros((2, 0), np.int64)):
+        for dtype in (torch.int64, torch.int32):
+            got = table(torch.from_numpy(indices).to(dtype)).numpy()
+            assert got.shape == (*indices.shape, dim)
+            # Bit for bit: one float32 product code * scale per value, -0.0 included.
+            np.testing.assert_array_equal(got.view(np.int32), table_np[indices].view(np.int32))
+    for bad, span in ((-1, r"\[-1, 0\]"), (vocab, rf"\[0, {vocab}\]")):
+        with pytest.raises(IndexError, match=rf"indices span {span}, outside the table's \[0, {vocab - 1}\]"):
+            table(torch.tensor([0, bad]))
+
+
+def test_embedding_max_norm_and_torch_compile_match_the_whole_table_lookup():
+    from mixle.torch_backend.quantized import QuantizedEmbedding
+
+    codes, scale, table = embedding_storage(4, "group", "qwix", 9, 96, 32)
+    x = torch.tensor([[3, 1, 3], [8, 0, 1]])
+    whole = table.dequantized_weight()
+    renormed = QuantizedEmbedding(table.codes, table.scale, table.spec, (9, 96), max_norm=1.0)
+    assert torch.equal(renormed(x), F.embedding(x, whole.clone(), max_norm=1.0))
+    assert torch.equal(table.dequantized_weight(), whole)  # the stored table is left alone
+    torch._dynamo.reset()
+    try:
+        for case in (EMBEDDING_CASES[0], EMBEDDING_CASES[2]):  # an odd and an even int4 row width
+            table = embedding_storage(*case)[2]
+            compiled = torch.compile(table, backend="aot_eager", fullgraph=True)
+            assert torch.equal(compiled(x), table.dequantized_weight()[x])
+    finally:
+        torch._dynamo.reset()
