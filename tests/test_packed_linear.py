@@ -19,8 +19,11 @@ from mixle.torch_backend.quantized import QuantizedLinear
 EPS32 = float(np.finfo(np.float32).eps)
 # (out, in, group of the "group" granularity). in=7: int4 rows start mid-byte; group 7 or 16: blocks
 # that are not whole vector steps (the buffer path); in=130: tails after the last whole step.
-SHAPES = [(5, 7, 7), (13, 64, 16), (9, 96, 32), (3, 130, 65), (33, 256, 64)]
-BATCHES = [1, 3, 9, 17]  # 9: eight rows at once plus one; 17: 4 x 4 blocks plus a row, or tiles
+# (6, 1088, 64): panels of 512 inputs and a short one (partial sums carried between them).
+SHAPES = [(5, 7, 7), (13, 64, 16), (9, 96, 32), (3, 130, 65), (33, 256, 64), (6, 1088, 64)]
+# 9: eight rows at once plus one; 17: 4 x 4 blocks plus a row; 70: panels of 64 (AVX2: 32) rows of x
+# and a short one.
+BATCHES = [1, 3, 9, 17, 70]
 
 
 def make_storage(bits, granularity, out_features, in_features, group, seed=0):
@@ -81,6 +84,12 @@ def library(request):
     return built
 
 
+def use_panels(monkeypatch, panels):
+    """Every batch through the decoded-panel GEMM, or none."""
+    for name in ("PANEL_BATCH", "PANEL_BATCH_SHORT"):
+        monkeypatch.setattr(packed_linear, name, 1 if panels else 10 ** 9)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "group"])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -89,11 +98,10 @@ def test_products_match_a_float64_numpy_reference(library, bits, granularity, sh
     codes, scale, spec, stored, scale_t = make_storage(bits, granularity, out_features, in_features, group)
     rng = np.random.default_rng(1)
     bias = rng.standard_normal(out_features).astype(np.float32)
-    monkeypatch.setattr(packed_linear, "TILE_FLOATS", 3 * in_features)  # several tiles, the last one short
     monkeypatch.setattr(packed_linear, "PARALLEL_WEIGHTS", 0)  # threads even for these small weights
     # Two threads on the largest shape of the native build only (the threading code is the same in
     # every build): on a busy machine each parallel region costs milliseconds.
-    thread_counts = (1, 2) if shape == SHAPES[-1] and library is packed_linear._library() else (1,)
+    thread_counts = (1, 2) if shape == SHAPES[-2] and library is packed_linear._library() else (1,)
     threads = torch.get_num_threads()
     try:
         for with_bias in (False, True):
@@ -103,19 +111,18 @@ def test_products_match_a_float64_numpy_reference(library, bits, granularity, sh
             for batch in BATCHES:
                 x = rng.standard_normal((batch, in_features)).astype(np.float32)
                 expected, bound = reference(x, codes, scale, bias if with_bias else None)
-                for n, tiled in [(n, tiled) for n in thread_counts for tiled in (False, True)]:
+                for n, panels in [(n, panels) for n in thread_counts for panels in (False, True)]:
                     torch.set_num_threads(n)
-                    # Tiled: decoded tiles multiplied by torch.mm from 16 rows of x.
-                    monkeypatch.setattr(packed_linear, "TILED_BATCH", 16 if tiled else 10 ** 9)
+                    use_panels(monkeypatch, panels)
                     got = packed_linear._products(library, torch.from_numpy(x), layer.codes, layer.scale, layer.bias,
                                                   bits, out_features, group_arg, per_row).numpy()
                     error = np.abs(got.astype(np.float64) - expected)
-                    assert (error <= bound).all(), (batch, n, tiled, with_bias, float((error - bound).max()))
+                    assert (error <= bound).all(), (batch, n, panels, with_bias, float((error - bound).max()))
         # One-hot rows of x pick single weights: a sum of one product and zeros is exact, so the
         # kernel's weights must equal float32(code) * scale bit for bit.
         w = (codes.astype(np.float32).reshape(scale.size, -1) * scale[:, None]).reshape(codes.shape)
-        for tiled in (False, True):
-            monkeypatch.setattr(packed_linear, "TILED_BATCH", 16 if tiled else 10 ** 9)
+        for panels in (False, True):
+            use_panels(monkeypatch, panels)
             picked = packed_linear._products(library, torch.eye(in_features), layer.codes, layer.scale, None,
                                              bits, out_features, group_arg, per_row)
             np.testing.assert_array_equal(picked.numpy(), w.T)

@@ -6,10 +6,10 @@
 each weight exactly as ``dequantize_array`` does (one float32 product ``code * scale``) but never
 materialises the whole float weight:
 
-* below ``PANEL_BATCH`` rows of x the codes are streamed and decoded in vector registers
+* for fewer rows of x than ``PANEL_BATCH`` (see there) the codes are streamed and decoded in vector registers
   (AVX-512 or AVX2, else portable C++), each decoded step multiplied with up to 8 rows of x, in one
   OpenMP region over output rows;
-* from ``PANEL_BATCH`` rows each weight is decoded once per 64 rows of x (32 on AVX2), a few rows
+* for more, each weight is decoded once per 64 rows of x (32 on AVX2), a few rows
   and 512 inputs at a time into an L1-resident panel, and multiplied as outer products with x
   transposed (a register-blocked GEMM whose packing step is the decoding).
 
@@ -34,9 +34,13 @@ __all__ = ["available", "isa", "switched_off", "applies", "linear", "PANEL_BATCH
 SOURCE = Path(__file__).with_name("packed_matmul.cpp")
 # Intrinsics fix the vector code; -ffp-contract=off only keeps the scalar tails unfused like numpy.
 FLAGS = _fused_cpu.FLAGS
-# From PANEL_BATCH rows of x, the decoded-panel GEMM beats decoding in registers (which decodes
-# each weight again for every 4 rows of x); measured with benchmarks/inference.py.
-PANEL_BATCH = 16
+# From PANEL_BATCH rows of x (PANEL_BATCH_SHORT for layers of at most SHORT_IN inputs, whose short
+# rows make the register path's per-output sums dear) the decoded-panel GEMM beats decoding in
+# registers, which decodes each weight again for every 4 rows of x. Crossovers measured on one
+# AVX-512 core (Zen 4): 32-48 rows at 4096 inputs, 12-16 rows at 512.
+PANEL_BATCH = 48
+PANEL_BATCH_SHORT = 16
+SHORT_IN = 1024
 # Smaller weights run on one thread (~0.1 ms of int4 work): waking the other threads costs more
 # than it saves, 10 us on an idle machine and up to ~20 ms on an oversubscribed one.
 PARALLEL_WEIGHTS = 1 << 20
@@ -202,7 +206,8 @@ def _products(library, x, codes, scale, bias, bits, out_features, group, scales_
     rows = x2.shape[0]
     threads = torch.get_num_threads() if out_features * in_features >= PARALLEL_WEIGHTS else 1
     y = torch.empty((rows, out_features), dtype=torch.float32)
-    run = library.linear if rows < PANEL_BATCH else library.linear_panels
+    panels = rows >= (PANEL_BATCH_SHORT if in_features <= SHORT_IN else PANEL_BATCH)
+    run = library.linear_panels if panels else library.linear
     run(x2.data_ptr(), rows, in_features, out_features, codes.data_ptr(), bits, scale.data_ptr(), group,
         scales_per_row, None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
     return y.reshape(*x.shape[:-1], out_features)
