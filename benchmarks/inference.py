@@ -261,7 +261,7 @@ def llama_cpp_variants(fp32, prompt, tokens, threads, directory):
     for grid, fields in GGUF_SPECS.items():
         path = Path(directory) / f"model-{grid}.gguf"
         save_gguf(quantize_model(fp32, **fields), path)
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + tokens + 8, n_threads=threads,
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=0, n_threads=threads,  # n_ctx 0: the model's own
                               n_threads_batch=threads, verbose=False)
 
         def generate(llm=llm):
