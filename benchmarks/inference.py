@@ -5,11 +5,15 @@ Two parts, each at 1 and 2 threads (``torch.set_num_threads``):
 * single layers (out x in) 1408x512, 4096x4096 and 11008x4096 at batch 1, 8 and 64: fp32
   ``F.linear`` vs mixle ``QuantizedLinear`` int4 (channel, group 32) and int8 (channel), and
   torch's own CPU low-bit ops on the same codes where they run: ``aten._weight_int8pack_mm``
-  (int8, channel scales) and ``aten._weight_int4pack_mm_for_cpu`` (int4, group 32);
+  (int8, channel scales) and ``aten._weight_int4pack_mm_for_cpu`` (int4, group 32), and torchao's
+  CPU int4 weight-only layer (its own int4 weights, bfloat16 activations; see ``torchao_int4``);
 * greedy generation at batch 1 (tokens/s): mixle's ``build_causal_lm`` (d_model 512, 4 layers,
   vocab 4096; no KV cache, so every step runs the whole context) and tiny Hugging Face
   ``LlamaForCausalLM`` (random init from a config, hidden 512 and 1024, 4 layers, vocab 32000,
-  KV cache) in fp32 and converted with ``quantize_model`` (every Linear, lm_head included).
+  KV cache) in fp32 and converted with ``quantize_model`` (every Linear, lm_head included; also on
+  llama.cpp's q4_0/q8_0 grids), torchao's int4 (bfloat16), and, when llama-cpp-python is installed,
+  llama.cpp running the q4_0/q8_0 conversions written with ``save_gguf`` (same prompt ids, same
+  number of greedy tokens; rows say why they were skipped).
 
 All variants of one cell run interleaved round by round in one process, so machine load hits
 them alike; the tables show medians and the speed-up over fp32 (fp32 time / variant time, > 1 is
@@ -53,6 +57,9 @@ BATCHES = [1, 8, 64]
 SKIP_SLOWER = 5
 EVICT_BYTES = 128 << 20  # read before each timed layer call: 4x this machine's 32 MiB L3
 MIXLE_SPECS = {"int4 ch": dict(bits=4), "int4 g32": dict(bits=4, group_size=32), "int8 ch": dict(bits=8)}
+# llama.cpp's grids: mixle converts on them too, and writes them with save_gguf for llama.cpp.
+GGUF_SPECS = {"q4_0": dict(bits=4, grid="q4_0"), "q8_0": dict(bits=8, grid="q8_0")}
+TORCHAO = "torchao int4 g32 bf16"
 
 
 def cpu_name():
@@ -113,6 +120,32 @@ def torch_int4pack(codes_i8, scale, out_features, in_features, group=32):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
 
 
+def torchao_int4(module):
+    """``(module', None)``: a bfloat16 copy of ``module`` with torchao's CPU int4 weight-only path
+    (``Int4OpaqueTensor``, group 32) on its Linears, or ``(None, why)`` where it does not run here.
+
+    In this torchao (0.18) the CPU layout is the prototype ``PrototypeInt4WeightOnlyConfig``
+    (``Int4WeightOnlyConfig``'s formats need CUDA or the mslk package). It multiplies with
+    ``aten._weight_int4pack_mm_for_cpu``, fast for bfloat16 activations only (float32 ones take a
+    slow path: the "aten int4pack" column), so it runs in bfloat16: other numerics than the rest.
+    """
+    try:
+        import copy
+
+        from torchao.quantization import quantize_
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    except Exception as error:  # not installed, or built for another torch
+        return None, f"{type(error).__name__}: {error}".splitlines()[0]
+    try:
+        quantized = copy.deepcopy(module).to(torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_(quantized, PrototypeInt4WeightOnlyConfig(group_size=32))
+        return quantized, None
+    except Exception as error:
+        return None, f"{type(error).__name__}: {error}".splitlines()[0]
+
+
 def layer_variants(out_features, in_features):
     """{name: (fn(x), note)} for one shape; also checks every variant against fp32's output."""
     torch.manual_seed(0)
@@ -132,6 +165,11 @@ def layer_variants(out_features, in_features):
                                                        out_features, in_features)
     except RuntimeError as error:  # not in every torch build
         print(f"  aten int4pack unavailable: {error}".splitlines()[0])
+    torchao_fn, reason = torchao_int4(linear)
+    if torchao_fn is None:
+        print(f"  torchao int4 unavailable: {reason}")
+    else:
+        variants[TORCHAO] = lambda x: torchao_fn(x.to(torch.bfloat16))
     x = torch.randn(3, in_features)
     with torch.no_grad():
         for name, reference in (("aten int8pack", int8), ("aten int4pack g32", g32)):
@@ -166,7 +204,7 @@ def run_layers(args, clock, threads, bandwidth):
                 rows.append(((out_features, in_features), batch, med, count))
             del variants
             gc.collect()
-    names = list(rows[0][2])
+    names = list(dict.fromkeys(n for row in rows for n in row[2]))
     print(f"\nSingle layers, {threads} thread(s): median ms (speed-up over fp32); "
           f"'-': more than {SKIP_SLOWER}x slower than fp32 at a smaller batch, not timed")
     print("| layer | batch | " + " | ".join(names) + " |")
@@ -209,15 +247,45 @@ def llama(hidden):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def llama_cpp_variants(fp32, prompt, tokens, threads, directory):
+    """{"llama.cpp Q4_0"/"Q8_0": greedy generation fn} of ``fp32`` converted on those grids and
+    written with ``save_gguf``, or ({}, why) without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError as error:
+        return {}, f"llama-cpp-python is not installed ({error})"
+    from mixle.task.quantize import save_gguf
+
+    ids = prompt[0].tolist()
+    fns = {}
+    for grid, fields in GGUF_SPECS.items():
+        path = Path(directory) / f"model-{grid}.gguf"
+        save_gguf(quantize_model(fp32, **fields), path)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=0, n_threads=threads,  # n_ctx 0: the model's own
+                              n_threads_batch=threads, verbose=False)
+
+        def generate(llm=llm):
+            out = []
+            for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy
+                out.append(token)
+                if len(out) == tokens:
+                    return out
+        fns[f"llama.cpp {grid.upper()}"] = generate
+    return fns, None
+
+
 def run_generate(args, clock, threads):
+    import tempfile
+
     from tqdm import tqdm
 
     models = [("mixle CausalLM d512", lambda: build_causal_lm(vocab=4096, d_model=512, n_layer=4, n_head=8,
                                                                block=128).eval(), False)]
     for hidden in args.llama:
         models.append((f"HF Llama h{hidden}", lambda hidden=hidden: llama(hidden), True))
-    rows = []
-    with tqdm(total=len(models) * args.gen_rounds, desc=f"generate, {threads} thread(s)", leave=False) as progress:
+    rows, notes = [], []
+    with tqdm(total=len(models) * args.gen_rounds, desc=f"generate, {threads} thread(s)", leave=False) as progress, \
+            tempfile.TemporaryDirectory() as directory:
         for name, build, is_hf in models:
             try:
                 fp32 = build()
@@ -225,8 +293,13 @@ def run_generate(args, clock, threads):
                 print(f"  {name}: skipped ({error})")
                 continue
             variants = {"fp32": fp32}
-            for spec_name, fields in MIXLE_SPECS.items():
+            for spec_name, fields in {**MIXLE_SPECS, **GGUF_SPECS}.items():
                 variants[spec_name] = quantize_model(fp32, **fields).eval()
+            torchao_model, reason = torchao_int4(fp32)
+            if torchao_model is None:
+                notes.append(f"{name}: torchao int4 does not run here: {reason}")
+            else:
+                variants[TORCHAO] = torchao_model.eval()
             prompt = torch.randint(0, 4096, (1, 8))
             if is_hf:
                 def make(model):
@@ -236,22 +309,31 @@ def run_generate(args, clock, threads):
                 def make(model):
                     return lambda: greedy(model, prompt, args.tokens)
             fns = {spec_name: make(model) for spec_name, model in variants.items()}
+            cpp, reason = llama_cpp_variants(fp32, prompt, args.tokens, threads, directory)
+            if reason and reason not in notes:
+                notes.append(reason)
+            fns.update(cpp)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # generation-config chatter
                 med = interleaved(fns, args.gen_rounds, clock, args.budget * 3, progress)
             rows.append((name, med))
-            del variants, fns, fp32
+            del variants, fns, fp32, cpp
             gc.collect()
     if not rows:
         return
-    names = list(rows[0][1])
+    names = list(dict.fromkeys(n for _, med in rows for n in med))
     print(f"\nGreedy generate at batch 1, {args.tokens} new tokens after 8, {threads} thread(s): "
           f"median tokens/s (speed-up over fp32)")
     print("| model | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for name, med in rows:
-        cells = [f"{args.tokens / med[n]:,.1f} ({med['fp32'] / med[n]:.2f}x)" for n in names]
+        cells = [f"{args.tokens / med[n]:,.1f} ({med['fp32'] / med[n]:.2f}x)" if n in med else "-" for n in names]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print("q4_0/q8_0: mixle converted on llama.cpp's grids; llama.cpp Q4_0/Q8_0: the same conversions written "
+          "with save_gguf, run by llama-cpp-python (its own KV cache; mixle's CausalLM loop has none, so each of "
+          f"its steps runs the whole context). {TORCHAO}: torchao's own int4 weights, bfloat16 activations.")
+    for note in notes:
+        print(f"  skipped: {note}")
 
 
 def main():

@@ -19,8 +19,11 @@ from mixle.torch_backend.quantized import QuantizedLinear
 EPS32 = float(np.finfo(np.float32).eps)
 # (out, in, group of the "group" granularity). in=7: int4 rows start mid-byte; group 7 or 16: blocks
 # that are not whole vector steps (the buffer path); in=130: tails after the last whole step.
-SHAPES = [(5, 7, 7), (13, 64, 16), (9, 96, 32), (3, 130, 65), (33, 256, 64)]
-BATCHES = [1, 3, 9, 17]  # 9: eight rows at once plus one; 17: 4 x 4 blocks plus a row, or tiles
+# (6, 1088, 64): panels of 512 inputs and a short one (partial sums carried between them).
+SHAPES = [(5, 7, 7), (13, 64, 16), (9, 96, 32), (3, 130, 65), (33, 256, 64), (6, 1088, 64)]
+# 9: eight rows at once plus one; 17: 4 x 4 blocks plus a row; 70: panels of 64 (AVX2: 32) rows of x
+# and a short one.
+BATCHES = [1, 3, 9, 17, 70]
 
 
 def make_storage(bits, granularity, out_features, in_features, group, seed=0):
@@ -81,6 +84,12 @@ def library(request):
     return built
 
 
+def use_panels(monkeypatch, panels):
+    """Every batch through the decoded-panel GEMM, or none."""
+    for name in ("PANEL_BATCH", "PANEL_BATCH_SHORT"):
+        monkeypatch.setattr(packed_linear, name, 1 if panels else 10 ** 9)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "group"])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -89,11 +98,10 @@ def test_products_match_a_float64_numpy_reference(library, bits, granularity, sh
     codes, scale, spec, stored, scale_t = make_storage(bits, granularity, out_features, in_features, group)
     rng = np.random.default_rng(1)
     bias = rng.standard_normal(out_features).astype(np.float32)
-    monkeypatch.setattr(packed_linear, "TILE_FLOATS", 3 * in_features)  # several tiles, the last one short
     monkeypatch.setattr(packed_linear, "PARALLEL_WEIGHTS", 0)  # threads even for these small weights
     # Two threads on the largest shape of the native build only (the threading code is the same in
     # every build): on a busy machine each parallel region costs milliseconds.
-    thread_counts = (1, 2) if shape == SHAPES[-1] and library is packed_linear._library() else (1,)
+    thread_counts = (1, 2) if shape == SHAPES[-2] and library is packed_linear._library() else (1,)
     threads = torch.get_num_threads()
     try:
         for with_bias in (False, True):
@@ -103,19 +111,18 @@ def test_products_match_a_float64_numpy_reference(library, bits, granularity, sh
             for batch in BATCHES:
                 x = rng.standard_normal((batch, in_features)).astype(np.float32)
                 expected, bound = reference(x, codes, scale, bias if with_bias else None)
-                for n, tiled in [(n, tiled) for n in thread_counts for tiled in (False, True)]:
+                for n, panels in [(n, panels) for n in thread_counts for panels in (False, True)]:
                     torch.set_num_threads(n)
-                    # Tiled: decoded tiles multiplied by torch.mm from 16 rows of x.
-                    monkeypatch.setattr(packed_linear, "TILED_BATCH", 16 if tiled else 10 ** 9)
+                    use_panels(monkeypatch, panels)
                     got = packed_linear._products(library, torch.from_numpy(x), layer.codes, layer.scale, layer.bias,
                                                   bits, out_features, group_arg, per_row).numpy()
                     error = np.abs(got.astype(np.float64) - expected)
-                    assert (error <= bound).all(), (batch, n, tiled, with_bias, float((error - bound).max()))
+                    assert (error <= bound).all(), (batch, n, panels, with_bias, float((error - bound).max()))
         # One-hot rows of x pick single weights: a sum of one product and zeros is exact, so the
         # kernel's weights must equal float32(code) * scale bit for bit.
         w = (codes.astype(np.float32).reshape(scale.size, -1) * scale[:, None]).reshape(codes.shape)
-        for tiled in (False, True):
-            monkeypatch.setattr(packed_linear, "TILED_BATCH", 16 if tiled else 10 ** 9)
+        for panels in (False, True):
+            use_panels(monkeypatch, panels)
             picked = packed_linear._products(library, torch.eye(in_features), layer.codes, layer.scale, None,
                                              bits, out_features, group_arg, per_row)
             np.testing.assert_array_equal(picked.numpy(), w.T)
@@ -214,3 +221,76 @@ def test_torch_compile_keeps_the_op_in_one_graph_and_matches_eager():
     targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert sum(target.startswith("mixle.packed_linear") for target in targets) == 2, targets
     assert torch.equal(recorded, eager) and torch.equal(aot, eager)
+
+
+# ------------------------------------------------------------------------- embedding lookups
+
+EMBEDDING_CASES = [  # (bits, granularity, grid, vocab, dim, group)
+    (4, "channel", "qwix", 11, 33, None),  # odd dim: rows start mid-byte
+    (4, "channel", "qwix", 12, 64, None),
+    (4, "group", "qwix", 9, 96, 32),
+    (4, "tensor", "qwix", 7, 21, None),
+    (8, "channel", "qwix", 10, 33, None),
+    (8, "group", "qwix", 6, 64, 16),
+    (4, "group", "q4_0", 9, 64, 32),
+    (8, "group", "q8_0", 9, 64, 32),
+]
+
+
+def embedding_storage(bits, granularity, grid, vocab, dim, group):
+    """(numpy codes, numpy scales, QuantizedEmbedding): random qwix storage, or llama.cpp grids' own."""
+    from mixle.core.numerics import quantize_embedding_weight
+    from mixle.torch_backend.quantized import QuantizedEmbedding, to_storage
+
+    if grid == "qwix":
+        codes, scale, spec, stored, scale_t = make_storage(bits, granularity, vocab, dim, group or dim, seed=vocab)
+        return codes, scale, QuantizedEmbedding(stored, scale_t, spec, (vocab, dim))
+    spec = QuantSpec(bits=bits, grid=grid)
+    stored, scale_t = to_storage(quantize_embedding_weight(torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3)), spec))
+    if bits == 4:  # unpacked by hand: low nibble first, two's complement
+        raw = stored.numpy()
+        nibbles = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(-1)[:vocab * dim]
+        codes = ((nibbles.astype(np.int16) ^ 8) - 8).astype(np.int8).reshape(vocab, dim)
+    else:
+        codes = stored.numpy()
+    scale = scale_t.numpy().reshape(-1)
+    assert grid == "q8_0" or (scale < 0).any()  # q4_0's signed-max scales: the sign must survive the lookup
+    return codes, scale, QuantizedEmbedding(stored, scale_t, spec, (vocab, dim))
+
+
+@pytest.mark.parametrize("case", EMBEDDING_CASES, ids=lambda c: f"int{c[0]}-{c[1]}-{c[2]}-{c[3]}x{c[4]}")
+def test_embedding_lookups_dequantize_only_their_rows_bit_for_bit(case, monkeypatch):
+    codes, scale, table = embedding_storage(*case)
+    vocab, dim = codes.shape
+    table_np = (codes.astype(np.float32).reshape(scale.size, -1) * scale[:, None]).reshape(vocab, dim)
+    # A lookup must not rebuild the whole table.
+    monkeypatch.setattr(type(table), "dequantized_weight", lambda self: pytest.fail("whole table dequantized"))
+    rng = np.random.default_rng(0)
+    for indices in (rng.integers(0, vocab, (3, 5)), np.array([vocab - 1, 0, vocab - 1]), np.zeros((2, 0), np.int64)):
+        for dtype in (torch.int64, torch.int32):
+            got = table(torch.from_numpy(indices).to(dtype)).numpy()
+            assert got.shape == (*indices.shape, dim)
+            # Bit for bit: one float32 product code * scale per value, -0.0 included.
+            np.testing.assert_array_equal(got.view(np.int32), table_np[indices].view(np.int32))
+    for bad, span in ((-1, r"\[-1, 0\]"), (vocab, rf"\[0, {vocab}\]")):
+        with pytest.raises(IndexError, match=rf"indices span {span}, outside the table's \[0, {vocab - 1}\]"):
+            table(torch.tensor([0, bad]))
+
+
+def test_embedding_max_norm_and_torch_compile_match_the_whole_table_lookup():
+    from mixle.torch_backend.quantized import QuantizedEmbedding
+
+    codes, scale, table = embedding_storage(4, "group", "qwix", 9, 96, 32)
+    x = torch.tensor([[3, 1, 3], [8, 0, 1]])
+    whole = table.dequantized_weight()
+    renormed = QuantizedEmbedding(table.codes, table.scale, table.spec, (9, 96), max_norm=1.0)
+    assert torch.equal(renormed(x), F.embedding(x, whole.clone(), max_norm=1.0))
+    assert torch.equal(table.dequantized_weight(), whole)  # the stored table is left alone
+    torch._dynamo.reset()
+    try:
+        for case in (EMBEDDING_CASES[0], EMBEDDING_CASES[2]):  # an odd and an even int4 row width
+            table = embedding_storage(*case)[2]
+            compiled = torch.compile(table, backend="aot_eager", fullgraph=True)
+            assert torch.equal(compiled(x), table.dequantized_weight()[x])
+    finally:
+        torch._dynamo.reset()

@@ -6,12 +6,12 @@
 each weight exactly as ``dequantize_array`` does (one float32 product ``code * scale``) but never
 materialises the whole float weight:
 
-* the codes are streamed and decoded in vector registers (AVX-512 or AVX2, else portable C++),
-  each decoded step multiplied with up to 8 rows of x (batches: blocks of 4 weight rows times 4
-  rows of x, both in cache), in one OpenMP region over output rows;
-* only batches of ``TILED_BATCH`` rows or more through layers of at most ``TILED_MAX_IN`` inputs
-  instead decode ``TILE_FLOATS`` worth of weight rows at a time into a cache-resident float buffer
-  and multiply it with torch's matmul.
+* for fewer rows of x than ``PANEL_BATCH`` (see there) the codes are streamed and decoded in vector registers
+  (AVX-512 or AVX2, else portable C++), each decoded step multiplied with up to 8 rows of x, in one
+  OpenMP region over output rows;
+* for more, each weight is decoded once per 64 rows of x (32 on AVX2), a few rows
+  and 512 inputs at a time into an L1-resident panel, and multiplied as outer products with x
+  transposed (a register-blocked GEMM whose packing step is the decoding).
 
 So the result differs from ``F.linear(x, dequantized_weight, bias)`` only in the order of the float
 sums. Everything else (other dtypes or devices, autocast, inputs that need a gradient, no compiler,
@@ -29,19 +29,18 @@ import torch
 from mixle.torch_backend import fused_cpu as _fused_cpu
 from mixle.torch_backend import kernel_cache
 
-__all__ = ["available", "isa", "switched_off", "applies", "linear", "TILED_BATCH", "TILE_FLOATS"]
+__all__ = ["available", "isa", "switched_off", "applies", "linear", "PANEL_BATCH"]
 
 SOURCE = Path(__file__).with_name("packed_matmul.cpp")
 # Intrinsics fix the vector code; -ffp-contract=off only keeps the scalar tails unfused like numpy.
 FLAGS = _fused_cpu.FLAGS
-# From TILED_BATCH rows of x, layers with at most TILED_MAX_IN inputs decode weight tiles for torch's
-# matmul: with short rows the kernel's per-output sums cost more than decoding a tile.
-TILED_BATCH = 32
-TILED_MAX_IN = 1024
-# Floats per decoded weight tile (16 MiB, L3-resident): few tiles, so few matmul calls, each a
-# parallel region (on a busy machine waking threads costs far more than the matmul of a small tile).
-TILE_FLOATS = 1 << 22
-DEQUANTIZE_THREADS = 1  # a tile decodes in ~1/60 of its matmul's time: a parallel region per tile costs more
+# From PANEL_BATCH rows of x (PANEL_BATCH_SHORT for layers of at most SHORT_IN inputs, whose short
+# rows make the register path's per-output sums dear) the decoded-panel GEMM beats decoding in
+# registers, which decodes each weight again for every 4 rows of x. Crossovers measured on one
+# AVX-512 core (Zen 4): 32-48 rows at 4096 inputs, 12-16 rows at 512.
+PANEL_BATCH = 48
+PANEL_BATCH_SHORT = 16
+SHORT_IN = 1024
 # Smaller weights run on one thread (~0.1 ms of int4 work): waking the other threads costs more
 # than it saves, 10 us on an idle machine and up to ~20 ms on an oversubscribed one.
 PARALLEL_WEIGHTS = 1 << 20
@@ -60,9 +59,9 @@ class _Library:
         self.linear = lib.mixle_packed_linear_f32
         self.linear.argtypes = [p, i64, i64, i64, p, i32, p, i64, i64, p, p, i32]
         self.linear.restype = None
-        self.dequantize_rows = lib.mixle_packed_dequantize_rows_f32
-        self.dequantize_rows.argtypes = [p, i32, p, i64, i64, i64, i64, i64, p, i32]
-        self.dequantize_rows.restype = None
+        self.linear_panels = lib.mixle_packed_linear_panels_f32
+        self.linear_panels.argtypes = self.linear.argtypes
+        self.linear_panels.restype = None
         lib.mixle_packed_isa.restype = ctypes.c_char_p
         self.isa = lib.mixle_packed_isa().decode()
 
@@ -206,23 +205,11 @@ def _products(library, x, codes, scale, bias, bits, out_features, group, scales_
     bias = None if bias is None else bias.contiguous()
     rows = x2.shape[0]
     threads = torch.get_num_threads() if out_features * in_features >= PARALLEL_WEIGHTS else 1
-    if rows < TILED_BATCH or in_features > TILED_MAX_IN:
-        y = torch.empty((rows, out_features), dtype=torch.float32)
-        library.linear(x2.data_ptr(), rows, in_features, out_features, codes.data_ptr(), bits, scale.data_ptr(),
-                       group, scales_per_row, None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
-    else:
-        tile_rows = max(1, min(out_features, TILE_FLOATS // max(1, in_features)))
-        tile = torch.empty((tile_rows, in_features), dtype=torch.float32)
-        y = torch.empty((rows, out_features), dtype=torch.float32)
-        for start in range(0, out_features, tile_rows):
-            count = min(tile_rows, out_features - start)
-            library.dequantize_rows(codes.data_ptr(), bits, scale.data_ptr(), group, scales_per_row, in_features,
-                                    start, count, tile.data_ptr(), DEQUANTIZE_THREADS)
-            columns = y[:, start:start + count]  # BLAS writes the column block in place (its row stride)
-            if bias is None:
-                torch.mm(x2, tile[:count].t(), out=columns)
-            else:
-                torch.addmm(bias[start:start + count], x2, tile[:count].t(), out=columns)
+    y = torch.empty((rows, out_features), dtype=torch.float32)
+    panels = rows >= (PANEL_BATCH_SHORT if in_features <= SHORT_IN else PANEL_BATCH)
+    run = library.linear_panels if panels else library.linear
+    run(x2.data_ptr(), rows, in_features, out_features, codes.data_ptr(), bits, scale.data_ptr(), group,
+        scales_per_row, None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
     return y.reshape(*x.shape[:-1], out_features)
 
 

@@ -313,6 +313,111 @@ inline void dot_batch(Row row, const Weights& w, int64_t o, const float* x, int6
     default: break;
   }
 }
+
+// ---------------------------------------------------------------- batches: decoded panels
+// For batches the weight is decoded once per call (per BATCH_CHUNK rows of x), a few rows and
+// KC inputs at a time into an L1-resident panel, and multiplied as an outer product: lanes run
+// over rows of x (x transposed once per call, zero-padded to whole vectors), each decoded weight
+// is broadcast against them. R weight rows x NBV vectors of x rows are accumulated in registers
+// over a chunk of KC inputs, in input order; partial sums of later chunks go through yt (out, BATCH_CHUNK).
+constexpr int NBV_MAX = 4;
+constexpr int64_t BATCH_CHUNK = NBV_MAX * VL;
+constexpr int64_t KC = 512;  // inputs per panel: R x KC decoded floats stay in L1, KC x BATCH_CHUNK of x in L2
+constexpr int PANEL_R = VL == 16 ? 6 : 2;  // accumulators R x NBV + NBV x vectors fit the registers
+
+inline void set_row_start(int64_t k0, int64_t group, int64_t& next, int64_t& block) {
+  block = k0 / group - 1;
+  next = k0 / group * group;
+}
+
+// Weights (o, k0 .. k0 + n) into dst: code * scale, as weight_at.
+inline void decode_range(const Weights& w, int64_t o, int64_t k0, int64_t n, float* dst) {
+  int64_t k = 0;
+  if (decodable(w)) {
+    vec wv[2];
+    if (w.bits == 4) {
+      Int4Row row(w, o);
+      set_row_start(k0, row.group, row.next, row.block);
+      for (; k + 2 * VL <= n; k += 2 * VL) {
+        row.at(k0 + k, wv);
+        store_interleaved(dst + k, wv[0], wv[1]);
+      }
+    } else {
+      Int8Row row(w, o);
+      set_row_start(k0, row.group, row.next, row.block);
+      for (; k + VL <= n; k += VL) {
+        row.at(k0 + k, wv);
+        vstore(dst + k, wv[0]);
+      }
+    }
+  }
+  for (; k < n; ++k) dst[k] = weight_at(w, o, k0 + k);
+}
+
+// acc[r][v] (+)= sum over kk < n of panel[r][kk] * xt[kk][v]; then either kept in yt (partial) or
+// written to y (last chunk, + bias).
+template <int R, int NBV>
+MIXLE_OUTLINED void panel_block(const float* panel, const float* xt, int64_t n, float* yt, bool first, bool last,
+                                float* y, int64_t out, int64_t o, int64_t nb, const float* bias) {
+  vec acc[R][NBV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NBV; ++v) acc[r][v] = first ? vzero() : vload(yt + (o + r) * BATCH_CHUNK + v * VL);
+  for (int64_t kk = 0; kk < n; ++kk) {
+    vec xv[NBV];
+    for (int v = 0; v < NBV; ++v) xv[v] = vload(xt + kk * BATCH_CHUNK + v * VL);
+    for (int r = 0; r < R; ++r) {
+      const vec wb = vset1(panel[r * KC + kk]);
+      for (int v = 0; v < NBV; ++v) acc[r][v] = vfma(wb, xv[v], acc[r][v]);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NBV; ++v) vstore(yt + (o + r) * BATCH_CHUNK + v * VL, acc[r][v]);
+    return;
+  }
+  float lanes[R][NBV * VL];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NBV; ++v) vstore(lanes[r] + v * VL, acc[r][v]);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < R; ++r) y[b * out + o + r] = bias ? lanes[r][b] + bias[o + r] : lanes[r][b];
+}
+
+template <int R>
+inline void panel_rows(int nbv, const float* panel, const float* xt, int64_t n, float* yt, bool first, bool last,
+                       float* y, int64_t out, int64_t o, int64_t nb, const float* bias) {
+  switch (nbv) {
+    case 1: panel_block<R, 1>(panel, xt, n, yt, first, last, y, out, o, nb, bias); break;
+    case 2: panel_block<R, 2>(panel, xt, n, yt, first, last, y, out, o, nb, bias); break;
+    case 3: panel_block<R, 3>(panel, xt, n, yt, first, last, y, out, o, nb, bias); break;
+    default: panel_block<R, 4>(panel, xt, n, yt, first, last, y, out, o, nb, bias); break;
+  }
+}
+
+template <int R>
+inline void panel_dispatch(int rows, int nbv, const float* panel, const float* xt, int64_t n, float* yt, bool first,
+                           bool last, float* y, int64_t out, int64_t o, int64_t nb, const float* bias) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_dispatch<R - 1>(rows, nbv, panel, xt, n, yt, first, last, y, out, o, nb, bias);
+  }
+  panel_rows<R>(nbv, panel, xt, n, yt, first, last, y, out, o, nb, bias);
+}
+
+// Output rows [o_begin, o_end) of a chunk of nb <= BATCH_CHUNK rows of x, given transposed (xt:
+// in x BATCH_CHUNK, zero lanes past nb). y points at the chunk's first row.
+void panel_linear_rows(const Weights& w, const float* xt, int64_t nb, int64_t out, const float* bias, float* y,
+                       float* yt, int64_t o_begin, int64_t o_end) {
+  alignas(64) float panel[PANEL_R * KC];
+  const int nbv = static_cast<int>((nb + VL - 1) / VL);
+  for (int64_t k0 = 0; k0 < w.in; k0 += KC) {
+    const int64_t n = w.in - k0 < KC ? w.in - k0 : KC;
+    const bool first = k0 == 0, last = k0 + n == w.in;
+    for (int64_t o = o_begin; o < o_end; o += PANEL_R) {
+      const int rows = static_cast<int>(o_end - o < PANEL_R ? o_end - o : PANEL_R);
+      for (int r = 0; r < rows; ++r) decode_range(w, o + r, k0, n, panel + r * KC);
+      panel_dispatch<PANEL_R>(rows, nbv, panel, xt + k0 * BATCH_CHUNK, n, yt, first, last, y, out, o, nb, bias);
+    }
+  }
+}
 #endif  // MIXLE_VECTOR
 
 void decode_row_scalar(const Weights& w, int64_t o, float* dst) {
@@ -390,34 +495,6 @@ void linear_rows(const Weights& w, const float* x, const float* x_int4, int64_t 
 #endif
 }
 
-void dequantize_rows(const Weights& w, int64_t o_begin, int64_t o_end, float* dst) {
-#ifdef MIXLE_VECTOR
-  if (decodable(w)) {
-    for (int64_t o = o_begin; o < o_end; ++o) {
-      float* d = dst + (o - o_begin) * w.in;
-      vec wv[2];
-      int64_t k = 0;
-      if (w.bits == 4) {
-        Int4Row row(w, o);
-        for (; k + 2 * VL <= w.in; k += 2 * VL) {
-          row.at(k, wv);
-          store_interleaved(d + k, wv[0], wv[1]);
-        }
-      } else {
-        Int8Row row(w, o);
-        for (; k + VL <= w.in; k += VL) {
-          row.at(k, wv);
-          vstore(d + k, wv[0]);
-        }
-      }
-      for (; k < w.in; ++k) d[k] = weight_at(w, o, k);
-    }
-    return;
-  }
-#endif
-  for (int64_t o = o_begin; o < o_end; ++o) decode_row_scalar(w, o, dst + (o - o_begin) * w.in);
-}
-
 // Splits [0, rows) over the threads in contiguous, nearly equal ranges and runs fn(begin, end).
 template <class Fn>
 void over_rows(int64_t rows, int threads, Fn fn) {
@@ -461,14 +538,35 @@ void mixle_packed_linear_f32(const float* x, int64_t batch, int64_t in, int64_t 
   });
 }
 
-// Rows [row0, row0 + rows) of the dequantized weight into dst (rows, in), float32.
-void mixle_packed_dequantize_rows_f32(const void* codes, int bits, const float* scale, int64_t group,
-                                      int64_t scales_per_row, int64_t in, int64_t row0, int64_t rows,
-                                      float* dst, int threads) {
+// Same product as mixle_packed_linear_f32 through decoded panels (outer products; see
+// panel_linear_rows): faster from a few dozen rows of x. Falls back to it without vector code.
+void mixle_packed_linear_panels_f32(const float* x, int64_t batch, int64_t in, int64_t out, const void* codes,
+                                    int bits, const float* scale, int64_t group, int64_t scales_per_row,
+                                    const float* bias, float* y, int threads) {
+#ifdef MIXLE_VECTOR
   const Weights w{static_cast<const uint8_t*>(codes), bits, scale, group, scales_per_row, in};
-  over_rows(rows, threads, [&](int64_t begin, int64_t end) {
-    dequantize_rows(w, row0 + begin, row0 + end, dst + begin * in);
-  });
+  // Kept per calling thread: megabyte buffers allocated per call cost page faults every call.
+  static thread_local std::vector<float> xt, yt;
+  xt.assign(static_cast<size_t>(in * BATCH_CHUNK), 0.0f);
+  yt.resize(static_cast<size_t>(out * BATCH_CHUNK));
+  for (int64_t b0 = 0; b0 < batch; b0 += BATCH_CHUNK) {
+    const int64_t nb = batch - b0 < BATCH_CHUNK ? batch - b0 : BATCH_CHUNK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + (b0 + b) * in;
+      for (int64_t k = 0; k < in; ++k) xt[k * BATCH_CHUNK + b] = xb[k];
+    }
+    if (nb < BATCH_CHUNK && b0 > 0)
+      for (int64_t k = 0; k < in; ++k)
+        for (int64_t b = nb; b < BATCH_CHUNK; ++b) xt[k * BATCH_CHUNK + b] = 0.0f;
+    float* xtp = xt.data();
+    float* ytp = yt.data();
+    over_rows(out, threads, [&](int64_t begin, int64_t end) {
+      panel_linear_rows(w, xtp, nb, out, bias, y + b0 * out, ytp, begin, end);
+    });
+  }
+#else
+  mixle_packed_linear_f32(x, batch, in, out, codes, bits, scale, group, scales_per_row, bias, y, threads);
+#endif
 }
 
 }  // extern "C"

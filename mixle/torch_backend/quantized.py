@@ -263,8 +263,9 @@ class QuantizedEmbedding(QuantizedWeight):
     """An inference ``Embedding`` whose table is stored as integer codes and scales.
 
     ``convert`` creates one for an embedding tied to a quantized head; both modules then hold
-    the *same* ``codes`` and ``scale`` tensors, so the tied weight is stored once. Lookups use
-    the dequantized table, exactly like ``QATEmbedding``'s fake-quant forward.
+    the *same* ``codes`` and ``scale`` tensors, so the tied weight is stored once. Lookups give
+    the rows of the dequantized table bit for bit, exactly like ``QATEmbedding``'s fake-quant
+    forward, but dequantize only the rows looked up (``dequantized_rows``).
 
     Args:
         codes, scale, spec: as for ``QuantizedLinear``; codes describe ``(num_embeddings, dim)``.
@@ -285,8 +286,69 @@ class QuantizedEmbedding(QuantizedWeight):
         self.scale_grad_by_freq = scale_grad_by_freq
 
     def forward(self, x):
-        return F.embedding(x, self.dequantized_weight(), self.padding_idx, self.max_norm, self.norm_type,
-                           self.scale_grad_by_freq, False)
+        if self.max_norm is not None:
+            # max_norm renormalises the looked-up rows of the table in place: do it on the
+            # distinct rows only, each once, as F.embedding does on the whole table.
+            rows, where = torch.unique(x, return_inverse=True)
+            return F.embedding(where, self.dequantized_rows(rows), None, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, False)
+        return self.dequantized_rows(x)
+
+    def dequantized_rows(self, indices):
+        """Rows ``indices`` of the dequantized table, each ``code * scale`` like ``dequantized_weight()``.
+
+        Only those rows' codes are unpacked (a lookup no longer rebuilds the whole table); every
+        value is the same one float product, so the result equals ``dequantized_weight()[indices]``
+        bit for bit.
+
+        Args:
+            indices: integer tensor of any shape with values in ``[0, num_embeddings)``.
+
+        Returns:
+            Float tensor of shape ``(*indices.shape, embedding_dim)`` in the scales' dtype.
+
+        Raises:
+            IndexError: an index lies outside ``[0, num_embeddings)``.
+
+        >>> from mixle.core.numerics import quantize_embedding_weight
+        >>> codes, scale = to_storage(quantize_embedding_weight(torch.randn(5, 4), bits=4))
+        >>> table = QuantizedEmbedding(codes, scale, QuantSpec(bits=4), (5, 4))
+        >>> torch.equal(table.dequantized_rows(torch.tensor([3, 0, 3])), table.dequantized_weight()[[3, 0, 3]])
+        True
+        """
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{type(self).__name__}: indices must be an int64 or int32 tensor, got "
+                            f"{getattr(indices, 'dtype', type(indices).__name__)}")
+        rows, dim = self.weight_shape
+        flat = indices.reshape(-1).to(device=self.codes.device, dtype=torch.int64)
+        odd_int4 = self.spec.bits == 4 and dim % 2
+        if torch.compiler.is_compiling():
+            if odd_int4:  # its gather below does not check the indices: keep F.embedding's check
+                return F.embedding(indices, self.dequantized_weight())
+        elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+            raise IndexError(f"{type(self).__name__}: indices span [{int(flat.min())}, {int(flat.max())}], "
+                             f"outside the table's [0, {rows - 1}]")
+        # F.embedding gathers whole rows of codes and scales (and checks the indices when compiled).
+        if self.spec.bits != 4:
+            codes = F.embedding(flat, self.codes)
+        elif not odd_int4:  # rows start on a byte
+            packed = F.embedding(flat, self.codes.reshape(rows, dim // 2))
+            codes = _sign_extend(torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(-1, dim))
+        else:  # odd rows share a byte with the next row: gather each code's byte and nibble
+            at = flat.unsqueeze(-1) * dim + torch.arange(dim, device=flat.device)
+            codes = _sign_extend((self.codes[at >> 1] >> ((at & 1) * 4).to(torch.uint8)) & 0xF)
+        _, blocks, width = block_shape(self.weight_shape, self.spec, 0, 1)
+        if blocks == 1:  # one scale for the whole table
+            weights = codes.to(self.scale.dtype) * self.scale.reshape(1, 1)
+        else:  # scales per row (width == dim) or per group of a row: dim // width of them per row
+            scale = F.embedding(flat, self.scale.reshape(rows, dim // width)).unsqueeze(-1)
+            weights = (codes.reshape(-1, dim // width, width).to(self.scale.dtype) * scale).reshape(-1, dim)
+        return weights.reshape(*indices.shape, dim)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self._storage_repr()}"
+
+
+def _sign_extend(nibbles):
+    """int8 codes from 4-bit two's-complement nibbles (uint8 0..15), as ``unpack_int4``."""
+    return (nibbles.to(torch.int8) ^ 8) - 8
