@@ -147,13 +147,32 @@ class _JaxOps(_NumpyOps):
         count = a.shape[axis]
         top = count - min(ks)
         if top <= _LEVEL_RANKS:
-            levels, seen = self._top_levels(a, top, axis)
+            candidates, axis = self._top_chunks(a, top, axis % a.ndim)
+            levels, seen = self._top_levels(candidates, top, axis)
             return [_rank_from_top(self.xp, levels, seen, count - 1 - k) for k in ks]
         if top <= 64:
             values = self.jax.lax.top_k(self.xp.moveaxis(a, axis, -1), top)[0]
             return [self.xp.moveaxis(values[..., count - 1 - k : count - k], -1, axis) for k in ks]
         part = self.xp.sort(a, axis=axis)
         return [self.jax.lax.slice_in_dim(part, k, k + 1, axis=axis) for k in ks]
+
+    def _top_chunks(self, a, top, axis):
+        """``(values, axis)``: the ``top`` chunks of ``_CHUNK`` consecutive values along ``axis``
+        with the largest maxima (ties in any order), which hold the ``top`` largest values; or
+        ``a`` itself when it is too short to gain.
+
+        A value outside those chunks is at most the smallest of their maxima, and they hold
+        ``top`` values (their maxima) at least that large, so it cannot rank higher. One pass
+        over ``a`` (the chunk maxima); the levels then read only ``top * _CHUNK`` values.
+        """
+        count = a.shape[axis]
+        if count % _CHUNK or count < 4 * top * _CHUNK:
+            return a, axis
+        chunks = a.reshape(a.shape[:axis] + (count // _CHUNK, _CHUNK) + a.shape[axis + 1 :])
+        maxima = self.xp.moveaxis(chunks.max(axis=axis + 1), axis, -1)
+        chosen = self.xp.moveaxis(self.jax.lax.top_k(maxima, top)[1], -1, axis)
+        values = self.xp.take_along_axis(chunks, self.xp.expand_dims(chosen, axis + 1), axis=axis)
+        return values.reshape(a.shape[:axis] + (top * _CHUNK,) + a.shape[axis + 1 :]), axis
 
     def _top_levels(self, a, top, axis):
         """The ``top`` largest distinct values along ``axis`` (largest first; -inf past the last)
@@ -193,6 +212,8 @@ class _JaxOps(_NumpyOps):
 
 # Up to this many ranks from the top, jax order statistics come from distinct levels and counts.
 _LEVEL_RANKS = 8
+# Chunk length of _JaxOps._top_chunks.
+_CHUNK = 16
 
 
 def _rank_from_top(xp, levels, seen, j):
