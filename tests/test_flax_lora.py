@@ -12,7 +12,7 @@ import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from mixle.api import apply_qat, get_qat_report, set_fake_quant_enabled  # noqa: E402
+from mixle.api import apply_qat, convert, get_qat_report, set_fake_quant_enabled  # noqa: E402
 from mixle.experimental.program.lora import apply_lora, get_lora_report, lora_parameters, merge_lora  # noqa: E402
 from mixle.flax_backend.lora import LoRALinear  # noqa: E402
 from tests.test_numerics import reference_codes_scales  # noqa: E402
@@ -125,6 +125,8 @@ def test_merge_lora_folds_the_adapter_into_the_kernel_and_qat_quantizes_the_merg
     _trained_adapters(model)
     want = [np.asarray(layer.kernel[...]) + np.asarray(layer.lora.lora_a[...]) @ np.asarray(layer.lora.lora_b[...]) * 3
             for layer in model.layers]
+    with pytest.raises(ValueError, match="'layers.0' has a LoRA adapter: .*merge_lora"):
+        convert(model)
     assert merge_lora(model) is model
     for layer, kernel in zip(model.layers, want):
         assert type(layer).__mro__[1] is nnx.Linear and not hasattr(layer, "lora")
@@ -135,6 +137,7 @@ def test_merge_lora_folds_the_adapter_into_the_kernel_and_qat_quantizes_the_merg
     expected = h @ reference_codes_scales(np.asarray(model.layers[1].kernel[...]).T, 4, "channel")[2].T \
         + np.asarray(model.layers[1].bias[...])
     np.testing.assert_allclose(model(x), expected, rtol=0, atol=_tolerance(expected))
+    np.testing.assert_array_equal(convert(model)(x), model(x))  # stored codes: the merged QAT forward
     with pytest.raises(ValueError, match="no LoRA adapters"):
         merge_lora(model)
     with pytest.raises(ValueError, match="no LoRA report"):
