@@ -144,8 +144,8 @@ def _kernel_blocks(w, input_axes, spec):
 def _kernel_forward(w, input_axes, spec):
     blocks, axis, back = _kernel_blocks(w, input_axes, spec)
     deq, threshold = fake_quant_blocks(blocks, spec, axis=axis)
-    # Materialised in the kernel's layout: fused into the matmul's operand, the quantizer made
-    # XLA's CPU matmul about twice as slow.
+    # Its own value in the kernel's layout: where an XLA version fused the quantizer into the
+    # matmul's operand, the CPU matmul ran about twice as slow.
     return jax.lax.optimization_barrier(back(deq)), threshold
 
 
