@@ -195,19 +195,29 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, example_inputs=example_inputs, **spec_fields)
 
 
-def save_quantized(model, path):
+def save_quantized(model, path, *, names=None):
     """Save a converted model as safetensors with mixle's hashed manifest; returns the manifest.
+
+    Torch and Flax models write the same file: tensors under the equivalent torch model's
+    ``state_dict`` names. A Flax module path is taken for that torch module path unless
+    ``names`` maps it (``{"layers.1": "2"}`` where the torch ``nn.Sequential`` has an activation
+    between; a tied ``nnx.Embed`` maps to ``(embedding path, head path)``); see
+    ``mixle.flax_backend.export``. A torch model's module paths are the file's names already,
+    so ``names`` is refused there.
 
     >>> import torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
     >>> save_quantized(quantize_model(torch.nn.Linear(8, 4)), path)["layers"][0]["kind"]
     'linear'
     """
-    return backends.for_model(model, "save_quantized").save_quantized(model, path)
+    return backends.for_model(model, "save_quantized").save_quantized(model, path, names=names)
 
 
-def load_quantized(path, model):
+def load_quantized(path, model, *, names=None):
     """Load a ``save_quantized`` file into a copy of a float ``model`` built like the saved one.
+
+    ``names`` (Flax models only) maps Flax module paths to the file's torch module paths, as for
+    ``save_quantized``.
 
     >>> import torch, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
@@ -215,7 +225,7 @@ def load_quantized(path, model):
     >>> type(load_quantized(path, torch.nn.Linear(8, 4))).__name__
     'QuantizedLinear'
     """
-    return backends.for_model(model, "load_quantized").load_quantized(path, model)
+    return backends.for_model(model, "load_quantized").load_quantized(path, model, names=names)
 
 
 def model_nbytes(model):

@@ -21,7 +21,7 @@ from mixle.core.packing import unpack_int4  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.flax_backend.convert import QuantizedKernel, convert_linen  # noqa: E402
 from mixle.flax_backend.convert import model_nbytes as flax_model_nbytes  # noqa: E402
-from mixle.flax_backend.export import load_quantized, save_quantized  # noqa: E402
+from mixle.api import load_quantized, save_quantized  # noqa: E402  (names= passes through to Flax)
 from mixle.torch_backend import export as torch_export  # noqa: E402
 from tests.test_numerics import reference_codes_scales  # noqa: E402
 
@@ -146,7 +146,7 @@ def test_mlp_file_from_flax_loads_into_torch_and_back(tmp_path):
     manifest = save_quantized(converted, path, names=MLP_NAMES)
     assert [(e["path"], e["kind"], e["weight_shape"]) for e in manifest["layers"]] == \
         [("0", "linear", [64, 48]), ("2", "linear", [16, 64])]
-    net = torch_export.load_quantized(path, torch_mlp())
+    net = load_quantized(path, torch_mlp())
     # The same dequantized weights bit for bit (torch layout); logits up to summation order.
     for index, layer in ((0, converted.layers[0]), (2, converted.layers[1])):
         np.testing.assert_array_equal(net[index].dequantized_weight().numpy(), np.asarray(layer.kernel[...]).T)
@@ -154,7 +154,7 @@ def test_mlp_file_from_flax_loads_into_torch_and_back(tmp_path):
     np.testing.assert_allclose(logits, converted(x), rtol=0, atol=1e-6 * np.abs(logits).max())  # fp32 sums of 64
     # torch saves it again: the same tensors; and it loads back into Flax
     again = tmp_path / "torch.safetensors"
-    torch_export.save_quantized(net, again)
+    save_quantized(net, again)
     assert read_manifest(again)["tensors"] == manifest["tensors"]
     back = load_quantized(again, MLP(nnx.Rngs(9)), names=MLP_NAMES)
     np.testing.assert_array_equal(back(x), converted(x))
@@ -172,6 +172,17 @@ def test_mlp_file_from_torch_loads_into_flax(tmp_path):
     np.testing.assert_allclose(model(jnp.asarray(X)), logits, rtol=0, atol=1e-6 * np.abs(logits).max())
     with pytest.raises(ValueError, match="no tensor 'layers.0.bias'"):
         load_quantized(path, MLP(nnx.Rngs(3)))  # without the names, nothing lines up
+
+
+def test_names_are_refused_for_torch_models_whose_paths_are_the_files_names(tmp_path):
+    converted = api_convert(apply_qat(torch_mlp(), bits=4))
+    path = tmp_path / "torch.safetensors"
+    with pytest.raises(TypeError, match=r"save_quantized\(names=...\) maps Flax module paths.*drop names="):
+        save_quantized(converted, path, names=MLP_NAMES)
+    assert not path.exists()
+    save_quantized(converted, path)
+    with pytest.raises(TypeError, match=r"load_quantized\(names=...\).*drop names="):
+        load_quantized(path, torch_mlp(), names=MLP_NAMES)
 
 
 V, D = 40, 16

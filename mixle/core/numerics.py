@@ -25,6 +25,7 @@ __all__ = [
     "quantize_dequantize_array",
     "clip_threshold",
     "fake_quant_forward",
+    "fake_quant_blocks",
     "check_array",
     "block_shape",
     "quantize_linear_weight",
@@ -63,7 +64,11 @@ def array_kind(x):
 
 
 class _NumpyOps:
-    def __init__(self, xp):
+    """numpy's ops. Reductions run over ``axis`` and keep it (length 1), as every block view
+    reduces one axis: the last one of the ``(B, S, K)`` view, or a kernel's own input axis
+    (``fake_quant_blocks``)."""
+
+    def __init__(self, xp=np):
         self.xp = xp
 
     def is_float(self, x):
@@ -72,66 +77,26 @@ class _NumpyOps:
     def all_finite(self, x):
         return bool(self.xp.isfinite(x).all())
 
-    def amax_last(self, a):
-        return a.max(axis=-1, keepdims=True)
+    def amax(self, a, axis=-1):
+        return a.max(axis=axis, keepdims=True)
 
-    def absmax_last(self, a):
-        return abs(a).max(axis=-1, keepdims=True)
+    def absmax(self, a, axis=-1):
+        return abs(a).max(axis=axis, keepdims=True)
 
-    def order_stats_last(self, a, ks):
-        if self.xp is np:
-            part = np.partition(a, sorted(set(ks)), axis=-1)
-            return [part[..., k : k + 1] for k in ks]
-        # jax: clipping asks for ranks near the top of a row (a of magnitudes >= 0). Sorting
-        # each row costs XLA's CPU backend ~20x a matmul of the layer. The few largest values
-        # come instead from the row's largest distinct values and how often each occurs (one
-        # fused max and count per level), so repeats count as in a sort; a few more ranks
-        # from top_k (its indices kept alive: without them XLA rewrites top_k plus a slice
-        # back into a full sort).
-        import jax
-
-        count = a.shape[-1]
-        top = count - min(ks)
-        if top <= 4:
-            xp = self.xp
-            levels, seen, below = [], [], None
-            for index in range(top):
-                candidates = a if below is None else xp.where(a < below, a, -xp.inf)
-                level = candidates.max(axis=-1, keepdims=True)
-                if index + 1 < top:  # the deepest level is the answer when no count covers the rank
-                    occurrences = (a == level).sum(axis=-1, keepdims=True)
-                    seen.append(occurrences if not seen else seen[-1] + occurrences)
-                levels.append(level)
-                below = level
-
-            def rank_from_top(j):  # the (j+1)-th largest: the first level seen more than j times
-                value = levels[-1]
-                for level, total in zip(reversed(levels[:-1]), reversed(seen)):
-                    value = xp.where(total > j, level, value)
-                return value
-
-            return [rank_from_top(count - 1 - k) for k in ks]
-        if top <= 64:
-            values, indices = jax.lax.optimization_barrier(jax.lax.top_k(a, top))
-            return [values[..., count - 1 - k : count - k] for k in ks]
-        part = self.xp.sort(a, axis=-1)
-        return [part[..., k : k + 1] for k in ks]
+    def order_stats(self, a, ks, axis=-1):
+        part = np.partition(a, sorted(set(ks)), axis=axis)
+        return [np.take(part, [k], axis=axis) for k in ks]
 
     def scalar(self, value, like):
         return self.xp.asarray(value, dtype=like.dtype)
 
     def divisor(self, value, like):
-        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
-        # ulp off numpy half the time; a divisor hidden behind a barrier is divided exactly.
-        return self.rounded(self.xp.full_like(like, value)) if self.xp is not np else self.scalar(value, like)
+        return self.scalar(value, like)
 
     def rounded(self, x):
-        """x as its own rounded value: under jit, XLA may not fuse it into a later op (no FMA)."""
-        if self.xp is np:
-            return x
-        import jax
-
-        return jax.lax.optimization_barrier(x)
+        """x as its own rounded value (a backend that fuses ops, as XLA does, must not fuse it
+        into a later op: no FMA)."""
+        return x
 
     def where(self, cond, a, b):
         return self.xp.where(cond, a, b)
@@ -140,11 +105,6 @@ class _NumpyOps:
         return self.xp.clip(self.xp.round(x), lo, hi)
 
     def divide_round_clip(self, blocks, scale, lo, hi):
-        if self.xp is not np:
-            # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
-            # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
-            # qwix grid); a divisor materialised at full shape behind a barrier is divided exactly.
-            scale = self.rounded(self.xp.broadcast_to(scale, blocks.shape))
         return self.round_clip(blocks / scale, lo, hi)
 
     def to_int8(self, x):
@@ -153,9 +113,9 @@ class _NumpyOps:
     def to_named(self, x, name):
         return x.astype(name)
 
-    def signed_max_last(self, a):
-        index = abs(a).argmax(axis=-1)[..., None]  # the first largest |a|, as ggml takes it
-        return self.xp.take_along_axis(a, index, axis=-1)
+    def signed_max(self, a, axis=-1):
+        index = self.xp.expand_dims(abs(a).argmax(axis=axis), axis)  # the first largest |a|, as ggml takes it
+        return self.xp.take_along_axis(a, index, axis=axis)
 
     def floor(self, x):
         return self.xp.floor(x)
@@ -173,6 +133,102 @@ class _NumpyOps:
         return x.astype(like.dtype)
 
 
+class _JaxOps(_NumpyOps):
+    """jax.numpy's ops: numpy's, plus what keeps XLA's compiled values equal to numpy's and fast.
+
+    jax is taken from ``sys.modules`` (it is loaded wherever a jax array exists).
+    """
+
+    def __init__(self):
+        self.jax = sys.modules["jax"]
+        super().__init__(self.jax.numpy)
+
+    def order_stats(self, a, ks, axis=-1):
+        # Clipping asks for ranks near the top of a block (a of magnitudes >= 0). Sorting costs
+        # XLA's CPU backend ~20x a matmul of the layer, and top_k works on the last axis only
+        # (a kernel's input axis is often its first). The few largest values come instead from
+        # the block's largest distinct values and how often each occurs (a max and a count
+        # per level, along the axis as it lies), so repeats count as in a sort.
+        count = a.shape[axis]
+        top = count - min(ks)
+        if top <= _LEVEL_RANKS:
+            candidates, axis = self._top_chunks(a, top, axis % a.ndim)
+            levels, seen = self._top_levels(candidates, top, axis)
+            return [_rank_from_top(self.xp, levels, seen, count - 1 - k) for k in ks]
+        if top <= 64:
+            values = self.jax.lax.top_k(self.xp.moveaxis(a, axis, -1), top)[0]
+            return [self.xp.moveaxis(values[..., count - 1 - k : count - k], -1, axis) for k in ks]
+        part = self.xp.sort(a, axis=axis)
+        return [self.jax.lax.slice_in_dim(part, k, k + 1, axis=axis) for k in ks]
+
+    def _top_chunks(self, a, top, axis):
+        """``(values, axis)``: the ``top`` chunks of ``_CHUNK`` consecutive values along ``axis``
+        with the largest maxima (ties in any order), which hold the ``top`` largest values; or
+        ``a`` itself when it is too short to gain.
+
+        A value outside those chunks is at most the smallest of their maxima, and they hold
+        ``top`` values (their maxima) at least that large, so it cannot rank higher. One pass
+        over ``a`` (the chunk maxima); the levels then read only ``top * _CHUNK`` values.
+        """
+        count = a.shape[axis]
+        if count % _CHUNK or count < 4 * top * _CHUNK:
+            return a, axis
+        chunks = a.reshape(a.shape[:axis] + (count // _CHUNK, _CHUNK) + a.shape[axis + 1 :])
+        maxima = self.xp.moveaxis(chunks.max(axis=axis + 1), axis, -1)
+        chosen = self.xp.moveaxis(self.jax.lax.top_k(maxima, top)[1], -1, axis)
+        values = self.xp.take_along_axis(chunks, self.xp.expand_dims(chosen, axis + 1), axis=axis)
+        return values.reshape(a.shape[:axis] + (top * _CHUNK,) + a.shape[axis + 1 :]), axis
+
+    def _top_levels(self, a, top, axis):
+        """The ``top`` largest distinct values along ``axis`` (largest first; -inf past the last)
+        and how many values are at least each of them (for all but the deepest)."""
+        xp = self.xp
+        levels, seen, below = [], [], None
+        for index in range(top):
+            candidates = a if below is None else xp.where(a < below, a, -xp.inf)
+            level = candidates.max(axis=axis, keepdims=True)
+            if index + 1 < top:  # the deepest level is the answer when no count covers the rank
+                occurrences = (a == level).sum(axis=axis, keepdims=True)
+                seen.append(occurrences if not seen else seen[-1] + occurrences)
+            levels.append(level)
+            below = level
+        return levels, seen
+
+    def divisor(self, value, like):
+        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
+        # ulp off numpy half the time; a divisor behind a barrier is divided exactly.
+        return self.jax.lax.optimization_barrier(self.xp.full_like(like, value))
+
+    def rounded(self, x):
+        # XLA's CPU code generator contracts a multiplication and a later addition in one fused
+        # loop into an FMA (one rounding instead of two), and it drops optimization barriers
+        # before fusing; a select on the value (x, or NaN where x is NaN: x itself) between
+        # the two keeps the product rounded.
+        return self.xp.where(x == x, x, self.xp.nan)
+
+    def divide_round_clip(self, blocks, scale, lo, hi):
+        # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
+        # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
+        # qwix grid); a divisor broadcast behind a barrier is divided exactly (the barrier is
+        # gone before fusion: nothing is materialised).
+        scale = self.jax.lax.optimization_barrier(self.xp.broadcast_to(scale, blocks.shape))
+        return self.round_clip(blocks / scale, lo, hi)
+
+
+# Up to this many ranks from the top, jax order statistics come from distinct levels and counts.
+_LEVEL_RANKS = 8
+# Chunk length of _JaxOps._top_chunks.
+_CHUNK = 16
+
+
+def _rank_from_top(xp, levels, seen, j):
+    """The (j+1)-th largest value: the first level that more than j values reach."""
+    value = levels[-1]
+    for level, total in zip(reversed(levels[:-1]), reversed(seen)):
+        value = xp.where(total > j, level, value)
+    return value
+
+
 class _TorchOps:
     def __init__(self):
         import torch
@@ -185,19 +241,21 @@ class _TorchOps:
     def all_finite(self, x):
         return bool(self.torch.isfinite(x).all())
 
-    def amax_last(self, a):
-        return a.amax(dim=-1, keepdim=True)
+    def amax(self, a, axis=-1):
+        return a.amax(dim=axis, keepdim=True)
 
-    def absmax_last(self, a):
+    def absmax(self, a, axis=-1):
         # max |a| as max(max a, -min a): two reads and no |a| temporary; the same value (NaN
         # propagates), except that an all-zero row may give -0.0, which _block_scale maps to 1.
-        return self.torch.maximum(a.amax(dim=-1, keepdim=True), a.amin(dim=-1, keepdim=True).neg_())
+        return self.torch.maximum(a.amax(dim=axis, keepdim=True), a.amin(dim=axis, keepdim=True).neg_())
 
-    def order_stats_last(self, a, ks):
+    def order_stats(self, a, ks, axis=-1):
         # Exact order statistics of rows of magnitudes; `a` is a temporary and may be
         # overwritten. Clipping asks for ranks near the top of a row, so select only the few
         # largest values: kthvalue or a sort per rank pays a large constant per row on CPU,
         # which made percentile-clipped QAT steps several times slower.
+        if axis % a.ndim != a.ndim - 1:
+            return [v.movedim(-1, axis) for v in self.order_stats(a.movedim(axis, -1), ks)]
         count = a.shape[-1]
         top = count - min(ks)
         if top <= 2 and count >= 2 and count & (count - 1) == 0:
@@ -260,9 +318,9 @@ class _TorchOps:
     def to_named(self, x, name):
         return x.to(getattr(self.torch, name))
 
-    def signed_max_last(self, a):
-        index = a.abs().argmax(dim=-1, keepdim=True)  # the first largest |a|, as ggml takes it
-        return a.gather(-1, index)
+    def signed_max(self, a, axis=-1):
+        index = a.abs().argmax(dim=axis, keepdim=True)  # the first largest |a|, as ggml takes it
+        return a.gather(axis, index)
 
     def floor(self, x):
         return self.torch.floor(x)
@@ -288,9 +346,7 @@ def _ops(x):
     if kind == "torch":
         return _TorchOps()
     if kind == "jax":
-        import jax.numpy as jnp
-
-        return _NumpyOps(jnp)
+        return _JaxOps()
     return _NumpyOps(np)
 
 
@@ -410,33 +466,33 @@ def percentile_positions(count, percentile):
     return lo, hi, pos - lo
 
 
-def _block_threshold(ops, magnitude, spec):
+def _block_threshold(ops, magnitude, spec, axis=-1):
     """Per-block clipping threshold: the max of |w|, or its clip_percentile (may overwrite magnitude)."""
     p = spec.clip_percentile
     if p is None or p == 100.0:
-        return ops.amax_last(magnitude)
-    lo, hi, frac = percentile_positions(magnitude.shape[-1], p)
+        return ops.amax(magnitude, axis)
+    lo, hi, frac = percentile_positions(magnitude.shape[axis], p)
     if frac == 0.0 or lo == hi:
-        return ops.order_stats_last(magnitude, [lo])[0]
-    low, high = ops.order_stats_last(magnitude, [lo, hi])
+        return ops.order_stats(magnitude, [lo], axis)[0]
+    low, high = ops.order_stats(magnitude, [lo, hi], axis)
     return low + ops.rounded((high - low) * ops.scalar(frac, magnitude))
 
 
-def _absmax_top(ops, blocks, threshold):
+def _absmax_top(ops, blocks, threshold, axis):
     return threshold + ops.scalar(0.0, threshold)  # torch's max(amax, -amin) can be -0.0
 
 
-def _signed_top(ops, blocks, threshold):
-    return ops.signed_max_last(blocks)
+def _signed_top(ops, blocks, threshold, axis):
+    return ops.signed_max(blocks, axis)
 
 
 # Scale rules (see mixle.core.grids): the value a block's scale is divided from.
 _SCALE_TOPS = {"absmax": _absmax_top, "signed_max": _signed_top}
 
 
-def _block_scale(ops, blocks, threshold, spec):
+def _block_scale(ops, blocks, threshold, spec, axis=-1):
     grid = spec.grid_record
-    top = _SCALE_TOPS[grid.scale_rule](ops, blocks, threshold)
+    top = _SCALE_TOPS[grid.scale_rule](ops, blocks, threshold, axis)
     scale = top / ops.divisor(spec.scale_divisor, top)
     # An all-zero block (or one whose scale underflows) gets the grid's zero scale: with 1,
     # codes 0 and no NaN. ggml's grids (None) keep the signed zero and multiply by a reciprocal of 0.
@@ -445,8 +501,9 @@ def _block_scale(ops, blocks, threshold, spec):
     return ops.where(scale == 0, ops.scalar(grid.zero_scale, scale), scale)
 
 
-def _block_stats(ops, blocks, spec, with_max=False):
-    """Per-block ``(scale, threshold, max of |w| or None)`` of a (B, S, K) block view.
+def _block_stats(ops, blocks, spec, with_max=False, axis=-1):
+    """Per-block ``(scale, threshold, max of |w| or None)`` of a (B, S, K) block view (or of
+    any view whose blocks lie along ``axis``).
 
     The scale is the one codes are computed with (see ``_stored_scale`` for the one kept). The
     maximum (asked for with ``with_max``) is the threshold itself unless clip_percentile is
@@ -454,12 +511,12 @@ def _block_stats(ops, blocks, spec, with_max=False):
     """
     p = spec.clip_percentile
     if p is None or p == 100.0:
-        threshold = ops.absmax_last(blocks)
-        return _block_scale(ops, blocks, threshold, spec), threshold, threshold if with_max else None
+        threshold = ops.absmax(blocks, axis)
+        return _block_scale(ops, blocks, threshold, spec, axis), threshold, threshold if with_max else None
     magnitude = abs(blocks)
-    block_max = ops.amax_last(magnitude) if with_max else None
-    threshold = _block_threshold(ops, magnitude, spec)  # may overwrite magnitude
-    return _block_scale(ops, blocks, threshold, spec), threshold, block_max
+    block_max = ops.amax(magnitude, axis) if with_max else None
+    threshold = _block_threshold(ops, magnitude, spec, axis)  # may overwrite magnitude
+    return _block_scale(ops, blocks, threshold, spec, axis), threshold, block_max
 
 
 def _stored_scale(ops, scale, spec):
@@ -507,15 +564,23 @@ def _round_codes(ops, blocks, scale, spec):
     if rounding == "half_even":
         return ops.divide_round_clip(blocks, scale, spec.code_min, spec.code_max)
     inverse = ops.where(scale == 0, ops.scalar(0.0, scale), 1 / ops.where(scale == 0, ops.scalar(1.0, scale), scale))
-    return _RECIPROCAL_ROUNDINGS[rounding](ops, blocks * inverse, spec.code_min, spec.code_max)
+    return _RECIPROCAL_ROUNDINGS[rounding](ops, ops.rounded(blocks * inverse), spec.code_min, spec.code_max)
 
 
 def _quantize_blocks(x, spec, batch_ndim, out_ndim):
     """Core: returns (ops, blocks, rounded codes as floats, scale, threshold), all (B, S, ·)."""
-    ops = _ops(x)
-    shape = block_shape(x.shape, spec, batch_ndim, out_ndim)
-    blocks = x.reshape(shape)
-    scale, threshold, _ = _block_stats(ops, blocks, spec)
+    blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
+    return _quantize_view(blocks, spec, -1)
+
+
+def _quantize_view(blocks, spec, axis):
+    """``_quantize_blocks`` on a view whose blocks lie along ``axis`` (scales keep it, length 1).
+
+    Elementwise ops see the same operands in any layout, and the reductions are exact (max,
+    order statistics), so every layout gives the same codes and scales.
+    """
+    ops = _ops(blocks)
+    scale, threshold, _ = _block_stats(ops, blocks, spec, axis=axis)
     codes = _round_codes(ops, blocks, scale, spec)
     return ops, blocks, codes, _stored_scale(ops, scale, spec), threshold
 
@@ -615,6 +680,26 @@ def fake_quant_forward(x, spec, *, with_mask=False, batch_ndim=0, out_ndim=None)
     if not with_mask:
         return deq, None
     return deq, (abs(blocks) <= threshold).reshape(x.shape)
+
+
+def fake_quant_blocks(blocks, spec, *, axis=-1):
+    """Fake-quant forward of a view in which each 1-D slice along ``axis`` is one scale block.
+
+    The same values as ``fake_quant_forward`` on the ``batch + out + in`` layout, computed where
+    the blocks lie (e.g. along a Flax kernel's own input axis, without transposing it). The
+    caller builds the view: ``(in, out)`` per channel reduces ``axis=0``; groups of 32 inputs
+    are the view ``(in // 32, 32, out)`` with ``axis=1``.
+
+    Returns:
+        ``(dequantized, threshold)``: the round trip in the view's shape, and the per-block
+        clipping threshold ``c`` (``axis`` kept, length 1); ``|w| <= c`` is the STE's mask.
+
+    >>> deq, c = fake_quant_blocks(np.array([[0.7, 0.1], [0.04, 0.2]], np.float32), QuantSpec(bits=4), axis=0)
+    >>> deq.tolist(), c.tolist()
+    ([[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]], [[0.699999988079071, 0.20000000298023224]])
+    """
+    _, _, codes, scale, threshold = _quantize_view(blocks, spec, axis)
+    return codes * scale, threshold
 
 
 def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):

@@ -230,6 +230,7 @@ def convert(model):
 
     state = _qat_state(model, "convert")
     kernels = _quantized_kernels(state, "convert")
+    _refuse_lora(model)
     new = nnx.clone(model)
     restore_float_classes(new, state)
     modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(new)}
@@ -239,6 +240,18 @@ def convert(model):
         value = quantize_kernel(variable.get_raw_value(), layout, spec)
         setattr(module, name, QuantizedKernel(value))
     return new
+
+
+def _refuse_lora(model):
+    """As torch's convert: a mixle LoRA layer computes more than its quantized kernel."""
+    from mixle.flax_backend.lora import LoRALinear
+    from mixle.flax_backend.qat import float_class_of
+
+    for path, module in nnx.iter_modules(model):
+        if float_class_of(module) is LoRALinear:
+            raise ValueError(
+                f"layer {'.'.join(map(str, path))!r} has a LoRA adapter: convert stores only the quantized kernel, "
+                f"so fold the adapter in first with merge_lora(model), then convert")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Fake quantization of jax arrays with a straight-through gradient (needs jax only, not qwix)."""
 
 import functools
+import math
 
 import jax
 
-from mixle.core.numerics import check_array, fake_quant_forward
+from mixle.core.numerics import block_shape, check_array, fake_quant_blocks, fake_quant_forward
 
 
 def _refuse_qwix_only(spec):
@@ -87,9 +88,10 @@ def from_matrix(matrix, shape, perm):
 def fake_quantize_weight(w, input_axes, spec):
     """Fake-quantize a kernel contracted over ``input_axes`` with mixle's own numerics.
 
-    The kernel is viewed as an ``(out, in)`` matrix (see ``weight_layout``), fake-quantized by
+    The kernel is quantized as its ``(out, in)`` matrix would be (see ``weight_layout``) by
     ``mixle.core.numerics`` (one scale per output row, per ``group_size`` consecutive inputs, or
-    per tensor; ``clip_percentile`` included), and put back in its own layout. The gradient is
+    per tensor; ``clip_percentile`` included), but in its own layout where the input axes are
+    adjacent (``kernel_blocks``), so no transpose runs in the training step. The gradient is
     the straight-through estimator (masked outside the clip threshold with ``clip_gradient``).
     These are the values ``convert`` stores as codes and scales, so the converted forward is
     the same computation.
@@ -99,36 +101,74 @@ def fake_quantize_weight(w, input_axes, spec):
     >>> fake_quantize_weight(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4)).tolist()
     [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
     """
-    return _fake_quant_kernel(w, tuple(int(a) for a in input_axes), spec)
+    return _fake_quant_kernel(w, tuple(sorted(int(a) for a in input_axes)), spec)
 
 
-def _kernel_forward(w, input_axes, spec, with_mask):
+def kernel_blocks(shape, input_axes, spec):
+    """``(view shape, axis)`` laying a kernel's scale blocks along one axis without a transpose.
+
+    The blocks of the kernel's ``(out, in)`` matrix (``weight_layout``) are slices of its input
+    axes flattened in order; when those axes are adjacent, merging them (and splitting off the
+    groups of ``group_size``) is a reshape. ``None`` when they are not adjacent.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> kernel_blocks((512, 2048), (0,), QuantSpec(bits=4, group_size=32))
+    ((16, 32, 2048), 1)
+    """
+    input_axes = tuple(sorted(input_axes))
+    first, last = input_axes[0], input_axes[-1]
+    if input_axes != tuple(range(first, last + 1)):
+        return None
+    if spec.granularity == "tensor":
+        return (math.prod(shape),), 0
+    before, inputs, after = shape[:first], math.prod(shape[first : last + 1]), shape[last + 1 :]
+    # block_shape raises mixle's message (naming divisors) when group_size does not divide the input.
+    _, _, size = block_shape((math.prod(before) * math.prod(after), inputs), spec)
+    if spec.granularity == "channel":
+        return before + (inputs,) + after, len(before)
+    return before + (inputs // size, size) + after, len(before) + 1
+
+
+def _kernel_blocks(w, input_axes, spec):
+    """``(blocks view, axis, back)``: the view for ``fake_quant_blocks`` and the map back."""
+    view = kernel_blocks(w.shape, input_axes, spec)
+    if view is not None:
+        shape, axis = view
+        return w.reshape(shape), axis, lambda v: v.reshape(w.shape)
     perm, out_count = weight_layout(w.ndim, input_axes)
     matrix = as_matrix(w, perm, out_count)
-    if spec.clip_percentile is not None and perm != tuple(range(w.ndim)):
-        # Materialised: the several order-statistic passes, fused with the transpose, would each
-        # read the kernel with a stride (about twice as slow on CPU).
-        matrix = jax.lax.optimization_barrier(matrix)
-    deq, mask = fake_quant_forward(matrix, spec, with_mask=with_mask)
-    # Materialised in the kernel's layout: fused into the matmul's operand, the quantizer made
-    # XLA's CPU matmul about twice as slow.
-    deq = jax.lax.optimization_barrier(from_matrix(deq, w.shape, perm))
-    return deq, None if mask is None else from_matrix(mask, w.shape, perm)
+    blocks = matrix.reshape(block_shape(matrix.shape, spec))
+    return blocks, -1, lambda v: from_matrix(v.reshape(matrix.shape), w.shape, perm)
+
+
+def _kernel_forward(w, input_axes, spec):
+    blocks, axis, back = _kernel_blocks(w, input_axes, spec)
+    deq, threshold = fake_quant_blocks(blocks, spec, axis=axis)
+    # Its own value in the kernel's layout: where an XLA version fused the quantizer into the
+    # matmul's operand, the CPU matmul ran about twice as slow.
+    return jax.lax.optimization_barrier(back(deq)), threshold
 
 
 # One straight-through node around the whole kernel: the gradient reaches the kernel as is (or
-# masked), without running back through the layout transposes.
+# masked), without running back through the quantizer.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fake_quant_kernel(w, input_axes, spec):
-    return _kernel_forward(w, input_axes, spec, False)[0]
+    return _kernel_forward(w, input_axes, spec)[0]
 
 
 def _fake_quant_kernel_fwd(w, input_axes, spec):
-    return _kernel_forward(w, input_axes, spec, spec.clip_gradient)
+    deq, threshold = _kernel_forward(w, input_axes, spec)
+    # With clip_gradient the mask is recomputed from the kernel and the small per-block
+    # threshold in the backward pass instead of being kept as a residual of the kernel's size.
+    return deq, (w, threshold) if spec.clip_gradient else None
 
 
-def _fake_quant_kernel_bwd(input_axes, spec, mask, grad):
-    return (grad,) if mask is None else (grad * mask.astype(grad.dtype),)
+def _fake_quant_kernel_bwd(input_axes, spec, residual, grad):
+    if residual is None:
+        return (grad,)
+    w, threshold = residual
+    blocks, _, back = _kernel_blocks(w, input_axes, spec)
+    return (jax.numpy.where(back(abs(blocks) <= threshold), grad, jax.numpy.zeros_like(grad)),)
 
 
 _fake_quant_kernel.defvjp(_fake_quant_kernel_fwd, _fake_quant_kernel_bwd)

@@ -1,4 +1,4 @@
-"""LoRA adapters for PyTorch models, composable with QAT: apply, report, merge into the base.
+"""LoRA adapters for PyTorch and Flax NNX models, composable with QAT: apply, report, merge into the base.
 
 Low-rank adapters (``W x + alpha/rank * B A x``) are trained while the base weights stay frozen;
 when the base is fake-quantized by ``apply_qat`` the adapters learn to correct its int grid.
@@ -119,6 +119,13 @@ def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(),
     When the goal is a merged int model, pass ``quantize_merged=True``: requantizing
     ``W + alpha/rank * B @ A`` rounds much of a float adapter's correction away
     (``benchmarks/lora_qat.py`` measures both).
+
+    Flax NNX models (``mixle.flax_backend.lora``): each selected ``nnx.Linear`` becomes a
+    ``LoRALinear`` in place (same path and Variables, adapter child ``lora`` with
+    ``nnx.LoRAParam`` ``lora_a`` (in x r) and ``lora_b`` (r x out)); ``dropout``,
+    ``adapter_spec`` and ``quantize_merged`` are torch only. NNX has no ``requires_grad``: train
+    the adapters alone with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` (``train_base``
+    changes nothing there).
 
     Args:
         model: a ``torch.nn.Module``.

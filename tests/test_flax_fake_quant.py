@@ -1,0 +1,111 @@
+"""Flax kernels fake-quantized in their own layout, under jax.jit: numpy's values for every element."""
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from mixle.core.numerics import _JaxOps, quantize_dequantize_array  # noqa: E402
+from mixle.core.spec import QuantSpec  # noqa: E402
+from mixle.flax_backend.fake_quant import fake_quantize_weight, kernel_blocks  # noqa: E402
+from tests.test_numerics import reference_codes_scales  # noqa: E402
+
+# (kernel shape, input axes): nnx.Linear (in, out), a conv (kh, kw, in, out), an Embed used by
+# attend (vocab, dim), an einsum kernel whose input axes are not adjacent (transposed path).
+LAYOUTS = [((128, 48), (0,)), ((3, 3, 16, 8), (0, 1, 2)), ((40, 64), (1,)), ((4, 16, 6, 8), (0, 2))]
+
+
+def _kernel(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    flat = w.reshape(-1)
+    flat[0] = -np.abs(w).max() * 1.5  # a -absmax element: the qwix grid's rounding tie
+    flat[1:4] = np.abs(w).max() * 1.2  # a repeated top value: order statistics count repeats
+    return w
+
+
+def _as_matrix(w, input_axes):
+    """numpy: the kernel as its (out, in) matrix, and the way back."""
+    out_axes = [a for a in range(w.ndim) if a not in input_axes]
+    perm = out_axes + list(input_axes)
+    t = np.transpose(w, perm)
+    rows = math.prod(t.shape[: len(out_axes)])
+    return t.reshape(rows, -1), lambda m: np.transpose(m.reshape(t.shape), np.argsort(perm))
+
+
+def _jitted(w, input_axes, spec):
+    return np.asarray(jax.jit(lambda k: fake_quantize_weight(k, input_axes, spec))(jnp.asarray(w)))
+
+
+@pytest.mark.parametrize("shape,input_axes", LAYOUTS)
+@pytest.mark.parametrize("grid", ["symmetric", "qwix"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", [("channel", None), ("group", 16), ("tensor", None)])
+@pytest.mark.parametrize("percentile", [None, 99.9, 99.0])
+def test_jitted_kernel_equals_the_numpy_reference_for_every_element(shape, input_axes, grid, bits, granularity,
+                                                                    group_size, percentile):
+    if granularity == "group" and input_axes == (0, 2):
+        pytest.skip("group_size needs adjacent input axes (the provider leaves such a kernel float)")
+    w = _kernel(shape)
+    matrix, back = _as_matrix(w, input_axes)
+    spec = QuantSpec(bits=bits, grid=grid, granularity=granularity, group_size=group_size, clip_percentile=percentile)
+    expected = back(reference_codes_scales(matrix, bits, granularity, group_size, percentile, grid)[2])
+    # Exact: XLA may neither multiply by the scale's reciprocal nor fuse the percentile's
+    # interpolation into an FMA.
+    np.testing.assert_array_equal(_jitted(w, input_axes, spec), expected)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=4, grid="q4_0", group_size=32),
+                                  QuantSpec(bits=8, grid="q8_0", group_size=32)])
+def test_jitted_kernel_equals_numpy_on_the_ggml_grids(spec):
+    w = _kernel((64, 24))
+    matrix, back = _as_matrix(w, (0,))
+    np.testing.assert_array_equal(_jitted(w, (0,), spec), back(quantize_dequantize_array(matrix, spec)))
+
+
+@pytest.mark.parametrize("count,percentile", [(2048, 99.9), (2048, 99.0), (2048, 90.0), (16, 95.0), (7, 50.0)])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_jax_order_statistics_equal_a_sort_along_any_axis(count, percentile, axis):
+    # The few top ranks (distinct levels and counts), top_k (up to 64 from the top) and a sort.
+    rng = np.random.default_rng(count)
+    a = np.abs(rng.standard_normal((5, count, 3))).astype(np.float32)
+    a[1] = a[1, :1]  # a block of one repeated value
+    a[2, :3] = a[2].max()  # the maximum three times
+    a[3, -2:] = np.sort(a[3], axis=0)[-2]  # the runner-up three times
+    a = np.moveaxis(a, 1, axis)
+    lo = int(math.floor(percentile / 100 * (count - 1)))
+    ks = [lo, min(lo + 1, count - 1)]
+    got = jax.jit(lambda v: _JaxOps().order_stats(v, ks, axis))(jnp.asarray(a))
+    expected = np.sort(a, axis=axis)
+    for k, value in zip(ks, got):
+        np.testing.assert_array_equal(np.asarray(value), np.take(expected, [k], axis=axis))
+
+
+@pytest.mark.parametrize("shape,input_axes", LAYOUTS[:3])
+def test_clip_gradient_masks_weights_beyond_the_threshold_under_jit(shape, input_axes):
+    spec = QuantSpec(bits=4, clip_percentile=90.0, clip_gradient=True)
+    w = _kernel(shape, seed=1)
+    r = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda k: jnp.sum(fake_quantize_weight(k, input_axes, spec) * r)))(jnp.asarray(w))
+    matrix, back = _as_matrix(w, input_axes)
+    s = np.sort(np.abs(matrix), axis=1)
+    pos = 0.9 * (s.shape[1] - 1)
+    lo = int(math.floor(pos))
+    c = s[:, lo : lo + 1] + (s[:, lo + 1 : lo + 2] - s[:, lo : lo + 1]) * np.float32(pos - lo)
+    mask = back(np.abs(matrix) <= c)
+    np.testing.assert_array_equal(np.asarray(grad), np.where(mask, r, 0))
+    assert 0.05 < 1 - mask.mean() < 0.2
+
+
+def test_kernel_blocks_are_reshapes_of_adjacent_input_axes():
+    assert kernel_blocks((3, 3, 16, 8), (0, 1, 2), QuantSpec(bits=4)) == ((144, 8), 0)
+    assert kernel_blocks((3, 3, 16, 8), (0, 1, 2), QuantSpec(bits=4, group_size=16)) == ((9, 16, 8), 1)
+    assert kernel_blocks((40, 64), (1,), QuantSpec(bits=4, group_size=16)) == ((40, 4, 16), 2)
+    assert kernel_blocks((40, 64), (1,), QuantSpec(bits=4, granularity="tensor")) == ((2560,), 0)
+    assert kernel_blocks((4, 16, 6, 8), (0, 2), QuantSpec(bits=4)) is None
+    with pytest.raises(ValueError, match="group_size=48 does not divide the input size 64"):
+        kernel_blocks((40, 64), (1,), QuantSpec(bits=4, group_size=48))
