@@ -707,7 +707,7 @@ def format_table(results):
             if isinstance(value, dict):
                 lines.append(f"{name}: {value['note']}")
     if any(row["method"] == GGUF_QAT for row in rows):
-        lines.append(f"(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
+        lines.append("(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
                      f"bytes = the file's tensor data"
                      + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
                         if results.get("llama_cpp") else ""))
