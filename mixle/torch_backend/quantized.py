@@ -333,7 +333,7 @@ class QuantizedEmbedding(QuantizedWeight):
             codes = F.embedding(flat, self.codes)
         elif not odd_int4:  # rows start on a byte
             packed = F.embedding(flat, self.codes.reshape(rows, dim // 2))
-            codes = _sign_extend(torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(-1, dim))
+            codes = unpack_int4(packed.reshape(-1), (flat.numel(), dim))
         else:  # odd rows share a byte with the next row: gather each code's byte and nibble
             at = flat.unsqueeze(-1) * dim + torch.arange(dim, device=flat.device)
             codes = _sign_extend((self.codes[at >> 1] >> ((at & 1) * 4).to(torch.uint8)) & 0xF)
