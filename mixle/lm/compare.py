@@ -519,8 +519,7 @@ def _gguf_rows(run, lm):
 
             path = os.path.join(folder, "fp32.gguf")
             save_gguf(tuned, path, tokenizer=run.tokenizer, float_matrices="f32")
-            row["llama_cpp_loss"], run.llama_cpp_info = _llama_cpp_loss(path, run.eval_windows, run.config.threads)
-            row["llama_cpp_perplexity"] = math.exp(row["llama_cpp_loss"])
+            _add_llama_cpp_loss(run, row, path)
         _add_from_gguf(run, GGUF_PTQ, quantize_model(tuned, GGUF_SPEC), base, folder)
         qat = run.finetune_phase(base, GGUF_QAT, lambda m: apply_qat(m, spec=GGUF_SPEC))
         _add_from_gguf(run, GGUF_QAT, qat, base, folder, fake_quant_loss=held_out_loss(qat, run.eval_windows))
@@ -543,11 +542,17 @@ def _add_from_gguf(run, method, model, template, folder, **extra):
     loss = held_out_loss(from_file, run.eval_windows)
     row = {"method": method, "bits": 4, "loss": loss, "perplexity": math.exp(loss), "bytes": nbytes,
            "spec": GGUF_SPEC.short(), **extra}
-    cpp = _llama_cpp_loss(path, run.eval_windows, run.config.threads)
-    if cpp is not None:
-        row["llama_cpp_loss"], row["llama_cpp_perplexity"], run.llama_cpp_info = cpp[0], math.exp(cpp[0]), cpp[1]
+    _add_llama_cpp_loss(run, row, path)
     run.rows.append(row)
     return row
+
+
+def _add_llama_cpp_loss(run, row, path):
+    """With llama-cpp-python installed: ``row``'s loss and perplexity from the file run by llama.cpp."""
+    cpp = _llama_cpp_loss(path, run.eval_windows, run.config.threads)
+    if cpp is not None:
+        row["llama_cpp_loss"], run.llama_cpp_info = cpp
+        row["llama_cpp_perplexity"] = math.exp(row["llama_cpp_loss"])
 
 
 def _llama_cpp():
@@ -708,7 +713,7 @@ def format_table(results):
                 lines.append(f"{name}: {value['note']}")
     if any(row["method"] == GGUF_QAT for row in rows):
         lines.append("(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
-                     f"bytes = the file's tensor data"
+                     "bytes = the file's tensor data"
                      + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
                         if results.get("llama_cpp") else ""))
     data, env = results["data"], results["environment"]
