@@ -6,7 +6,7 @@ argument in ``mixle.backends`` and imports only that one.
 
 from mixle import backends
 from mixle._optional import is_available, require
-from mixle.core.numerics import _resolve_spec, quantize_dequantize_array
+from mixle.core.numerics import resolve_spec, quantize_dequantize_array
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.selection import LayerSelector
 from mixle.core.spec import QuantSpec
@@ -74,7 +74,7 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
     >>> get_qat_report(net).wrapped
     ['0', '2']
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     if not isinstance(reconfigure, bool):
         raise TypeError(f"reconfigure must be True or False, got {reconfigure!r}")
     backend = backends.for_model(model, "apply_qat")
@@ -142,7 +142,7 @@ def fake_quantize(x, *, spec=None, **spec_fields):
     >>> fake_quantize(np.array([0.7, -0.1, 0.04], np.float32), bits=4).tolist()
     [0.699999988079071, -0.10000000149011612, 0.0]
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     if spec.scale == "learned" or spec.act_bits is not None:
         raise ValueError(
             f"fake_quantize(x) quantizes one array with scales computed from it, so it cannot honour "

@@ -43,7 +43,7 @@ def calls(monkeypatch, fake_quant_path):
     """Counts of block reductions (scales) and rounding passes (codes), by weight size, on
     either path: the fused kernel computes both in one call, or only codes on given scales."""
     counts = {"stats": [], "codes": []}
-    stats, codes, fused = fq._block_stats, fq._round_codes, fq._fused_cpu.fake_quant
+    stats, codes, fused = fq.block_stats, fq.round_codes, fq._fused_cpu.fake_quant
 
     def counted_stats(ops, blocks, *args, **kwargs):
         counts["stats"].append(blocks.numel())
@@ -59,8 +59,8 @@ def calls(monkeypatch, fake_quant_path):
         counts["codes"].append(x.numel())
         return fused(x, spec, scale=scale, **kwargs)
 
-    monkeypatch.setattr(fq, "_block_stats", counted_stats)
-    monkeypatch.setattr(fq, "_round_codes", counted_codes)
+    monkeypatch.setattr(fq, "block_stats", counted_stats)
+    monkeypatch.setattr(fq, "round_codes", counted_codes)
     monkeypatch.setattr(fq._fused_cpu, "fake_quant", counted_fused)
     return counts
 

@@ -338,7 +338,7 @@ class _TorchOps:
         return x.to(like.dtype)
 
 
-def _ops(x):
+def array_ops(x):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):  # also traceable by torch.compile
         return _TorchOps()
@@ -371,7 +371,7 @@ def check_array(x, name="x", *, finite=True):
 
     >>> check_array(np.ones(3, np.float32))
     """
-    ops = _ops(x)
+    ops = array_ops(x)
     if not ops.is_float(x):
         raise TypeError(
             f"{name} has dtype {x.dtype}, but quantization needs a floating dtype: "
@@ -380,7 +380,7 @@ def check_array(x, name="x", *, finite=True):
     if math.prod(x.shape) == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}): there is nothing to quantize")
     if finite and not _is_tracer(x) and not ops.all_finite(x):
-        raise _not_finite_error(x, name)
+        raise not_finite_error(x, name)
 
 
 def check_block_max(block_max, x, name="x"):
@@ -392,11 +392,11 @@ def check_block_max(block_max, x, name="x"):
 
     >>> check_block_max(np.array([[[0.5]]], np.float32), np.ones(2, np.float32))
     """
-    if not _is_tracer(block_max) and not _ops(block_max).all_finite(block_max):
-        raise _not_finite_error(x, name)
+    if not _is_tracer(block_max) and not array_ops(block_max).all_finite(block_max):
+        raise not_finite_error(x, name)
 
 
-def _not_finite_error(x, name):
+def not_finite_error(x, name):
     return ValueError(
         f"{name} contains NaN or infinity (shape {tuple(x.shape)}): quantization needs finite "
         f"values; find where training diverged or clean the weights first"
@@ -501,11 +501,11 @@ def _block_scale(ops, blocks, threshold, spec, axis=-1):
     return ops.where(scale == 0, ops.scalar(grid.zero_scale, scale), scale)
 
 
-def _block_stats(ops, blocks, spec, with_max=False, axis=-1):
+def block_stats(ops, blocks, spec, with_max=False, axis=-1):
     """Per-block ``(scale, threshold, max of |w| or None)`` of a (B, S, K) block view (or of
     any view whose blocks lie along ``axis``).
 
-    The scale is the one codes are computed with (see ``_stored_scale`` for the one kept). The
+    The scale is the one codes are computed with (see ``stored_scale`` for the one kept). The
     maximum (asked for with ``with_max``) is the threshold itself unless clip_percentile is
     set; it is what ``check_block_max`` reads.
     """
@@ -519,7 +519,7 @@ def _block_stats(ops, blocks, spec, with_max=False, axis=-1):
     return _block_scale(ops, blocks, threshold, spec, axis), threshold, block_max
 
 
-def _stored_scale(ops, scale, spec):
+def stored_scale(ops, scale, spec):
     """The scale as stored and dequantized with: rounded through the grid's scale dtype, if any.
 
     Raises:
@@ -557,9 +557,9 @@ def _round_offset_trunc(ops, scaled, lo, hi):
 _RECIPROCAL_ROUNDINGS = {"half_away": _round_half_away, "offset_trunc": _round_offset_trunc}
 
 
-def _round_codes(ops, blocks, scale, spec):
+def round_codes(ops, blocks, scale, spec):
     """Codes as floats in a fresh array: ``blocks`` rounded onto the spec's grid with ``scale``
-    (the scale computed by ``_block_stats``, not the stored one)."""
+    (the scale computed by ``block_stats``, not the stored one)."""
     rounding = spec.grid_record.rounding
     if rounding == "half_even":
         return ops.divide_round_clip(blocks, scale, spec.code_min, spec.code_max)
@@ -579,10 +579,10 @@ def _quantize_view(blocks, spec, axis):
     Elementwise ops see the same operands in any layout, and the reductions are exact (max,
     order statistics), so every layout gives the same codes and scales.
     """
-    ops = _ops(blocks)
-    scale, threshold, _ = _block_stats(ops, blocks, spec, axis=axis)
-    codes = _round_codes(ops, blocks, scale, spec)
-    return ops, blocks, codes, _stored_scale(ops, scale, spec), threshold
+    ops = array_ops(blocks)
+    scale, threshold, _ = block_stats(ops, blocks, spec, axis=axis)
+    codes = round_codes(ops, blocks, scale, spec)
+    return ops, blocks, codes, stored_scale(ops, scale, spec), threshold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -633,7 +633,7 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
     >>> q.codes.tolist(), q.scale.ravel().tolist()
     ([[7, -4], [0, 0]], [0.10000000149011612, 1.0])
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     check_array(x)
     ops, blocks, codes, scale, _ = _quantize_blocks(x, spec, batch_ndim, out_ndim)
     return QuantizedArray(ops.to_int8(codes).reshape(x.shape), scale, spec, batch_ndim, out_ndim)
@@ -646,7 +646,7 @@ def dequantize_array(q):
     >>> dequantize_array(q).tolist()
     [1.0, -0.5039370059967041]
     """
-    ops = _ops(q.codes)
+    ops = array_ops(q.codes)
     shape = block_shape(q.codes.shape, q.spec, q.batch_ndim, q.out_ndim)
     codes = ops.to_dtype(q.codes.reshape(shape), q.scale)
     return (codes * q.scale).reshape(q.codes.shape)
@@ -660,7 +660,7 @@ def quantize_dequantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **sp
     >>> quantize_dequantize_array(np.array([0.7, 0.1, -0.2], np.float32), bits=4).tolist()
     [0.699999988079071, 0.10000000149011612, -0.20000000298023224]
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     check_array(x)
     return fake_quant_forward(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim)[0]
 
@@ -710,14 +710,14 @@ def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
     >>> clip_threshold(np.arange(1, 6, dtype=np.float32), bits=4, clip_percentile=50).ravel().tolist()
     [3.0]
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     check_array(x)
-    ops = _ops(x)
+    ops = array_ops(x)
     blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
     return _block_threshold(ops, abs(blocks), spec)
 
 
-def _resolve_spec(spec, spec_fields):
+def resolve_spec(spec, spec_fields):
     if spec is None:
         return QuantSpec(**spec_fields)
     if not isinstance(spec, QuantSpec):

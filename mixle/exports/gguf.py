@@ -47,7 +47,7 @@ from mixle._optional import require
 from mixle.exports.ggml_blocks import BLOCK, GGML_TYPE_OF_GRID, pack_blocks
 from mixle.exports.gguf_layouts import layout_of
 from mixle.exports.gguf_vocab import vocabulary
-from mixle.torch_backend.convert import _check_convertible
+from mixle.torch_backend.convert import check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
 
@@ -183,7 +183,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
         raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
     if not isinstance(allow_activation_mismatch, bool):
         raise TypeError(f"allow_activation_mismatch must be True or False, got {allow_activation_mismatch!r}")
-    _check_convertible(model)  # e.g. LoRA layers: fold them in first
+    check_convertible(model)  # e.g. LoRA layers: fold them in first
     layout = layout_of(model, gguf)
     if layout.notes and not allow_activation_mismatch:
         what, fix = layout.notes[0]

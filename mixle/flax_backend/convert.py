@@ -185,9 +185,9 @@ def _qwix_fields(spec):
 
 
 def _qat_state(model, what):
-    from mixle.flax_backend.qat import _state
+    from mixle.flax_backend.qat import qat_state
 
-    state = _state(model)
+    state = qat_state(model)
     if state is None:
         raise ValueError(
             f"{what} found no QAT set up on this {type(model).__name__}: prepare it with "
@@ -386,17 +386,17 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     >>> net.kernel.get_raw_value().codes.dtype
     dtype('int8')
     """
-    from mixle.core.numerics import _resolve_spec
+    from mixle.core.numerics import resolve_spec
     from mixle.core.selection import LayerSelector
     from mixle.flax_backend import qat
 
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     if isinstance(model, nn.Module):
         raise TypeError("quantize_model takes an NNX model; for Linen use convert_linen(apply_qat(module, ..., "
                         "example_inputs=...), variables)")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"quantize_model takes a flax.nnx.Module, got {type(model).__name__}")
-    if qat._state(model) is not None:
+    if qat.qat_state(model) is not None:
         raise ValueError("quantize_model got a QAT model: use convert(model) to keep its trained spec")
     if example_inputs is None:
         raise TypeError("quantize_model on a Flax model needs example_inputs=(x,), the inputs of one call, to find "

@@ -126,9 +126,9 @@ def save_quantized(model, path, *, names=None):
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"save_quantized (Flax) takes a converted flax.nnx.Module, got {type(model).__name__}")
-    from mixle.flax_backend.qat import _state
+    from mixle.flax_backend.qat import qat_state
 
-    if _state(model) is not None:
+    if qat_state(model) is not None:
         raise ValueError("the model is still a QAT model: save convert(model), the model with stored int codes")
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"names must be a dict {{flax module path: torch module path}}, got {type(names).__name__}")

@@ -90,7 +90,7 @@ def _class_for(float_class, state, enabled):
     if state is None:
         return float_class
     if float_class not in state.variants:
-        state.variants[float_class] = flax_qat._qat_variant(float_class, state.provider)
+        state.variants[float_class] = flax_qat.qat_variant(float_class, state.provider)
     return state.variants[float_class] if enabled else float_class
 
 
@@ -111,7 +111,7 @@ def apply_lora(model, selector, train_base):
     linears = {p: m for p, m in modules.items() if isinstance(m, nnx.Linear)}
     selector.check_all_used(list(linears), list(modules), LAYER_KIND)
     holders = _variable_holders(modules)
-    state = flax_qat._state(model)
+    state = flax_qat.qat_state(model)
 
     planned, decisions = {}, []
     for path, module in linears.items():
@@ -182,7 +182,7 @@ def apply_lora(model, selector, train_base):
     if state is not None:
         new = [((*path.split("."), "lora", name) if path else ("lora", name), None)
                for path in planned for name in ("lora_a", "lora_b")]
-        state.report = QATReport(state.report.decisions + tuple(flax_qat._adapter_decisions(new)))
+        state.report = QATReport(state.report.decisions + tuple(flax_qat.adapter_decisions(new)))
     _REPORTS[model] = QATReport(decisions, done="adapted", left="without adapter")
     return model
 
@@ -209,7 +209,7 @@ def merge_lora(model):
         delta = jnp.matmul(a.astype(dtype), b.astype(dtype), precision=jax.lax.Precision.HIGHEST)
         merged[path] = (w.astype(dtype) + delta * module.lora_spec.scaling).astype(w.dtype)
 
-    state = flax_qat._state(model)
+    state = flax_qat.qat_state(model)
     enabled = state is not None and type(model) is state.qat_class
     linear_class = _class_for(nnx.Linear, state, enabled)
     for path, module in layers.items():

@@ -61,7 +61,7 @@ class FlaxQATState:
     variants: dict = dataclasses.field(default_factory=dict)  # NNX: user class -> its QAT variant
 
 
-def _state(model):
+def qat_state(model):
     return type(model).__dict__.get(STATE_ATTRIBUTE)
 
 
@@ -237,7 +237,7 @@ ADAPTER_REASON = ("adapter (LoRA) weights stay float, as torch's adapters do: th
                   "beside the quantized base and are merged into it before export")
 
 
-def _adapter_decisions(adapters):
+def adapter_decisions(adapters):
     return [LayerDecision(path=dotted_path(path), kind="adapter", action="skipped", reason=ADAPTER_REASON)
             for path, _ in adapters]
 
@@ -270,7 +270,7 @@ def float_class_of(module):
     return getattr(type(module), FLOAT_CLASS, type(module))
 
 
-def _qat_variant(float_class, provider):
+def qat_variant(float_class, provider):
     """A subclass of ``float_class`` whose entry points run inside Qwix's interception.
 
     Qwix intercepts only the root ``__call__``; with every module's entry points wrapped, a
@@ -291,9 +291,9 @@ def _nnx_classes(modules, provider, float_class):
     for module in modules.values():
         cls = float_class_of(module)
         if cls not in variants and entry_points(cls):
-            variants[cls] = _qat_variant(cls, provider)
+            variants[cls] = qat_variant(cls, provider)
     if float_class not in variants:
-        variants[float_class] = _qat_variant(float_class, provider)
+        variants[float_class] = qat_variant(float_class, provider)
     off_class = type(float_class.__name__, (float_class,), {"_unquantized_type": float_class, FLOAT_CLASS: float_class})
     return variants[float_class], _name_like(off_class, float_class), variants
 
@@ -326,7 +326,7 @@ def _probe_nnx(model, inputs):
 
 
 def _apply_nnx(model, selector, reconfigure, inputs):
-    state = _state(model)
+    state = qat_state(model)
     if state is None and hasattr(type(model), "_unquantized_type"):
         raise ValueError(
             f"{type(model).__name__} was already quantized by qwix.quantize_model directly; apply_qat "
@@ -361,7 +361,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
         _check_integer_products(plan.specs, provider)
         _check_patterns_ran(plan, provider, rules)
         previous = state.specs if state else {}
-        report = QATReport(_decisions(plan, provider, previous) + _adapter_decisions(adapters))
+        report = QATReport(_decisions(plan, provider, previous) + adapter_decisions(adapters))
     except BaseException:
         for path, module in modules.items():
             object.__setattr__(module, "__class__", saved_classes[path])
@@ -441,7 +441,7 @@ def _probe_linen(float_module, qat_module, inputs):
 
 
 def _apply_linen(module, selector, reconfigure, inputs):
-    state = _state(module)
+    state = qat_state(module)
     if state is None and hasattr(type(module), "_unquantized_type"):
         raise ValueError(f"{type(module).__name__} was already quantized by qwix.quantize_model directly")
     float_class = state.float_class if state else type(module)
@@ -541,7 +541,7 @@ def _describe(inputs):
 
 def set_enabled(model, enabled):
     """Swap the model's class: Qwix's QAT subclass (on) or a plain subclass of the user's (off)."""
-    state = _state(model)
+    state = qat_state(model)
     if state is None:
         raise ValueError("the model has no QAT set up: call apply_qat(model, example_inputs=...) first")
     if isinstance(model, nnx.Module):
@@ -553,7 +553,7 @@ def set_enabled(model, enabled):
 
 def report(model):
     """The QATReport of the last ``apply_qat`` on this model."""
-    state = _state(model)
+    state = qat_state(model)
     if state is None:
         raise ValueError("the model has no QAT report: call apply_qat(model, example_inputs=...) first")
     return state.report

@@ -164,9 +164,9 @@ def qwix_rules(spec=None, patterns=(".*",), **spec_fields):
     >>> [r.module_path for r in qwix_rules(QuantSpec(), patterns=[(r"head", None), r"blocks\\..*"])]
     ['head', 'blocks/.*']
     """
-    from mixle.core.numerics import _resolve_spec
+    from mixle.core.numerics import resolve_spec
 
-    default = _resolve_spec(spec, spec_fields)
+    default = resolve_spec(spec, spec_fields)
     if isinstance(patterns, (str, bytes)):
         raise TypeError("patterns takes a sequence of regexes, e.g. patterns=('.*',)")
     rules = []

@@ -19,7 +19,7 @@ _CONV_ATTRIBUTES = ("in_channels", "out_channels", "kernel_size", "stride", "pad
                     "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice", "weight", "bias")
 
 
-class _QATConvMixin(QATLayerMixin, nn.Module):
+class QATConvMixin(QATLayerMixin, nn.Module):
     """A convolution whose weight is fake-quantized per output channel while enabled.
 
     Shares the wrapped layer's Parameters; the forward is the convolution's own
@@ -51,11 +51,11 @@ class _QATConvMixin(QATLayerMixin, nn.Module):
         return self._conv_forward(x, self.quantized_weight() if self.enabled else self.weight, self.bias)
 
 
-class QATConv1d(_QATConvMixin, nn.Conv1d):
-    """``nn.Conv1d`` with a fake-quantized weight (see ``_QATConvMixin``)."""
+class QATConv1d(QATConvMixin, nn.Conv1d):
+    """``nn.Conv1d`` with a fake-quantized weight (see ``QATConvMixin``)."""
 
 
-class QATConv2d(_QATConvMixin, nn.Conv2d):
+class QATConv2d(QATConvMixin, nn.Conv2d):
     """``nn.Conv2d`` with a fake-quantized weight.
 
     >>> from mixle.core.spec import QuantSpec

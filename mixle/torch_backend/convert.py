@@ -9,7 +9,7 @@ import sys
 
 from torch import nn
 
-from mixle.core.numerics import _resolve_spec
+from mixle.core.numerics import resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat
@@ -70,7 +70,7 @@ def _convert_in_place(model):
     return root
 
 
-def _check_convertible(model):
+def check_convertible(model):
     """Refuse QAT layers whose forward computes more than the quantized weight (e.g. mixle LoRA),
     and PEFT DoRA adapters (they read the base weight). PEFT LoRA adapters over a QAT base layer
     convert: they stay float over the int base, exactly as they ran over the fake-quant one."""
@@ -126,7 +126,7 @@ def convert(model):
             f"convert found no QAT layers in this {type(model).__name__}: prepare it with "
             f"apply_qat(model, ...) and train, or quantize a float model directly with quantize_model(model, ...)"
         )
-    _check_convertible(model)
+    check_convertible(model)
     return _convert_in_place(copy.deepcopy(model))
 
 
@@ -149,7 +149,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     >>> [type(m).__name__ for m in net]
     ['QuantizedLinear', 'ReLU', 'Linear']
     """
-    spec = _resolve_spec(spec, spec_fields)
+    spec = resolve_spec(spec, spec_fields)
     check_torch_model(model, "quantize_model")
     if qat.qat_layers(model):
         raise ValueError("quantize_model got a QAT-wrapped model: use convert(model) to keep its trained spec")
@@ -162,7 +162,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
             f"quantize_model selected no {qat.SELECTABLE} layer with patterns={tuple(patterns)!r}, "
             f"exclude={tuple(exclude)!r}: widen patterns or shrink exclude"
         )
-    _check_convertible(prepared)
+    check_convertible(prepared)
     return _convert_in_place(prepared)
 
 

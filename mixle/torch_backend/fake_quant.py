@@ -35,11 +35,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mixle.torch_backend import fused_cpu as _fused_cpu
 from mixle.core.numerics import (
     QuantizedArray,
-    _block_stats,
-    _not_finite_error,
-    _ops,
-    _round_codes,
-    _stored_scale,
+    block_stats,
+    not_finite_error,
+    array_ops,
+    round_codes,
+    stored_scale,
     block_shape,
     check_array,
     check_block_max,
@@ -67,7 +67,7 @@ register_optimizer_step_post_hook(invalidate_caches)
 def _check_finite(block_max, x):
     if torch.compiler.is_compiling():
         # A compiled graph cannot raise ValueError: the same test runs as an op, same words.
-        torch._assert_async(torch.isfinite(block_max).all(), str(_not_finite_error(x, "weight")))
+        torch._assert_async(torch.isfinite(block_max).all(), str(not_finite_error(x, "weight")))
     else:
         check_block_max(block_max, x, "weight")
 
@@ -75,9 +75,9 @@ def _check_finite(block_max, x):
 def _check_no_bad_blocks(nonfinite, x):
     """The fused kernel's count of blocks holding NaN or infinity must be 0."""
     if torch.compiler.is_compiling():
-        torch._assert_async(nonfinite == 0, str(_not_finite_error(x, "weight")))
+        torch._assert_async(nonfinite == 0, str(not_finite_error(x, "weight")))
     elif int(nonfinite):
-        raise _not_finite_error(x, "weight")
+        raise not_finite_error(x, "weight")
 
 
 class _Entry:
@@ -119,7 +119,7 @@ def _same_content(entry, x):
 
 
 def _blocks(x, spec):
-    return _ops(x), x.reshape(block_shape(x.shape, spec))
+    return array_ops(x), x.reshape(block_shape(x.shape, spec))
 
 
 def _quantize(x, spec, key=None, keep_codes=False, out=None):
@@ -131,10 +131,10 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None):
         _check_no_bad_blocks(nonfinite, x)
         return deq, _Entry(key, spec, scale, threshold, codes)
     ops, blocks = _blocks(x, spec)
-    scale, threshold, block_max = _block_stats(ops, blocks, spec, with_max=True)
+    scale, threshold, block_max = block_stats(ops, blocks, spec, with_max=True)
     _check_finite(block_max, x)
-    codes = _round_codes(ops, blocks, scale, spec)
-    stored = _stored_scale(ops, scale, spec)
+    codes = round_codes(ops, blocks, scale, spec)
+    stored = stored_scale(ops, scale, spec)
     codes_kept = ops.to_int8(codes).reshape(x.shape) if keep_codes else None
     entry = _Entry(key, spec, stored, threshold if spec.clip_gradient else None, codes_kept,
                    None if stored is scale else scale)
@@ -156,7 +156,7 @@ def _rebuild(entry, x, keep_codes=False, out=None):
     else:
         ops, blocks = _blocks(x, entry.spec)
         code_scale = entry.scale if entry.code_scale is None else entry.code_scale
-        codes = _round_codes(ops, blocks, code_scale, entry.spec)
+        codes = round_codes(ops, blocks, code_scale, entry.spec)
         if keep_codes:
             entry.codes = ops.to_int8(codes).reshape(x.shape)
         deq = codes.mul_(entry.scale).reshape(x.shape)

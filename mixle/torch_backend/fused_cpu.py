@@ -30,7 +30,7 @@ _loaded = {}  # "kernels" -> _Kernels or None, once decided
 _cache_dir = kernel_cache.cache_dir
 
 
-def _build(compiler, source=SOURCE, flags=FLAGS):
+def build_library(compiler, source=SOURCE, flags=FLAGS):
     """Path of the verified library built from ``source`` (building it if no recorded build of this
     source, compiler command, flags and CPU checks out), or raise RuntimeError with the reason.
 
@@ -92,7 +92,7 @@ def library_path():
 
 def _kernels():
     return kernel_cache.decide_once(
-        _loaded, "kernels", lambda compiler: _Kernels(_build(compiler)), "its fused CPU fake-quant kernels",
+        _loaded, "kernels", lambda compiler: _Kernels(build_library(compiler)), "its fused CPU fake-quant kernels",
         "QAT on CPU runs the same numerics as separate torch ops, which makes a training step slower "
         "(about 1.25x fp32 instead of 1.1x on an MLP)")
 

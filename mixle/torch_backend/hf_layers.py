@@ -47,7 +47,7 @@ class Conv1DType(metaclass=_Conv1DType):
     """
 
 
-class _QATConv1DMixin(QATLayerMixin, nn.Module):
+class QATConv1DMixin(QATLayerMixin, nn.Module):
     """A Conv1D whose weight is fake-quantized per output channel (per column) while enabled.
 
     Shares the wrapped layer's ``weight`` and ``bias`` Parameters. Enabled, the forward is
@@ -86,7 +86,7 @@ def qat_conv1d_class():
         real = _hf_conv1d()
         if real is None:
             raise ImportError("QATConv1D needs transformers.pytorch_utils.Conv1D, which is not loaded")
-        cls = type("QATConv1D", (_QATConv1DMixin, real), {"__module__": __name__, "__qualname__": "QATConv1D"})
+        cls = type("QATConv1D", (QATConv1DMixin, real), {"__module__": __name__, "__qualname__": "QATConv1D"})
         _QAT_CLASS.append(cls)
     return _QAT_CLASS[0]
 

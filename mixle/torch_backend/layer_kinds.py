@@ -13,8 +13,8 @@ from typing import Callable
 from torch import nn
 
 from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
-from mixle.torch_backend.conv_layers import QuantizedConv, _QATConvMixin, quantize_conv_matrix, wrap_conv
-from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, _QATConv1DMixin, wrap_conv1d
+from mixle.torch_backend.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
+from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.mha_layers import OPTIONS as MHA_OPTIONS
@@ -126,13 +126,13 @@ KINDS = (
     LayerKind(name="linear", float_types=(nn.Linear,), qat_type=QATWrapper,
               wrap=lambda module, spec, enabled: QATWrapper(module, spec, enabled=enabled),
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
-    LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=_QATConv1DMixin, wrap=wrap_conv1d,
+    LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=QATConv1DMixin, wrap=wrap_conv1d,
               quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
     LayerKind(name="multihead_attention", float_types=(nn.MultiheadAttention,), qat_type=QATMultiheadAttention,
               wrap=wrap_mha, quantize=quantize_linear_weight, quantized_type=QuantizedMultiheadAttention,
               has_bias=True, weight_name="in_proj_weight", bias_name="in_proj_bias", linear_children=("out_proj",),
               options=MHA_OPTIONS),
-    LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=_QATConvMixin, wrap=wrap_conv,
+    LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=QATConvMixin, wrap=wrap_conv,
               quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True,
               options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,

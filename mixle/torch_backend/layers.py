@@ -7,7 +7,7 @@ built before wrapping keep working.
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.core.numerics import _resolve_spec, block_shape
+from mixle.core.numerics import resolve_spec, block_shape
 from mixle.core.spec import WEIGHT_FIELDS
 from mixle.torch_backend import fused_cpu
 from mixle.torch_backend import learned_scale
@@ -113,7 +113,7 @@ class QATWrapper(QATLayerMixin, nn.Linear):
             raise TypeError(f"QATWrapper wraps an nn.Linear, got {type(linear).__name__}")
         if isinstance(linear, QATWrapper):
             raise TypeError("linear is already a QATWrapper: wrappers never nest; change its .spec instead")
-        spec = _resolve_spec(spec, spec_fields)
+        spec = resolve_spec(spec, spec_fields)
         check_supported(spec)
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")

@@ -68,7 +68,7 @@ class _Library:
 
 def _load(compiler, flags=FLAGS):
     """Build (or find in the cache) and bind the library; RuntimeError/OSError when impossible."""
-    return _Library(_fused_cpu._build(compiler, SOURCE, flags))
+    return _Library(_fused_cpu.build_library(compiler, SOURCE, flags))
 
 
 def _library():
