@@ -1,31 +1,59 @@
-"""mixle: quantization-aware training (int4/int8) for PyTorch and Flax models."""
+"""mixle: quantization-aware training (int4/int8) for PyTorch and Flax models.
+
+The whole user API is offered here by name and imported on first use, so ``import mixle`` needs
+neither torch nor jax. A name whose module needs torch is still listed without torch; using it
+then raises an ImportError naming the pip extra to install.
+
+>>> import mixle
+>>> {"apply_qat", "convert", "save_gguf"} <= set(dir(mixle))
+True
+"""
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "QuantSpec": "mixle.core.spec",
-    "apply_qat": "mixle.models.qat",
-    "set_fake_quant_enabled": "mixle.models.qat",
-    "fake_quantize": "mixle.models.qat",
-    "fake_quantize_int4": "mixle.models.qat",
-    "QATWrapper": "mixle.models.qat",
-    "get_qat_report": "mixle.models.qat",
-    "quantize_model": "mixle.task.quantize",
-    "convert": "mixle.task.quantize",
-    "model_nbytes": "mixle.task.quantize",
-    "save_quantized": "mixle.task.quantize",
-    "load_quantized": "mixle.task.quantize",
-    "build_causal_lm": "mixle.models.transformer",
-    "GradLeaf": "mixle.models.grad_leaf",
+_API = "mixle.api"
+_NUMERICS = "mixle.core.numerics"
+
+# name -> (the module that defines it, the package its import needs beyond numpy, or None)
+_FACE = {
+    **{name: (_API, None) for name in (
+        "apply_qat", "set_fake_quant_enabled", "get_qat_report", "invalidate_fake_quant_caches",
+        "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "save_quantized",
+        "load_quantized", "model_nbytes", "apply_lora", "merge_lora", "get_lora_report",
+        "lora_parameters", "QATReport", "LayerDecision")},
+    **{name: (_NUMERICS, None) for name in (
+        "QuantizedArray", "quantize_array", "dequantize_array", "quantize_dequantize_array")},
+    "QuantSpec": ("mixle.core.spec", None),
+    "LoRASpec": ("mixle.core.lora_spec", None),
+    "GRIDS": ("mixle.core.grids", None),
+    "pack_int4": ("mixle.core.packing", None),
+    "unpack_int4": ("mixle.core.packing", None),
+    "QATWrapper": ("mixle.torch_backend.layers", "torch"),
+    "save_gguf": ("mixle.exports.gguf", "torch"),
+    "load_gguf_weights": ("mixle.exports.gguf", "torch"),
+    "save_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
+    "load_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
+    "build_causal_lm": ("mixle.lm.transformer", "torch"),
+    "GradLeaf": ("mixle.lm.grad_leaf", "torch"),
+    "SelfDistillation": ("mixle.lm.distill", "torch"),
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_FACE]
 
 
 def __getattr__(name):
     # Lazy so that `import mixle` never imports torch, jax or flax.
-    if name in _LAZY:
-        import importlib
+    if name not in _FACE:
+        raise AttributeError(f"module 'mixle' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mixle' has no attribute {name!r}")
+    from mixle._optional import is_available, stand_in
+
+    module, package = _FACE[name]
+    if package is not None and not is_available(package):
+        return stand_in(name, package)
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return sorted(__all__)

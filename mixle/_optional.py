@@ -54,3 +54,21 @@ def is_available(module):
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def stand_in(name, package, extra=None):
+    """A stand-in for ``name`` when ``package`` is missing: calling it raises ``require``'s error.
+
+    It is a class, so ``isinstance(x, stand_in(...))`` is simply False.
+
+    >>> Missing = stand_in("QATWrapper", "no_such_package_here", extra="torch")
+    >>> Missing()
+    Traceback (most recent call last):
+    ...
+    ImportError: mixle needs 'no_such_package_here' for QATWrapper, which is not installed: run `pip install mixle[torch]` (or `pip install -e .[torch]` from a checkout).
+    """
+
+    def explain(*args, **kwargs):
+        require(package, extra=extra, purpose=name)
+
+    return type(name, (), {"__new__": lambda cls, *args, **kwargs: explain(), "__doc__": f"{name} (needs {package})"})

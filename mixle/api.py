@@ -1,15 +1,16 @@
-"""mixle's one API over every backend: wrap, toggle, fake-quantize, report, convert, save, load.
+"""mixle's one API over every backend: wrap, toggle, fake-quantize, report, convert, save, load, LoRA.
 
 Nothing here imports torch, jax or flax at import time; each call finds the backend of its
 argument in ``mixle.backends`` and imports only that one.
 """
 
 from mixle import backends
-from mixle._optional import is_available, require
-from mixle.core.numerics import resolve_spec, quantize_dequantize_array
+from mixle._optional import is_available, stand_in
+from mixle.core.numerics import quantize_dequantize_array
+from mixle.core.lora_spec import LoRASpec
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.selection import LayerSelector
-from mixle.core.spec import QuantSpec
+from mixle.core.spec import QuantSpec, resolve_spec
 
 __all__ = [
     "QuantSpec",
@@ -27,6 +28,11 @@ __all__ = [
     "save_quantized",
     "load_quantized",
     "model_nbytes",
+    "LoRASpec",
+    "apply_lora",
+    "merge_lora",
+    "get_lora_report",
+    "lora_parameters",
 ]
 
 
@@ -238,17 +244,116 @@ def model_nbytes(model):
     return backends.for_model(model, "model_nbytes").model_nbytes(model)
 
 
-class _QATWrapperUnavailable:
-    """Stand-in for QATWrapper when torch is missing: constructing it explains what to install."""
+def apply_lora(model, *, rank, alpha, dropout=0.0, patterns=(".*",), exclude=(), train_base=False,
+               adapter_spec=None, quantize_merged=False):
+    """Add a trainable low-rank adapter to each selected ``nn.Linear``, in place.
 
-    def __init__(self, *args, **kwargs):
-        require("torch", extra="torch", purpose="QATWrapper")
+    Each selected layer becomes a ``LoRALinear`` (or a ``QATLoRALinear`` if ``apply_qat``
+    already wrapped it) computing ``base(x) + alpha/rank * B(A(dropout(x)))``. It shares the
+    base ``weight``/``bias`` Parameters, so base ``state_dict`` keys do not change; the adapter
+    adds ``<path>.lora_A`` (rank x in, uniform init) and ``<path>.lora_B`` (out x rank, zeros),
+    so the model's outputs are bit-identical to before until the adapter trains. ``apply_qat``
+    before or after gives the same layers: the base weight is fake-quantized, the adapter is not
+    (unless ``adapter_spec``). Layers whose weight is shared with another module (a head tied to
+    an embedding) are skipped, because merging would change the other user of the weight too.
+    When the goal is a merged int model, pass ``quantize_merged=True``: requantizing
+    ``W + alpha/rank * B @ A`` rounds much of a float adapter's correction away
+    (``benchmarks/lora_qat.py`` measures both).
+
+    Flax NNX models (``mixle.flax_backend.lora``): each selected ``nnx.Linear`` becomes a
+    ``LoRALinear`` in place (same path and Variables, adapter child ``lora`` with
+    ``nnx.LoRAParam`` ``lora_a`` (in x r) and ``lora_b`` (r x out)); ``dropout``,
+    ``adapter_spec`` and ``quantize_merged`` are torch only. NNX has no ``requires_grad``: train
+    the adapters alone with ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` (``train_base``
+    changes nothing there).
+
+    Args:
+        model: a ``torch.nn.Module``.
+        rank: adapter rank r, 1 <= r <= min(in_features, out_features) of every selected layer.
+        alpha: the adapter output is scaled by ``alpha / rank``.
+        dropout: dropout probability on the adapter input (training mode only).
+        patterns: regexes over dotted module paths, matched in full, first match wins (as in
+            ``apply_qat``); an entry may be ``(regex, LoRASpec)`` for its own rank/alpha, or
+            ``(regex, None)`` to leave those layers without adapter.
+        exclude: regexes of module paths never adapted; each must match a module.
+        train_base: False (default) sets ``requires_grad=False`` on every parameter of the
+            model except the adapters; True leaves every ``requires_grad`` flag as it is.
+        adapter_spec: QuantSpec to fake-quantize the adapters too (see ``LoRASpec``).
+        quantize_merged: fake-quantize ``W + alpha/rank * B @ A`` as one weight, so training
+            sees exactly what merge + convert store (see ``LoRASpec``).
+
+    Returns:
+        The model (the replacement if the root itself is an ``nn.Linear``); what was adapted or
+        skipped, and why, is ``get_lora_report(model)``.
+
+    Raises:
+        ValueError: invalid rank/alpha/dropout, a rank above a selected layer's
+            min(in, out), a pattern that matches nothing, no layer left to adapt, or a layer
+            that already has an adapter with another spec. The model is then untouched.
+
+    >>> import torch
+    >>> net = apply_lora(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), rank=2, alpha=4)
+    >>> get_lora_report(net).wrapped, [n for n, p in net.named_parameters() if p.requires_grad]
+    (['0', '2'], ['0.lora_A', '0.lora_B', '2.lora_A', '2.lora_B'])
+    """
+    lora = LoRASpec(rank=rank, alpha=alpha, dropout=dropout, adapter_spec=adapter_spec,
+                    quantize_merged=quantize_merged)
+    if not isinstance(train_base, bool):
+        raise TypeError(f"train_base must be True or False, got {train_base!r}")
+    backend = backends.for_model(model, "apply_lora")
+    selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=lora, spec_type=LoRASpec)
+    return backend.apply_lora(model, selector, train_base)
+
+
+def merge_lora(model):
+    """Fold every adapter into its base weight and remove the adapters, in place.
+
+    Each adapted layer's weight becomes ``W + (B @ A) * alpha/rank`` (computed in at least
+    float32, with the fake-quantized ``A``/``B`` where ``adapter_spec`` is active) and the layer
+    goes back to a ``QATWrapper`` (same spec and on/off state) or a plain ``nn.Linear``, sharing
+    the same Parameter objects. ``convert(model)`` then stores the merged weights as real ints.
+    ``requires_grad`` flags are left as they are.
+
+    Returns:
+        The model (the replacement if the root itself was adapted).
+
+    Raises:
+        ValueError: the model has no adapters (it is then untouched).
+
+    >>> import torch
+    >>> net = apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), rank=1, alpha=1)
+    >>> type(merge_lora(net)[0]).__name__
+    'Linear'
+    """
+    return backends.for_model(model, "merge_lora").merge_lora(model)
+
+
+def get_lora_report(model):
+    """The report of the last ``apply_lora`` on this model (a ``QATReport`` of adapted layers).
+
+    >>> import torch
+    >>> print(get_lora_report(apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), rank=2, alpha=2)))  # doctest: +NORMALIZE_WHITESPACE
+    path  kind    action   spec         reason
+    0     Linear  wrapped  lora r2 a2  matched '.*'
+    1 adapted, 0 without adapter
+    """
+    return backends.for_model(model, "get_lora_report").lora_report(model)
+
+
+def lora_parameters(model):
+    """The adapter Parameters (``lora_A``, ``lora_B`` of every adapted layer), e.g. for an optimizer.
+
+    >>> import torch
+    >>> len(lora_parameters(apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), rank=1, alpha=1)))
+    2
+    """
+    return backends.for_model(model, "lora_parameters").lora_parameters(model)
 
 
 def __getattr__(name):
     if name == "QATWrapper":
         if not is_available("torch"):
-            return _QATWrapperUnavailable
+            return stand_in("QATWrapper", "torch")
         from mixle.torch_backend.layers import QATWrapper
 
         return QATWrapper

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 
 from mixle._optional import require
-from mixle.core.numerics import array_kind
+from mixle.core.array_ops import array_kind
 
 
 @dataclass(frozen=True, kw_only=True)

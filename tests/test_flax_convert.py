@@ -292,7 +292,7 @@ def _agreement(got_codes, want_codes):
 
 
 def test_qwix_grid_codes_agree_with_numpy_and_torch_for_every_element_of_a_64x48_linear():
-    from mixle.core.numerics import quantize_linear_weight
+    from mixle.core.layer_weights import quantize_linear_weight
 
     w = RNG.standard_normal((64, 48)).astype(np.float32)  # torch layout (out, in)
     spec = QuantSpec(bits=4, grid="qwix")
@@ -327,7 +327,7 @@ class MiniGPT(nnx.Module):
 
 
 def test_qwix_grid_codes_agree_with_numpy_for_every_element_of_a_minigpt():
-    from mixle.core.numerics import quantize_linear_weight
+    from mixle.core.layer_weights import quantize_linear_weight
 
     ids = jnp.asarray(RNG.integers(0, 50, (2, 6)))
     model = MiniGPT(nnx.Rngs(0))

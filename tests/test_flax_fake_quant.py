@@ -9,7 +9,8 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
-from mixle.core.numerics import _JaxOps, quantize_dequantize_array  # noqa: E402
+from mixle.core.array_ops import JaxOps  # noqa: E402
+from mixle.core.numerics import quantize_dequantize_array  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.flax_backend.fake_quant import fake_quantize_weight, kernel_blocks  # noqa: E402
 from tests.test_numerics import reference_codes_scales  # noqa: E402
@@ -80,7 +81,7 @@ def test_jax_order_statistics_equal_a_sort_along_any_axis(count, percentile, axi
     a = np.moveaxis(a, 1, axis)
     lo = int(math.floor(percentile / 100 * (count - 1)))
     ks = [lo, min(lo + 1, count - 1)]
-    got = jax.jit(lambda v: _JaxOps().order_stats(v, ks, axis))(jnp.asarray(a))
+    got = jax.jit(lambda v: JaxOps().order_stats(v, ks, axis))(jnp.asarray(a))
     expected = np.sort(a, axis=axis)
     for k, value in zip(ks, got):
         np.testing.assert_array_equal(np.asarray(value), np.take(expected, [k], axis=axis))

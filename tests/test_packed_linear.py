@@ -239,7 +239,7 @@ EMBEDDING_CASES = [  # (bits, granularity, grid, vocab, dim, group)
 
 def embedding_storage(bits, granularity, grid, vocab, dim, group):
     """(numpy codes, numpy scales, QuantizedEmbedding): random qwix storage, or llama.cpp grids' own."""
-    from mixle.core.numerics import quantize_embedding_weight
+    from mixle.core.layer_weights import quantize_embedding_weight
     from mixle.torch_backend.quantized import QuantizedEmbedding, to_storage
 
     if grid == "qwix":

@@ -9,7 +9,8 @@ from torch import nn
 import mixle.torch_backend.fake_quant as fq
 from mixle.models.qat import (QATWrapper, QuantSpec, apply_qat, fake_quantize, invalidate_fake_quant_caches,
                               set_fake_quant_enabled)
-from mixle.core.numerics import _TorchOps, fake_quant_forward, quantize_dequantize_array
+from mixle.core.array_ops import TorchOps
+from mixle.core.numerics import fake_quant_forward, quantize_dequantize_array
 from tests.test_numerics import reference_codes_scales
 from tests.test_qat_torch import ids, make_lm
 
@@ -401,7 +402,7 @@ def _ranked_rows(count, rows=6, seed=0):
 @pytest.mark.parametrize("count", [1, 2, 3, 8, 32, 48, 512, 1000])
 def test_order_statistics_are_exact_at_every_rank_position(count):
     a = _ranked_rows(count)
-    ops = _TorchOps()
+    ops = TorchOps()
     ranks = {count - 1, max(count - 2, 0), max(count - 3, 0), max(count - 9, 0), count // 2, 0, min(1, count - 1)}
     for lo in sorted(ranks):
         ks = [lo, min(lo + 1, count - 1)]
@@ -426,7 +427,7 @@ def test_percentile_clipping_matches_numpy_at_layer_sizes(granularity, group_siz
 def test_low_precision_percentile_selection_equals_kthvalue(dtype):
     a = torch.from_numpy(_ranked_rows(64, rows=8, seed=3)).to(dtype)
     for ks in ([62, 63], [40, 41], [3, 4]):
-        got = _TorchOps().order_stats(a.clone(), ks)
+        got = TorchOps().order_stats(a.clone(), ks)
         for k, value in zip(ks, got):
             assert torch.equal(value, a.kthvalue(k + 1, dim=-1, keepdim=True).values)
 

@@ -10,12 +10,18 @@ reshaped to *blocks* of shape ``(B, S, K)`` and every reduction runs over the la
 """
 
 import math
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from mixle.core.spec import QuantSpec
+from mixle.core.array_ops import array_kind, array_ops, is_tracer  # noqa: F401
+from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error  # noqa: F401
+from mixle.core.layer_weights import (  # noqa: F401
+    quantize_conv_weight,
+    quantize_embedding_weight,
+    quantize_linear_weight,
+)
+from mixle.core.spec import QuantSpec, resolve_spec  # noqa: F401
 
 __all__ = [
     "QuantSpec",
@@ -28,379 +34,18 @@ __all__ = [
     "fake_quant_blocks",
     "check_array",
     "block_shape",
+    "percentile_positions",
+    "block_threshold",
+    "block_scale",
+    "block_stats",
+    "stored_scale",
+    "round_codes",
+    "quantize_blocks",
     "quantize_linear_weight",
     "quantize_conv_weight",
     "quantize_embedding_weight",
     "ScaleOverflowError",
 ]
-
-
-class ScaleOverflowError(ValueError):
-    """A block scale does not fit the dtype its grid stores scales in (float16 on llama.cpp's)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Array backends: numpy (and jax.numpy, which shares its API) and torch, with identical maths.
-
-
-def array_kind(x):
-    """'torch', 'jax' or 'numpy' for a supported array; TypeError otherwise.
-
-    >>> array_kind(np.zeros(2, np.float32))
-    'numpy'
-    """
-    module = type(x).__module__
-    if module.startswith("torch"):
-        return "torch"
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(x, jax.Array):
-        return "jax"
-    raise TypeError(
-        f"expected a numpy array, torch tensor or jax array, got {type(x).__name__}: "
-        f"convert it with np.asarray(...) first"
-    )
-
-
-class _NumpyOps:
-    """numpy's ops. Reductions run over ``axis`` and keep it (length 1), as every block view
-    reduces one axis: the last one of the ``(B, S, K)`` view, or a kernel's own input axis
-    (``fake_quant_blocks``)."""
-
-    def __init__(self, xp=np):
-        self.xp = xp
-
-    def is_float(self, x):
-        return self.xp.issubdtype(x.dtype, self.xp.floating) or x.dtype.name == "bfloat16"
-
-    def all_finite(self, x):
-        return bool(self.xp.isfinite(x).all())
-
-    def amax(self, a, axis=-1):
-        return a.max(axis=axis, keepdims=True)
-
-    def absmax(self, a, axis=-1):
-        return abs(a).max(axis=axis, keepdims=True)
-
-    def order_stats(self, a, ks, axis=-1):
-        part = np.partition(a, sorted(set(ks)), axis=axis)
-        return [np.take(part, [k], axis=axis) for k in ks]
-
-    def scalar(self, value, like):
-        return self.xp.asarray(value, dtype=like.dtype)
-
-    def divisor(self, value, like):
-        return self.scalar(value, like)
-
-    def rounded(self, x):
-        """x as its own rounded value (a backend that fuses ops, as XLA does, must not fuse it
-        into a later op: no FMA)."""
-        return x
-
-    def where(self, cond, a, b):
-        return self.xp.where(cond, a, b)
-
-    def round_clip(self, x, lo, hi):
-        return self.xp.clip(self.xp.round(x), lo, hi)
-
-    def divide_round_clip(self, blocks, scale, lo, hi):
-        return self.round_clip(blocks / scale, lo, hi)
-
-    def to_int8(self, x):
-        return x.astype(self.xp.int8)
-
-    def to_named(self, x, name):
-        return x.astype(name)
-
-    def signed_max(self, a, axis=-1):
-        index = self.xp.expand_dims(abs(a).argmax(axis=axis), axis)  # the first largest |a|, as ggml takes it
-        return self.xp.take_along_axis(a, index, axis=axis)
-
-    def floor(self, x):
-        return self.xp.floor(x)
-
-    def trunc(self, x):
-        return self.xp.trunc(x)
-
-    def sign(self, x):
-        return self.xp.sign(x)
-
-    def clip(self, x, lo, hi):
-        return self.xp.clip(x, lo, hi)
-
-    def to_dtype(self, x, like):
-        return x.astype(like.dtype)
-
-
-class _JaxOps(_NumpyOps):
-    """jax.numpy's ops: numpy's, plus what keeps XLA's compiled values equal to numpy's and fast.
-
-    jax is taken from ``sys.modules`` (it is loaded wherever a jax array exists).
-    """
-
-    def __init__(self):
-        self.jax = sys.modules["jax"]
-        super().__init__(self.jax.numpy)
-
-    def order_stats(self, a, ks, axis=-1):
-        # Clipping asks for ranks near the top of a block (a of magnitudes >= 0). Sorting costs
-        # XLA's CPU backend ~20x a matmul of the layer, and top_k works on the last axis only
-        # (a kernel's input axis is often its first). The few largest values come instead from
-        # the block's largest distinct values and how often each occurs (a max and a count
-        # per level, along the axis as it lies), so repeats count as in a sort.
-        count = a.shape[axis]
-        top = count - min(ks)
-        if top <= _LEVEL_RANKS:
-            candidates, axis = self._top_chunks(a, top, axis % a.ndim)
-            levels, seen = self._top_levels(candidates, top, axis)
-            return [_rank_from_top(self.xp, levels, seen, count - 1 - k) for k in ks]
-        if top <= 64:
-            values = self.jax.lax.top_k(self.xp.moveaxis(a, axis, -1), top)[0]
-            return [self.xp.moveaxis(values[..., count - 1 - k : count - k], -1, axis) for k in ks]
-        part = self.xp.sort(a, axis=axis)
-        return [self.jax.lax.slice_in_dim(part, k, k + 1, axis=axis) for k in ks]
-
-    def _top_chunks(self, a, top, axis):
-        """``(values, axis)``: the ``top`` chunks of ``_CHUNK`` consecutive values along ``axis``
-        with the largest maxima (ties in any order), which hold the ``top`` largest values; or
-        ``a`` itself when it is too short to gain.
-
-        A value outside those chunks is at most the smallest of their maxima, and they hold
-        ``top`` values (their maxima) at least that large, so it cannot rank higher. One pass
-        over ``a`` (the chunk maxima); the levels then read only ``top * _CHUNK`` values.
-        """
-        count = a.shape[axis]
-        if count % _CHUNK or count < 4 * top * _CHUNK:
-            return a, axis
-        chunks = a.reshape(a.shape[:axis] + (count // _CHUNK, _CHUNK) + a.shape[axis + 1 :])
-        maxima = self.xp.moveaxis(chunks.max(axis=axis + 1), axis, -1)
-        chosen = self.xp.moveaxis(self.jax.lax.top_k(maxima, top)[1], -1, axis)
-        values = self.xp.take_along_axis(chunks, self.xp.expand_dims(chosen, axis + 1), axis=axis)
-        return values.reshape(a.shape[:axis] + (top * _CHUNK,) + a.shape[axis + 1 :]), axis
-
-    def _top_levels(self, a, top, axis):
-        """The ``top`` largest distinct values along ``axis`` (largest first; -inf past the last)
-        and how many values are at least each of them (for all but the deepest)."""
-        xp = self.xp
-        levels, seen, below = [], [], None
-        for index in range(top):
-            candidates = a if below is None else xp.where(a < below, a, -xp.inf)
-            level = candidates.max(axis=axis, keepdims=True)
-            if index + 1 < top:  # the deepest level is the answer when no count covers the rank
-                occurrences = (a == level).sum(axis=axis, keepdims=True)
-                seen.append(occurrences if not seen else seen[-1] + occurrences)
-            levels.append(level)
-            below = level
-        return levels, seen
-
-    def divisor(self, value, like):
-        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
-        # ulp off numpy half the time; a divisor behind a barrier is divided exactly.
-        return self.jax.lax.optimization_barrier(self.xp.full_like(like, value))
-
-    def rounded(self, x):
-        # XLA's CPU code generator contracts a multiplication and a later addition in one fused
-        # loop into an FMA (one rounding instead of two), and it drops optimization barriers
-        # before fusing; a select on the value (x, or NaN where x is NaN: x itself) between
-        # the two keeps the product rounded.
-        return self.xp.where(x == x, x, self.xp.nan)
-
-    def divide_round_clip(self, blocks, scale, lo, hi):
-        # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
-        # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
-        # qwix grid); a divisor broadcast behind a barrier is divided exactly (the barrier is
-        # gone before fusion: nothing is materialised).
-        scale = self.jax.lax.optimization_barrier(self.xp.broadcast_to(scale, blocks.shape))
-        return self.round_clip(blocks / scale, lo, hi)
-
-
-# Up to this many ranks from the top, jax order statistics come from distinct levels and counts.
-_LEVEL_RANKS = 8
-# Chunk length of _JaxOps._top_chunks.
-_CHUNK = 16
-
-
-def _rank_from_top(xp, levels, seen, j):
-    """The (j+1)-th largest value: the first level that more than j values reach."""
-    value = levels[-1]
-    for level, total in zip(reversed(levels[:-1]), reversed(seen)):
-        value = xp.where(total > j, level, value)
-    return value
-
-
-class _TorchOps:
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def is_float(self, x):
-        return x.is_floating_point()
-
-    def all_finite(self, x):
-        return bool(self.torch.isfinite(x).all())
-
-    def amax(self, a, axis=-1):
-        return a.amax(dim=axis, keepdim=True)
-
-    def absmax(self, a, axis=-1):
-        # max |a| as max(max a, -min a): two reads and no |a| temporary; the same value (NaN
-        # propagates), except that an all-zero row may give -0.0, which _block_scale maps to 1.
-        return self.torch.maximum(a.amax(dim=axis, keepdim=True), a.amin(dim=axis, keepdim=True).neg_())
-
-    def order_stats(self, a, ks, axis=-1):
-        # Exact order statistics of rows of magnitudes; `a` is a temporary and may be
-        # overwritten. Clipping asks for ranks near the top of a row, so select only the few
-        # largest values: kthvalue or a sort per rank pays a large constant per row on CPU,
-        # which made percentile-clipped QAT steps several times slower.
-        if axis % a.ndim != a.ndim - 1:
-            return [v.movedim(-1, axis) for v in self.order_stats(a.movedim(axis, -1), ks)]
-        count = a.shape[-1]
-        top = count - min(ks)
-        if top <= 2 and count >= 2 and count & (count - 1) == 0:
-            first, second = self._two_largest_(a)
-            values = [first if k == count - 1 else second for k in ks]
-        elif top <= max(ks) + 1:
-            descending = a.topk(top, dim=-1, sorted=True).values
-            values = [descending[..., count - 1 - k : count - k] for k in ks]
-        else:
-            ascending = a.topk(max(ks) + 1, dim=-1, largest=False, sorted=True).values
-            values = [ascending[..., k : k + 1] for k in ks]
-        # Own copies: a view would keep the whole row buffer alive with the (cached) threshold.
-        return [v.clone(memory_format=self.torch.contiguous_format) for v in values]
-
-    def _two_largest_(self, a):
-        """Largest and second largest of each row (repeats count), for a power-of-two row length.
-
-        A pairwise tournament vectorised across rows: merging two halves, the maximum is the
-        larger maximum and the runner-up the larger of the smaller maximum and both runners-up.
-        Works in place in ``a`` (plus half its size), to keep the step's peak memory low.
-        """
-        # clamp_min_(t) is an in-place maximum that torch.compile can trace.
-        minimum = self.torch.minimum
-        half = a.shape[-1] // 2
-        first, right = a[..., :half], a[..., half:]
-        second = minimum(first, right)
-        first.clamp_min_(right)
-        while half > 1:
-            half //= 2
-            left, right = first[..., :half], first[..., half:]
-            runner_up = second[..., :half]
-            runner_up.clamp_min_(second[..., half:])
-            runner_up.clamp_min_(minimum(left, right))
-            left.clamp_min_(right)
-            first, second = left, runner_up
-        return first, second
-
-    def scalar(self, value, like):
-        return self.torch.tensor(value, dtype=like.dtype, device=like.device)
-
-    def divisor(self, value, like):
-        return self.scalar(value, like)
-
-    def rounded(self, x):
-        return x
-
-    def where(self, cond, a, b):
-        return self.torch.where(cond, a, b)
-
-    def round_clip(self, x, lo, hi):
-        return self.torch.round(x).clamp_(lo, hi)
-
-    def divide_round_clip(self, blocks, scale, lo, hi):
-        # One fresh tensor, rounded and clipped in place: the same values as round_clip.
-        return (blocks / scale).round_().clamp_(lo, hi)
-
-    def to_int8(self, x):
-        return x.to(self.torch.int8)
-
-    def to_named(self, x, name):
-        return x.to(getattr(self.torch, name))
-
-    def signed_max(self, a, axis=-1):
-        index = a.abs().argmax(dim=axis, keepdim=True)  # the first largest |a|, as ggml takes it
-        return a.gather(axis, index)
-
-    def floor(self, x):
-        return self.torch.floor(x)
-
-    def trunc(self, x):
-        return self.torch.trunc(x)
-
-    def sign(self, x):
-        return self.torch.sign(x)
-
-    def clip(self, x, lo, hi):
-        return self.torch.clamp(x, lo, hi)
-
-    def to_dtype(self, x, like):
-        return x.to(like.dtype)
-
-
-def array_ops(x):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):  # also traceable by torch.compile
-        return _TorchOps()
-    kind = array_kind(x)
-    if kind == "torch":
-        return _TorchOps()
-    if kind == "jax":
-        return _JaxOps()
-    return _NumpyOps(np)
-
-
-def _is_tracer(x):
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.core.Tracer)
-
-
-def check_array(x, name="x", *, finite=True):
-    """Validate a weight: a non-empty floating array with only finite values.
-
-    Args:
-        x: the array.
-        name: what error messages call it.
-        finite: also scan the values for NaN and infinity (one pass over x). Backends that
-            compute the per-block maximum of ``|x|`` anyway pass False and call
-            ``check_block_max`` on that maximum instead.
-
-    Raises:
-        TypeError: not an array, or not a floating dtype.
-        ValueError: empty, or containing NaN or infinity.
-
-    >>> check_array(np.ones(3, np.float32))
-    """
-    ops = array_ops(x)
-    if not ops.is_float(x):
-        raise TypeError(
-            f"{name} has dtype {x.dtype}, but quantization needs a floating dtype: "
-            f"cast it first, e.g. {name}.astype(np.float32) / {name}.float()"
-        )
-    if math.prod(x.shape) == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(x.shape)}): there is nothing to quantize")
-    if finite and not _is_tracer(x) and not ops.all_finite(x):
-        raise not_finite_error(x, name)
-
-
-def check_block_max(block_max, x, name="x"):
-    """Raise ``check_array``'s NaN/infinity error if a per-block maximum of ``|x|`` is not finite.
-
-    A NaN or infinity anywhere in a block makes that block's maximum of ``|x|`` NaN or infinity
-    (the maximum propagates NaN), so this is check_array's finiteness test at the cost of one
-    value per block instead of a pass over x.
-
-    >>> check_block_max(np.array([[[0.5]]], np.float32), np.ones(2, np.float32))
-    """
-    if not _is_tracer(block_max) and not array_ops(block_max).all_finite(block_max):
-        raise not_finite_error(x, name)
-
-
-def not_finite_error(x, name):
-    return ValueError(
-        f"{name} contains NaN or infinity (shape {tuple(x.shape)}): quantization needs finite "
-        f"values; find where training diverged or clean the weights first"
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,6 +76,13 @@ def block_shape(shape, spec, batch_ndim=0, out_ndim=None):
         out_ndim: output axes after the batch axes; ``None`` means 1 for arrays with at least
             two non-batch axes, else 0.
 
+    Returns:
+        ``(B, S, K)``: the batch size, the scales per batch element and the elements per scale.
+
+    Raises:
+        ValueError: the axis counts do not fit ``shape``, or group_size does not divide the
+            input size.
+
     >>> block_shape((8, 64), QuantSpec(group_size=16))
     (1, 32, 16)
     """
@@ -457,6 +109,13 @@ def percentile_positions(count, percentile):
     ``pos = percentile / 100 * (K - 1)``, ``lo = floor(pos)``, ``hi = min(lo + 1, K - 1)``,
     ``frac = pos - lo`` (numpy's default "linear" method, evaluated in the array's dtype).
 
+    Args:
+        count: K, the number of values.
+        percentile: the percentile, in (0, 100].
+
+    Returns:
+        ``(lo, hi, frac)``.
+
     >>> percentile_positions(5, 50.0)
     (2, 3, 0.0)
     """
@@ -466,8 +125,23 @@ def percentile_positions(count, percentile):
     return lo, hi, pos - lo
 
 
-def _block_threshold(ops, magnitude, spec, axis=-1):
-    """Per-block clipping threshold: the max of |w|, or its clip_percentile (may overwrite magnitude)."""
+def block_threshold(ops, magnitude, spec, axis=-1):
+    """Per-block clipping threshold ``c``: the max of ``|w|``, or its ``spec.clip_percentile``.
+
+    Args:
+        ops: ``array_ops`` of the blocks.
+        magnitude: ``|w|`` of a block view, blocks along ``axis``; may be overwritten (it is a
+            temporary for the order statistics).
+        spec: the QuantSpec.
+        axis: the axis each block lies along.
+
+    Returns:
+        The thresholds, ``axis`` kept with length 1.
+
+    >>> m = np.arange(1, 6, dtype=np.float32).reshape(1, 1, 5)
+    >>> block_threshold(array_ops(m), m, QuantSpec(clip_percentile=50)).tolist()
+    [[[3.0]]]
+    """
     p = spec.clip_percentile
     if p is None or p == 100.0:
         return ops.amax(magnitude, axis)
@@ -490,7 +164,23 @@ def _signed_top(ops, blocks, threshold, axis):
 _SCALE_TOPS = {"absmax": _absmax_top, "signed_max": _signed_top}
 
 
-def _block_scale(ops, blocks, threshold, spec, axis=-1):
+def block_scale(ops, blocks, threshold, spec, axis=-1):
+    """Per-block scale the codes are computed with, from the threshold by the grid's scale rule.
+
+    Args:
+        ops: ``array_ops`` of the blocks.
+        blocks: a block view, blocks along ``axis``.
+        threshold: the blocks' ``block_threshold`` (``axis`` kept, length 1).
+        spec: the QuantSpec (its grid decides the rule and the divisor).
+        axis: the axis each block lies along.
+
+    Returns:
+        The scales, shaped like ``threshold``; the grid's zero scale where a scale is 0.
+
+    >>> b = np.array([[[0.7, -0.35], [0.0, 0.0]]], np.float32)
+    >>> block_scale(array_ops(b), b, abs(b).max(-1, keepdims=True), QuantSpec(bits=4)).tolist()
+    [[[0.10000000149011612], [1.0]]]
+    """
     grid = spec.grid_record
     top = _SCALE_TOPS[grid.scale_rule](ops, blocks, threshold, axis)
     scale = top / ops.divisor(spec.scale_divisor, top)
@@ -508,28 +198,56 @@ def block_stats(ops, blocks, spec, with_max=False, axis=-1):
     The scale is the one codes are computed with (see ``stored_scale`` for the one kept). The
     maximum (asked for with ``with_max``) is the threshold itself unless clip_percentile is
     set; it is what ``check_block_max`` reads.
+
+    Args:
+        ops: ``array_ops`` of the blocks.
+        blocks: the block view.
+        spec: the QuantSpec.
+        with_max: also return the per-block maximum of ``|w|``.
+        axis: the axis each block lies along.
+
+    Returns:
+        ``(scale, threshold, block_max)``, each with ``axis`` kept (length 1); ``block_max``
+        is None unless ``with_max``.
+
+    >>> b = np.array([[[0.7, -0.35]]], np.float32)
+    >>> scale, threshold, _ = block_stats(array_ops(b), b, QuantSpec(bits=4))
+    >>> scale.tolist(), threshold.tolist()
+    ([[[0.10000000149011612]]], [[[0.699999988079071]]])
     """
     p = spec.clip_percentile
     if p is None or p == 100.0:
         threshold = ops.absmax(blocks, axis)
-        return _block_scale(ops, blocks, threshold, spec, axis), threshold, threshold if with_max else None
+        return block_scale(ops, blocks, threshold, spec, axis), threshold, threshold if with_max else None
     magnitude = abs(blocks)
     block_max = ops.amax(magnitude, axis) if with_max else None
-    threshold = _block_threshold(ops, magnitude, spec, axis)  # may overwrite magnitude
-    return _block_scale(ops, blocks, threshold, spec, axis), threshold, block_max
+    threshold = block_threshold(ops, magnitude, spec, axis)  # may overwrite magnitude
+    return block_scale(ops, blocks, threshold, spec, axis), threshold, block_max
 
 
 def stored_scale(ops, scale, spec):
     """The scale as stored and dequantized with: rounded through the grid's scale dtype, if any.
 
+    Args:
+        ops: ``array_ops`` of the scales.
+        scale: scales from ``block_stats``.
+        spec: the QuantSpec (its grid's ``scale_dtype``, e.g. float16 for llama.cpp's grids).
+
+    Returns:
+        The scales in their own dtype, holding values of the grid's scale dtype.
+
     Raises:
-        ValueError: a scale does not fit that dtype (e.g. above float16's 65504).
+        ScaleOverflowError: a scale does not fit that dtype (e.g. above float16's 65504).
+
+    >>> s = np.array([[[0.1]]], np.float32)
+    >>> stored_scale(array_ops(s), s, QuantSpec(bits=8, grid="q8_0")).item()  # float16's nearest
+    0.0999755859375
     """
     dtype = spec.grid_record.scale_dtype
     if dtype is None:
         return scale
     narrow = ops.to_named(scale, dtype)
-    if not _is_tracer(narrow) and not ops.all_finite(narrow):
+    if not is_tracer(narrow) and not ops.all_finite(narrow):
         raise ScaleOverflowError(
             f"a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), which grid="
             f"{spec.grid!r} stores its scales in: the weights are too large for this file format; "
@@ -559,7 +277,21 @@ _RECIPROCAL_ROUNDINGS = {"half_away": _round_half_away, "offset_trunc": _round_o
 
 def round_codes(ops, blocks, scale, spec):
     """Codes as floats in a fresh array: ``blocks`` rounded onto the spec's grid with ``scale``
-    (the scale computed by ``block_stats``, not the stored one)."""
+    (the scale computed by ``block_stats``, not the stored one).
+
+    Args:
+        ops: ``array_ops`` of the blocks.
+        blocks: the block view.
+        scale: its ``block_stats`` scale (broadcast against ``blocks``).
+        spec: the QuantSpec (its grid's rounding rule and code range).
+
+    Returns:
+        Codes in ``[spec.code_min, spec.code_max]``, shaped and typed like ``blocks``.
+
+    >>> b = np.array([[[0.7, -0.35, 0.04]]], np.float32)
+    >>> round_codes(array_ops(b), b, np.float32(0.1), QuantSpec(bits=4)).tolist()
+    [[[7.0, -4.0, 0.0]]]
+    """
     rounding = spec.grid_record.rounding
     if rounding == "half_even":
         return ops.divide_round_clip(blocks, scale, spec.code_min, spec.code_max)
@@ -567,22 +299,39 @@ def round_codes(ops, blocks, scale, spec):
     return _RECIPROCAL_ROUNDINGS[rounding](ops, ops.rounded(blocks * inverse), spec.code_min, spec.code_max)
 
 
-def _quantize_blocks(x, spec, batch_ndim, out_ndim):
-    """Core: returns (ops, blocks, rounded codes as floats, scale, threshold), all (B, S, ·)."""
-    blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
-    return _quantize_view(blocks, spec, -1)
-
-
-def _quantize_view(blocks, spec, axis):
-    """``_quantize_blocks`` on a view whose blocks lie along ``axis`` (scales keep it, length 1).
+def quantize_blocks(ops, blocks, spec, axis=-1):
+    """The whole pipeline on a block view: ``block_stats``, ``round_codes``, ``stored_scale``.
 
     Elementwise ops see the same operands in any layout, and the reductions are exact (max,
     order statistics), so every layout gives the same codes and scales.
+
+    Args:
+        ops: ``array_ops`` of the blocks.
+        blocks: the block view, e.g. ``x.reshape(block_shape(x.shape, spec))``.
+        spec: the QuantSpec.
+        axis: the axis each block lies along.
+
+    Returns:
+        ``(codes, scale, threshold)``: the codes as floats shaped like ``blocks``, the stored
+        scales and the clipping thresholds (``axis`` kept, length 1); ``codes * scale`` is the
+        round trip.
+
+    >>> b = np.array([[[0.7, -0.35], [0.0, 0.2]]], np.float32)
+    >>> codes, scale, _ = quantize_blocks(array_ops(b), b, QuantSpec(bits=4))
+    >>> codes.tolist(), scale.tolist()
+    ([[[7.0, -4.0], [0.0, 7.0]]], [[[0.10000000149011612], [0.02857142873108387]]])
     """
-    ops = array_ops(blocks)
     scale, threshold, _ = block_stats(ops, blocks, spec, axis=axis)
     codes = round_codes(ops, blocks, scale, spec)
-    return ops, blocks, codes, stored_scale(ops, scale, spec), threshold
+    return codes, stored_scale(ops, scale, spec), threshold
+
+
+def _quantize_blocks(x, spec, batch_ndim, out_ndim):
+    """``quantize_blocks`` of x's (B, S, K) view: ``(ops, blocks, codes, scale, threshold)``."""
+    blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
+    ops = array_ops(blocks)
+    codes, scale, threshold = quantize_blocks(ops, blocks, spec)
+    return ops, blocks, codes, scale, threshold
 
 
 # ----------------------------------------------------------------------------------------------
@@ -698,7 +447,7 @@ def fake_quant_blocks(blocks, spec, *, axis=-1):
     >>> deq.tolist(), c.tolist()
     ([[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]], [[0.699999988079071, 0.20000000298023224]])
     """
-    _, _, codes, scale, threshold = _quantize_view(blocks, spec, axis)
+    codes, scale, threshold = quantize_blocks(array_ops(blocks), blocks, spec, axis)
     return codes * scale, threshold
 
 
@@ -714,126 +463,4 @@ def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
     check_array(x)
     ops = array_ops(x)
     blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
-    return _block_threshold(ops, abs(blocks), spec)
-
-
-def resolve_spec(spec, spec_fields):
-    if spec is None:
-        return QuantSpec(**spec_fields)
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"spec must be a mixle QuantSpec, got {type(spec).__name__}: build one with QuantSpec(bits=4, ...)")
-    if spec_fields:
-        raise TypeError(
-            f"pass either spec=... or its fields {sorted(spec_fields)}, not both: "
-            f"use spec.replace({', '.join(f'{k}=...' for k in spec_fields)})"
-        )
-    return spec
-
-
-# ----------------------------------------------------------------------------------------------
-# Weight quantizers for the three layer kinds: thin wrappers that fix the batch + out + in layout.
-
-
-def _axis_count(value, name, low, high, shape, hint):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(
-            f"{name}={value} does not fit a weight of shape {tuple(shape)} ({len(shape)} axes): "
-            f"use {low}..{high}; {hint}"
-        )
-    return value
-
-
-def quantize_linear_weight(w, spec=None, input_axis_count=1, batch_axis_count=0, **spec_fields):
-    """Quantize a linear layer's weight laid out ``batch + out + in`` (torch's ``(out, in)``).
-
-    The last ``input_axis_count`` axes are the inputs (reduced over for each scale), the leading
-    ``batch_axis_count`` axes are stacked layers (e.g. experts) with their own scales, and the
-    axes between are outputs: one scale per output channel (``channel``), per ``group_size``
-    consecutive flattened inputs of a channel (``group``), or per batch element (``tensor``).
-
-    Args:
-        w: float numpy array, torch tensor or jax array.
-        spec: a QuantSpec; or pass its fields as keywords (``bits=4, group_size=32``).
-        input_axis_count: trailing input axes (2 for a ``(out, heads, head_dim)`` projection).
-        batch_axis_count: leading batch axes.
-
-    Returns:
-        QuantizedArray: int8 codes shaped like ``w`` and scales shaped ``(B, S, 1)``.
-
-    >>> w = np.array([[[0.7, -0.35], [0.0, 0.2]], [[1.4, 0.7], [0.1, 0.0]]], np.float32)
-    >>> q = quantize_linear_weight(w, bits=4, batch_axis_count=1)  # 2 experts of (out=2, in=2)
-    >>> q.codes.tolist(), q.scale.shape
-    ([[[7, -4], [0, 7]], [[7, 4], [7, 0]]], (2, 2, 1))
-    """
-    array_kind(w)  # a clear TypeError for lists and other non-arrays
-    ndim = len(w.shape)
-    _axis_count(batch_axis_count, "batch_axis_count", 0, max(ndim - 2, 0), w.shape,
-                "a linear weight needs at least one output and one input axis after the batch axes")
-    _axis_count(input_axis_count, "input_axis_count", 1, max(ndim - batch_axis_count - 1, 1), w.shape,
-                "a linear weight needs at least one output axis before the input axes")
-    if ndim - batch_axis_count - input_axis_count < 1:
-        raise ValueError(
-            f"a weight of shape {tuple(w.shape)} has no output axis left after {batch_axis_count} batch "
-            f"and {input_axis_count} input axes: a 1-D vector is not a linear weight (use quantize_array)"
-        )
-    return quantize_array(w, spec, batch_ndim=batch_axis_count,
-                          out_ndim=ndim - batch_axis_count - input_axis_count, **spec_fields)
-
-
-def quantize_conv_weight(w, spec=None, output_axis_count=1, **spec_fields):
-    """Quantize a convolution weight ``(out, in / groups, *kernel)``: scales per output channel.
-
-    The first ``output_axis_count`` axes are the (structured) output channels; the remaining
-    axes, input channels and kernel taps, are flattened and reduced over for each scale, so
-    ``group_size`` groups run along ``in * kernel`` of one output channel.
-
-    Args:
-        w: float numpy array, torch tensor or jax array.
-        spec: a QuantSpec; or pass its fields as keywords.
-        output_axis_count: leading output axes (2 for a weight stored as ``(groups, out, ...)``).
-
-    Returns:
-        QuantizedArray with codes shaped like ``w`` and scales ``(1, S, 1)``.
-
-    >>> w = np.zeros((4, 3, 2, 2), np.float32); w[1, 0, 0, 0] = 0.7  # Conv2d(3, 4, 2)
-    >>> q = quantize_conv_weight(w, bits=4)
-    >>> q.scale.ravel().tolist(), int(q.codes[1, 0, 0, 0])
-    ([1.0, 0.10000000149011612, 1.0, 1.0], 7)
-    """
-    return _quantize_leading_axes(w, spec, spec_fields, output_axis_count, "output_axis_count",
-                                  "a conv weight", "(out, in, *kernel)", "one output axis and one input/kernel axis")
-
-
-def quantize_embedding_weight(w, spec=None, vocabulary_axis_count=1, **spec_fields):
-    """Quantize an embedding table ``(vocab, dim)``: one scale per vocabulary row.
-
-    The first ``vocabulary_axis_count`` axes index rows (tokens); the remaining axes are the
-    embedding vector, reduced over for each scale (``group_size`` groups run along it). This is
-    the same layout as a ``(vocab, dim)`` output head, so a tied table gets the head's codes.
-
-    Args:
-        w: float numpy array, torch tensor or jax array.
-        spec: a QuantSpec; or pass its fields as keywords.
-        vocabulary_axis_count: leading row axes (2 for ``(tables, vocab, dim)``).
-
-    Returns:
-        QuantizedArray with codes shaped like ``w`` and scales ``(1, rows, 1)`` (per channel).
-
-    >>> q = quantize_embedding_weight(np.array([[0.7, 0.1], [-0.2, 0.4]], np.float32), bits=4)
-    >>> q.codes.tolist(), q.scale.shape
-    ([[7, 1], [-4, 7]], (1, 2, 1))
-    """
-    return _quantize_leading_axes(w, spec, spec_fields, vocabulary_axis_count, "vocabulary_axis_count",
-                                  "an embedding table", "(vocab, dim)", "one row axis and one vector axis")
-
-
-def _quantize_leading_axes(w, spec, spec_fields, count, argument, what, layout, needs):
-    """quantize_array with scales per index of the first ``count`` axes (conv and embedding)."""
-    array_kind(w)  # a clear TypeError for lists and other non-arrays
-    ndim = len(w.shape)
-    _axis_count(count, argument, 1, max(ndim - 1, 1), w.shape, f"{what} needs at least {needs}")
-    if ndim < 2:
-        raise ValueError(f"{what} has at least 2 axes {layout}, got shape {tuple(w.shape)}")
-    return quantize_array(w, spec, batch_ndim=0, out_ndim=count, **spec_fields)
+    return block_threshold(ops, abs(blocks), spec)

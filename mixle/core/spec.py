@@ -95,6 +95,19 @@ class QuantSpec:
     scale: str = "absmax"
 
     def __post_init__(self):
+        grid = self._check_bits()
+        self._check_refused()
+        calibration = self._check_calibration()
+        if grid.block is not None:
+            self._fix_block(grid)
+        self._check_granularity(calibration)
+        self._check_clipping()
+        self._check_qwix_options(calibration)
+        self._check_act_symmetric()
+        self._check_scale(grid)
+
+    def _check_bits(self):
+        """Validate ``bits`` against the supported widths and the grid's codes; returns the grid."""
         if not _is_int(self.bits):
             raise TypeError(f"bits must be an int (4 or 8), got {self.bits!r} of type {type(self.bits).__name__}")
         if self.bits not in SUPPORTED_BITS:
@@ -106,10 +119,10 @@ class QuantSpec:
                 f"grid={self.grid!r} has no bits={self.bits} codes ({grid.summary}): use bits="
                 f"{' or '.join(map(str, grid.codes))}, or another grid"
             )
-        self._check_refused()
-        calibration = self._check_calibration()
-        if grid.block is not None:
-            self._fix_block(grid)
+        return grid
+
+    def _check_granularity(self, calibration):
+        """Fill in the default granularity and validate it with ``group_size``."""
         granularity = self.granularity
         if granularity is None:
             if calibration is not None and calibration.startswith("fixed"):
@@ -132,6 +145,9 @@ class QuantSpec:
                 f"group_size={self.group_size!r} only applies to granularity='group', "
                 f"not granularity={granularity!r}: drop group_size or use granularity='group'"
             )
+
+    def _check_clipping(self):
+        """Validate ``clip_percentile`` (stored as a float) and ``clip_gradient``."""
         p = self.clip_percentile
         if p is not None:
             if not _is_real(p):
@@ -149,13 +165,14 @@ class QuantSpec:
                 "clip_gradient=True masks the gradient of weights clipped by clip_percentile, "
                 "but clip_percentile is None: set clip_percentile (e.g. 99.9) or clip_gradient=False"
             )
-        self._check_qwix_options(calibration)
+
+    def _check_act_symmetric(self):
+        """Validate ``act_symmetric``, which only means something with ``act_bits``."""
         if not isinstance(self.act_symmetric, bool):
             raise TypeError(f"act_symmetric must be True or False, got {self.act_symmetric!r}")
         if not self.act_symmetric and self.act_bits is None:
             raise ValueError("act_symmetric=False chooses how activations are quantized, but act_bits is None: "
                              "set act_bits=8 too, or drop act_symmetric")
-        self._check_scale(grid)
 
     def _check_scale(self, grid):
         if self.scale not in SCALE_MODES:
@@ -397,3 +414,31 @@ class QuantSpec:
         if self.bwd_bits is not None:
             label += f"/g{self.bwd_bits}" + ("sr" if self.bwd_stochastic_rounding else "")
         return label
+
+
+def resolve_spec(spec, spec_fields):
+    """The QuantSpec of a call that takes ``spec=None, **spec_fields``: one or the other.
+
+    Args:
+        spec: a QuantSpec, or None to build one from ``spec_fields``.
+        spec_fields: QuantSpec fields given as keywords (``{"bits": 4, "group_size": 32}``).
+
+    Raises:
+        TypeError: spec is not a QuantSpec, or both spec and fields are given.
+
+    >>> resolve_spec(None, {"bits": 8}).short()
+    'int8/channel/symmetric'
+    >>> resolve_spec(QuantSpec(), {"bits": 8})
+    Traceback (most recent call last):
+    TypeError: pass either spec=... or its fields ['bits'], not both: use spec.replace(bits=...)
+    """
+    if spec is None:
+        return QuantSpec(**spec_fields)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a mixle QuantSpec, got {type(spec).__name__}: build one with QuantSpec(bits=4, ...)")
+    if spec_fields:
+        raise TypeError(
+            f"pass either spec=... or its fields {sorted(spec_fields)}, not both: "
+            f"use spec.replace({', '.join(f'{k}=...' for k in spec_fields)})"
+        )
+    return spec

@@ -36,7 +36,8 @@ from flax import linen as nn
 from flax import nnx
 from flax.typing import MISSING
 
-from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_linear_weight
+from mixle.core.layer_weights import quantize_linear_weight
+from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
@@ -386,7 +387,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     >>> net.kernel.get_raw_value().codes.dtype
     dtype('int8')
     """
-    from mixle.core.numerics import resolve_spec
+    from mixle.core.spec import resolve_spec
     from mixle.core.selection import LayerSelector
     from mixle.flax_backend import qat
 

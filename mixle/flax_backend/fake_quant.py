@@ -5,7 +5,8 @@ import math
 
 import jax
 
-from mixle.core.numerics import block_shape, check_array, fake_quant_blocks, fake_quant_forward
+from mixle.core.checks import check_array
+from mixle.core.numerics import block_shape, fake_quant_blocks, fake_quant_forward
 
 
 def _refuse_qwix_only(spec):

@@ -104,63 +104,38 @@ def _refuse_linen(model, purpose):
         raise TypeError(f"expected a flax.nnx.Module, got {type(model).__name__}")
 
 
-def apply_lora(model, selector, train_base):
-    """Flax half of ``apply_lora``: plan every decision, then change the model, so failures change nothing."""
-    _refuse_linen(model, "apply_lora")
-    modules = {dotted_path(p): m for p, m in nnx.iter_modules(model)}
-    linears = {p: m for p, m in modules.items() if isinstance(m, nnx.Linear)}
-    selector.check_all_used(list(linears), list(modules), LAYER_KIND)
-    holders = _variable_holders(modules)
-    state = flax_qat.qat_state(model)
-
-    planned, decisions = {}, []
-    for path, module in linears.items():
-        kind = flax_qat.float_class_of(module).__name__
-        lora, reason = selector.decide(path)
-        shared = _sharing_note(path, module, holders)
-        if lora is not None and shared:
-            lora, reason = None, f"{shared}: merging an adapter would change it there too"
-        if lora is not None and isinstance(module, nnx.LoRALinear):
-            lora, reason = None, "an nnx.LoRALinear has its own adapter (module.lora)"
-        if lora is None:
-            if _is_ours(module):
-                raise ValueError(
-                    f"layer {path!r} has a LoRA adapter but is not selected now ({reason}); apply_lora "
-                    f"does not remove adapters: merge_lora(model) folds them into the weights")
-            decisions.append(LayerDecision(path=path, kind=kind, action="skipped", reason=reason))
-            continue
-        _check_options(path, lora)
+def _decide(path, module, selector, holders):
+    """(LoRASpec to add or None, the LayerDecision) for one nnx.Linear; raises where it must refuse."""
+    kind = flax_qat.float_class_of(module).__name__
+    lora, reason = selector.decide(path)
+    shared = _sharing_note(path, module, holders)
+    if lora is not None and shared:
+        lora, reason = None, f"{shared}: merging an adapter would change it there too"
+    if lora is not None and isinstance(module, nnx.LoRALinear):
+        lora, reason = None, "an nnx.LoRALinear has its own adapter (module.lora)"
+    if lora is None:
         if _is_ours(module):
-            if module.lora_spec != lora:
-                raise ValueError(
-                    f"layer {path!r} already has an adapter ({module.lora_spec.short()}), not {lora.short()}: "
-                    f"merge_lora(model) first, then apply_lora with the new settings")
-            decisions.append(LayerDecision(path=path, kind=kind, action="unchanged", reason=reason, spec=lora))
-            continue
-        limit = min(module.in_features, module.out_features)
-        if lora.rank > limit:
             raise ValueError(
-                f"rank={lora.rank} is larger than min(in_features, out_features)={limit} of layer {path!r} "
-                f"({module.in_features} -> {module.out_features}): use rank <= {limit}, or exclude the layer")
-        planned[path] = (module, lora)
-        decisions.append(LayerDecision(path=path, kind=kind, action="wrapped", reason=reason, spec=lora))
+                f"layer {path!r} has a LoRA adapter but is not selected now ({reason}); apply_lora "
+                f"does not remove adapters: merge_lora(model) folds them into the weights")
+        return None, LayerDecision(path=path, kind=kind, action="skipped", reason=reason)
+    _check_options(path, lora)
+    if _is_ours(module):
+        if module.lora_spec != lora:
+            raise ValueError(
+                f"layer {path!r} already has an adapter ({module.lora_spec.short()}), not {lora.short()}: "
+                f"merge_lora(model) first, then apply_lora with the new settings")
+        return None, LayerDecision(path=path, kind=kind, action="unchanged", reason=reason, spec=lora)
+    limit = min(module.in_features, module.out_features)
+    if lora.rank > limit:
+        raise ValueError(
+            f"rank={lora.rank} is larger than min(in_features, out_features)={limit} of layer {path!r} "
+            f"({module.in_features} -> {module.out_features}): use rank <= {limit}, or exclude the layer")
+    return lora, LayerDecision(path=path, kind=kind, action="wrapped", reason=reason, spec=lora)
 
-    if not any(d.action != "skipped" for d in decisions):
-        reasons = sorted({f"{d.path!r}: {d.reason}" for d in decisions})[:6]
-        raise ValueError(f"apply_lora selected no {LAYER_KIND} layer it can adapt, so nothing would train: {reasons}")
-    if state is not None and "" in planned:
-        raise ValueError("the root module is the nnx.Linear to adapt and already has QAT set up: apply_lora first, "
-                         "then apply_qat (or wrap the layer in a container module)")
 
-    rngs = nnx.Rngs(params=SEED)
-    adapters = {}
-    for path, (module, lora) in planned.items():
-        kernel = module.kernel
-        adapters[path] = nnx.LoRA(module.in_features, lora.rank, module.out_features, rngs=rngs,
-                                  param_dtype=kernel.get_raw_value().dtype)
-
-    enabled = state is not None and type(model) is state.qat_class
-    layer_class = _class_for(LoRALinear, state, enabled)
+def _install(planned, adapters, state, layer_class):
+    """Give every planned layer its adapter and class; on any failure put every layer back."""
     saved = {path: type(module) for path, (module, _) in planned.items()}
     try:
         for path, (module, lora) in planned.items():
@@ -179,6 +154,36 @@ def apply_lora(model, selector, train_base):
                 if name in vars(module):
                     delattr(module, name)
         raise
+
+
+def apply_lora(model, selector, train_base):
+    """Flax half of ``apply_lora``: plan every decision, then change the model, so failures change nothing."""
+    _refuse_linen(model, "apply_lora")
+    modules = {dotted_path(p): m for p, m in nnx.iter_modules(model)}
+    linears = {p: m for p, m in modules.items() if isinstance(m, nnx.Linear)}
+    selector.check_all_used(list(linears), list(modules), LAYER_KIND)
+    holders = _variable_holders(modules)
+    state = flax_qat.qat_state(model)
+
+    planned, decisions = {}, []
+    for path, module in linears.items():
+        lora, decision = _decide(path, module, selector, holders)
+        decisions.append(decision)
+        if lora is not None:
+            planned[path] = (module, lora)
+    if not any(d.action != "skipped" for d in decisions):
+        reasons = sorted({f"{d.path!r}: {d.reason}" for d in decisions})[:6]
+        raise ValueError(f"apply_lora selected no {LAYER_KIND} layer it can adapt, so nothing would train: {reasons}")
+    if state is not None and "" in planned:
+        raise ValueError("the root module is the nnx.Linear to adapt and already has QAT set up: apply_lora first, "
+                         "then apply_qat (or wrap the layer in a container module)")
+
+    rngs = nnx.Rngs(params=SEED)
+    adapters = {path: nnx.LoRA(module.in_features, lora.rank, module.out_features, rngs=rngs,
+                               param_dtype=module.kernel.get_raw_value().dtype)
+                for path, (module, lora) in planned.items()}
+    enabled = state is not None and type(model) is state.qat_class
+    _install(planned, adapters, state, _class_for(LoRALinear, state, enabled))
     if state is not None:
         new = [((*path.split("."), "lora", name) if path else ("lora", name), None)
                for path in planned for name in ("lora_a", "lora_b")]

@@ -39,7 +39,8 @@ from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_r
 from qwix._src.providers import qt
 from qwix._src.utils import flax_util
 
-from mixle.core.numerics import block_shape, check_array, clip_threshold
+from mixle.core.checks import check_array
+from mixle.core.numerics import block_shape, clip_threshold
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
 

@@ -164,7 +164,7 @@ def qwix_rules(spec=None, patterns=(".*",), **spec_fields):
     >>> [r.module_path for r in qwix_rules(QuantSpec(), patterns=[(r"head", None), r"blocks\\..*"])]
     ['head', 'blocks/.*']
     """
-    from mixle.core.numerics import resolve_spec
+    from mixle.core.spec import resolve_spec
 
     default = resolve_spec(spec, spec_fields)
     if isinstance(patterns, (str, bytes)):

@@ -1,4 +1,4 @@
-"""Public QAT API (a face over ``mixle.api``): wrap, toggle, fake-quantize, report.
+"""The QAT names of ``mixle`` (an alias kept for existing imports: use ``import mixle``).
 
 Importing it imports no torch, jax or flax.
 """
@@ -21,7 +21,7 @@ __all__ = ["QuantSpec", "QATReport", "LayerDecision", "QATWrapper", "apply_qat",
 
 def __getattr__(name):
     if name == "QATWrapper":  # lazily: it needs torch (a stand-in explains when torch is missing)
-        import mixle.api
+        import mixle
 
-        return mixle.api.QATWrapper
+        return mixle.QATWrapper
     raise AttributeError(f"module 'mixle.models.qat' has no attribute {name!r}")

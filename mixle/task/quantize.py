@@ -4,18 +4,20 @@ A face: the numerics are ``mixle.core.numerics`` (imported here, framework-free)
 entry points are resolved on first use, so importing this module never imports torch.
 """
 
+from mixle.core.checks import check_array  # noqa: F401
+from mixle.core.layer_weights import (  # noqa: F401
+    quantize_conv_weight,
+    quantize_embedding_weight,
+    quantize_linear_weight,
+)
 from mixle.core.numerics import (  # noqa: F401
     QuantizedArray,
     block_shape,
-    check_array,
     clip_threshold,
     dequantize_array,
     fake_quant_forward,
     quantize_array,
-    quantize_conv_weight,
     quantize_dequantize_array,
-    quantize_embedding_weight,
-    quantize_linear_weight,
 )
 from mixle.core.packing import pack_int4, unpack_int4  # noqa: F401
 from mixle.core.spec import QuantSpec  # noqa: F401

@@ -31,7 +31,8 @@ import functools
 
 import torch
 
-from mixle.core.numerics import ScaleOverflowError, fake_quant_forward
+from mixle.core.checks import ScaleOverflowError
+from mixle.core.numerics import fake_quant_forward
 from mixle.core.spec import ACTIVATION_FIELDS, QuantSpec
 
 __all__ = ["fake_quant_activations", "check_activation_spec", "ACTIVATION_FIELDS"]

@@ -9,7 +9,7 @@ import sys
 
 from torch import nn
 
-from mixle.core.numerics import resolve_spec
+from mixle.core.spec import resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat

@@ -33,17 +33,15 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixle.torch_backend import fused_cpu as _fused_cpu
+from mixle.core.array_ops import array_ops
+from mixle.core.checks import check_array, check_block_max, not_finite_error
 from mixle.core.numerics import (
     QuantizedArray,
+    block_shape,
     block_stats,
-    not_finite_error,
-    array_ops,
+    dequantize_array,
     round_codes,
     stored_scale,
-    block_shape,
-    check_array,
-    check_block_max,
-    dequantize_array,
 )
 
 # Bumped by every optimizer step and QAT-layer load_state_dict in this process. FSDP2 refills

@@ -7,8 +7,8 @@ built before wrapping keep working.
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.core.numerics import resolve_spec, block_shape
-from mixle.core.spec import WEIGHT_FIELDS
+from mixle.core.numerics import block_shape
+from mixle.core.spec import WEIGHT_FIELDS, resolve_spec
 from mixle.torch_backend import fused_cpu
 from mixle.torch_backend import learned_scale
 from mixle.torch_backend.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations

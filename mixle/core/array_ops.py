@@ -1,0 +1,357 @@
+"""Array-library adapters: the same block maths on numpy, jax.numpy and torch arrays.
+
+``array_ops(x)`` gives the adapter of x's library; the numerics (``mixle.core.numerics``) call
+only its methods, so one implementation serves every backend with identical values. Importing
+this module imports neither torch nor jax: an adapter takes its library when it is made for an
+array of it.
+
+Every adapter has the same methods. Reductions (``amax``, ``absmax``, ``order_stats``,
+``signed_max``) run over one ``axis`` and keep it with length 1; elementwise methods take and
+return arrays of the adapter's library.
+"""
+
+import sys
+
+import numpy as np
+
+__all__ = ["NumpyOps", "JaxOps", "TorchOps", "array_ops", "array_kind", "is_tracer"]
+
+
+def array_kind(x):
+    """'torch', 'jax' or 'numpy' for a supported array; TypeError otherwise.
+
+    >>> array_kind(np.zeros(2, np.float32))
+    'numpy'
+    """
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        return "jax"
+    raise TypeError(
+        f"expected a numpy array, torch tensor or jax array, got {type(x).__name__}: "
+        f"convert it with np.asarray(...) first"
+    )
+
+
+class NumpyOps:
+    """numpy's ops. Reductions run over ``axis`` and keep it (length 1), as every block view
+    reduces one axis: the last one of the ``(B, S, K)`` view, or a kernel's own input axis
+    (``fake_quant_blocks``).
+
+    Args:
+        xp: the numpy-like module the methods call (``jax.numpy`` for ``JaxOps``).
+
+    >>> NumpyOps().order_stats(np.array([[3.0, 1.0, 2.0]]), [0, 2])
+    [array([[1.]]), array([[3.]])]
+    """
+
+    def __init__(self, xp=np):
+        self.xp = xp
+
+    def is_float(self, x):
+        return self.xp.issubdtype(x.dtype, self.xp.floating) or x.dtype.name == "bfloat16"
+
+    def all_finite(self, x):
+        return bool(self.xp.isfinite(x).all())
+
+    def amax(self, a, axis=-1):
+        return a.max(axis=axis, keepdims=True)
+
+    def absmax(self, a, axis=-1):
+        return abs(a).max(axis=axis, keepdims=True)
+
+    def order_stats(self, a, ks, axis=-1):
+        part = np.partition(a, sorted(set(ks)), axis=axis)
+        return [np.take(part, [k], axis=axis) for k in ks]
+
+    def scalar(self, value, like):
+        return self.xp.asarray(value, dtype=like.dtype)
+
+    def divisor(self, value, like):
+        return self.scalar(value, like)
+
+    def rounded(self, x):
+        """x as its own rounded value (a backend that fuses ops, as XLA does, must not fuse it
+        into a later op: no FMA)."""
+        return x
+
+    def where(self, cond, a, b):
+        return self.xp.where(cond, a, b)
+
+    def round_clip(self, x, lo, hi):
+        return self.xp.clip(self.xp.round(x), lo, hi)
+
+    def divide_round_clip(self, blocks, scale, lo, hi):
+        return self.round_clip(blocks / scale, lo, hi)
+
+    def to_int8(self, x):
+        return x.astype(self.xp.int8)
+
+    def to_named(self, x, name):
+        return x.astype(name)
+
+    def signed_max(self, a, axis=-1):
+        index = self.xp.expand_dims(abs(a).argmax(axis=axis), axis)  # the first largest |a|, as ggml takes it
+        return self.xp.take_along_axis(a, index, axis=axis)
+
+    def floor(self, x):
+        return self.xp.floor(x)
+
+    def trunc(self, x):
+        return self.xp.trunc(x)
+
+    def sign(self, x):
+        return self.xp.sign(x)
+
+    def clip(self, x, lo, hi):
+        return self.xp.clip(x, lo, hi)
+
+    def to_dtype(self, x, like):
+        return x.astype(like.dtype)
+
+
+class JaxOps(NumpyOps):
+    """jax.numpy's ops: numpy's, plus what keeps XLA's compiled values equal to numpy's and fast.
+
+    jax is taken from ``sys.modules`` (it is loaded wherever a jax array exists).
+    """
+
+    def __init__(self):
+        self.jax = sys.modules["jax"]
+        super().__init__(self.jax.numpy)
+
+    def order_stats(self, a, ks, axis=-1):
+        # Clipping asks for ranks near the top of a block (a of magnitudes >= 0). Sorting costs
+        # XLA's CPU backend ~20x a matmul of the layer, and top_k works on the last axis only
+        # (a kernel's input axis is often its first). The few largest values come instead from
+        # the block's largest distinct values and how often each occurs (a max and a count
+        # per level, along the axis as it lies), so repeats count as in a sort.
+        count = a.shape[axis]
+        top = count - min(ks)
+        if top <= _LEVEL_RANKS:
+            candidates, axis = self._top_chunks(a, top, axis % a.ndim)
+            levels, seen = self._top_levels(candidates, top, axis)
+            return [_rank_from_top(self.xp, levels, seen, count - 1 - k) for k in ks]
+        if top <= 64:
+            values = self.jax.lax.top_k(self.xp.moveaxis(a, axis, -1), top)[0]
+            return [self.xp.moveaxis(values[..., count - 1 - k : count - k], -1, axis) for k in ks]
+        part = self.xp.sort(a, axis=axis)
+        return [self.jax.lax.slice_in_dim(part, k, k + 1, axis=axis) for k in ks]
+
+    def _top_chunks(self, a, top, axis):
+        """``(values, axis)``: the ``top`` chunks of ``_CHUNK`` consecutive values along ``axis``
+        with the largest maxima (ties in any order), which hold the ``top`` largest values; or
+        ``a`` itself when it is too short to gain.
+
+        A value outside those chunks is at most the smallest of their maxima, and they hold
+        ``top`` values (their maxima) at least that large, so it cannot rank higher. One pass
+        over ``a`` (the chunk maxima); the levels then read only ``top * _CHUNK`` values.
+        """
+        count = a.shape[axis]
+        if count % _CHUNK or count < 4 * top * _CHUNK:
+            return a, axis
+        chunks = a.reshape(a.shape[:axis] + (count // _CHUNK, _CHUNK) + a.shape[axis + 1 :])
+        maxima = self.xp.moveaxis(chunks.max(axis=axis + 1), axis, -1)
+        chosen = self.xp.moveaxis(self.jax.lax.top_k(maxima, top)[1], -1, axis)
+        values = self.xp.take_along_axis(chunks, self.xp.expand_dims(chosen, axis + 1), axis=axis)
+        return values.reshape(a.shape[:axis] + (top * _CHUNK,) + a.shape[axis + 1 :]), axis
+
+    def _top_levels(self, a, top, axis):
+        """The ``top`` largest distinct values along ``axis`` (largest first; -inf past the last)
+        and how many values are at least each of them (for all but the deepest)."""
+        xp = self.xp
+        levels, seen, below = [], [], None
+        for index in range(top):
+            candidates = a if below is None else xp.where(a < below, a, -xp.inf)
+            level = candidates.max(axis=axis, keepdims=True)
+            if index + 1 < top:  # the deepest level is the answer when no count covers the rank
+                occurrences = (a == level).sum(axis=axis, keepdims=True)
+                seen.append(occurrences if not seen else seen[-1] + occurrences)
+            levels.append(level)
+            below = level
+        return levels, seen
+
+    def divisor(self, value, like):
+        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
+        # ulp off numpy half the time; a divisor behind a barrier is divided exactly.
+        return self.jax.lax.optimization_barrier(self.xp.full_like(like, value))
+
+    def rounded(self, x):
+        # XLA's CPU code generator contracts a multiplication and a later addition in one fused
+        # loop into an FMA (one rounding instead of two), and it drops optimization barriers
+        # before fusing; a select on the value (x, or NaN where x is NaN: x itself) between
+        # the two keeps the product rounded.
+        return self.xp.where(x == x, x, self.xp.nan)
+
+    def divide_round_clip(self, blocks, scale, lo, hi):
+        # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
+        # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
+        # qwix grid); a divisor broadcast behind a barrier is divided exactly (the barrier is
+        # gone before fusion: nothing is materialised).
+        scale = self.jax.lax.optimization_barrier(self.xp.broadcast_to(scale, blocks.shape))
+        return self.round_clip(blocks / scale, lo, hi)
+
+
+# Up to this many ranks from the top, jax order statistics come from distinct levels and counts.
+_LEVEL_RANKS = 8
+# Chunk length of JaxOps._top_chunks.
+_CHUNK = 16
+
+
+def _rank_from_top(xp, levels, seen, j):
+    """The (j+1)-th largest value: the first level that more than j values reach."""
+    value = levels[-1]
+    for level, total in zip(reversed(levels[:-1]), reversed(seen)):
+        value = xp.where(total > j, level, value)
+    return value
+
+
+class TorchOps:
+    """torch's ops: numpy's values, with in-place temporaries and top-k selection for speed.
+
+    torch is imported on construction (a lookup once any tensor exists).
+    """
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def is_float(self, x):
+        return x.is_floating_point()
+
+    def all_finite(self, x):
+        return bool(self.torch.isfinite(x).all())
+
+    def amax(self, a, axis=-1):
+        return a.amax(dim=axis, keepdim=True)
+
+    def absmax(self, a, axis=-1):
+        # max |a| as max(max a, -min a): two reads and no |a| temporary; the same value (NaN
+        # propagates), except that an all-zero row may give -0.0, which numerics' block_scale maps to 1.
+        return self.torch.maximum(a.amax(dim=axis, keepdim=True), a.amin(dim=axis, keepdim=True).neg_())
+
+    def order_stats(self, a, ks, axis=-1):
+        # Exact order statistics of rows of magnitudes; `a` is a temporary and may be
+        # overwritten. Clipping asks for ranks near the top of a row, so select only the few
+        # largest values: kthvalue or a sort per rank pays a large constant per row on CPU,
+        # which made percentile-clipped QAT steps several times slower.
+        if axis % a.ndim != a.ndim - 1:
+            return [v.movedim(-1, axis) for v in self.order_stats(a.movedim(axis, -1), ks)]
+        count = a.shape[-1]
+        top = count - min(ks)
+        if top <= 2 and count >= 2 and count & (count - 1) == 0:
+            first, second = self._two_largest_(a)
+            values = [first if k == count - 1 else second for k in ks]
+        elif top <= max(ks) + 1:
+            descending = a.topk(top, dim=-1, sorted=True).values
+            values = [descending[..., count - 1 - k : count - k] for k in ks]
+        else:
+            ascending = a.topk(max(ks) + 1, dim=-1, largest=False, sorted=True).values
+            values = [ascending[..., k : k + 1] for k in ks]
+        # Own copies: a view would keep the whole row buffer alive with the (cached) threshold.
+        return [v.clone(memory_format=self.torch.contiguous_format) for v in values]
+
+    def _two_largest_(self, a):
+        """Largest and second largest of each row (repeats count), for a power-of-two row length.
+
+        A pairwise tournament vectorised across rows: merging two halves, the maximum is the
+        larger maximum and the runner-up the larger of the smaller maximum and both runners-up.
+        Works in place in ``a`` (plus half its size), to keep the step's peak memory low.
+        """
+        # clamp_min_(t) is an in-place maximum that torch.compile can trace.
+        minimum = self.torch.minimum
+        half = a.shape[-1] // 2
+        first, right = a[..., :half], a[..., half:]
+        second = minimum(first, right)
+        first.clamp_min_(right)
+        while half > 1:
+            half //= 2
+            left, right = first[..., :half], first[..., half:]
+            runner_up = second[..., :half]
+            runner_up.clamp_min_(second[..., half:])
+            runner_up.clamp_min_(minimum(left, right))
+            left.clamp_min_(right)
+            first, second = left, runner_up
+        return first, second
+
+    def scalar(self, value, like):
+        return self.torch.tensor(value, dtype=like.dtype, device=like.device)
+
+    def divisor(self, value, like):
+        return self.scalar(value, like)
+
+    def rounded(self, x):
+        return x
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b)
+
+    def round_clip(self, x, lo, hi):
+        return self.torch.round(x).clamp_(lo, hi)
+
+    def divide_round_clip(self, blocks, scale, lo, hi):
+        # One fresh tensor, rounded and clipped in place: the same values as round_clip.
+        return (blocks / scale).round_().clamp_(lo, hi)
+
+    def to_int8(self, x):
+        return x.to(self.torch.int8)
+
+    def to_named(self, x, name):
+        return x.to(getattr(self.torch, name))
+
+    def signed_max(self, a, axis=-1):
+        index = a.abs().argmax(dim=axis, keepdim=True)  # the first largest |a|, as ggml takes it
+        return a.gather(axis, index)
+
+    def floor(self, x):
+        return self.torch.floor(x)
+
+    def trunc(self, x):
+        return self.torch.trunc(x)
+
+    def sign(self, x):
+        return self.torch.sign(x)
+
+    def clip(self, x, lo, hi):
+        return self.torch.clamp(x, lo, hi)
+
+    def to_dtype(self, x, like):
+        return x.to(like.dtype)
+
+
+def array_ops(x):
+    """The adapter (``NumpyOps``, ``JaxOps`` or ``TorchOps``) of x's array library.
+
+    Args:
+        x: a numpy array, torch tensor or jax array (a jax tracer too).
+
+    Raises:
+        TypeError: x is none of these.
+
+    >>> type(array_ops(np.zeros(2))).__name__
+    'NumpyOps'
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):  # also traceable by torch.compile
+        return TorchOps()
+    kind = array_kind(x)
+    if kind == "torch":
+        return TorchOps()
+    if kind == "jax":
+        return JaxOps()
+    return NumpyOps(np)
+
+
+def is_tracer(x):
+    """True for a jax tracer: an abstract value under ``jit``, whose contents cannot be read.
+
+    >>> is_tracer(np.zeros(2))
+    False
+    """
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.core.Tracer)
