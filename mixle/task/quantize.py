@@ -1,7 +1,7 @@
-"""The quantization numerics and the PTQ / convert / save / load entry points, in one place.
+"""The numerics and the PTQ / convert / save / load names (an alias kept for existing imports).
 
-A face: the numerics are ``mixle.core.numerics`` (imported here, framework-free); the torch
-entry points are resolved on first use, so importing this module never imports torch.
+New code uses ``import mixle``. The numerics are imported here from ``mixle.core`` (framework-free);
+the torch entry points are resolved on first use, so importing this module never imports torch.
 """
 
 from mixle.core.checks import check_array  # noqa: F401
