@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from mixle.lm.compare import PRESETS, ExternalQAT, _window_density, prepare_data, run_compare, write_outputs
+from mixle.lm.compare import PRESETS, ExternalQAT, prepare_data, run_compare, write_outputs
+from mixle.lm.training import window_density
 from mixle.experimental.program.lora import apply_lora, merge_lora
 from mixle.models.grad_leaf import GradLeaf
 from mixle.models.qat import apply_qat
@@ -90,7 +91,7 @@ def cost_models(config, vocab, rank, alpha):
 
 def _leaf(model, data, config, steps, callback):
     # The main job's training settings (mixle.lm.compare), one GradLeaf per method.
-    return GradLeaf(_window_density(model, data.train_ids), m_steps=steps, lr=config.finetune_lr,
+    return GradLeaf(window_density(model, data.train_ids), m_steps=steps, lr=config.finetune_lr,
                     batch_size=config.batch_size, optimizer=torch.optim.AdamW, grad_clip=float(config.block),
                     seed=config.seed + 2, callback=callback)
 

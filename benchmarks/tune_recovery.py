@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixle.api import apply_qat, convert, quantize_model, set_fake_quant_enabled  # noqa: E402
-from mixle.lm.compare import PRESETS, _Run, held_out_loss, held_out_windows, prepare_data, warmup_cosine  # noqa: E402
-from mixle.lm.transformer import build_causal_lm  # noqa: E402
+from mixle.lm.compare import PRESETS, CompareRun, held_out_windows, prepare_data  # noqa: E402
 
 
 def carve_validation(data, config, fraction):
@@ -36,7 +35,7 @@ def carve_validation(data, config, fraction):
     return data
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--seed", type=int, default=0)
@@ -52,56 +51,38 @@ def main(argv=None):
                         help="learned-scale lr as multiples of the preset's finetune_lr")
     parser.add_argument("--combine", action="store_true",
                         help="also every learned-scale lr x distillation setting together (learned + distill)")
-    args = parser.parse_args(argv)
-    changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps)) if v is not None}
-    config = PRESETS[args.preset].replace(seed=args.seed, bits=(4,), threads=args.threads, **changes)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    data = carve_validation(prepare_data(config), config, args.val_fraction)
-    run = _Run(config, data, progress=True)
-    torch.manual_seed(config.seed)
-    lm = build_causal_lm(run.tokenizer.vocab_size, config.d_model, config.n_layer, config.n_head, config.block)
-    if args.checkpoint and Path(args.checkpoint).exists():
-        lm.load_state_dict(torch.load(args.checkpoint))
+    return parser.parse_args(argv)
+
+
+def fp32_checkpoint(run, path):
+    """The fp32 model: loaded from ``path`` if it exists, else trained (and saved there when given)."""
+    lm = run.build_model()
+    if path and Path(path).exists():
+        lm.load_state_dict(torch.load(path))
     else:
-        run.train(lm, "fp32", config.steps, config.lr, warmup_cosine(config.warmup, floor=0.1), config.seed, 0)
-        if args.checkpoint:
-            torch.save(lm.state_dict(), args.checkpoint)
-    spec = config.spec(4)
-    results = {}
+        run.pretrain(lm)
+        if path:
+            torch.save(lm.state_dict(), path)
+    return lm
 
-    floats = {}
 
-    def report(name, model, qat=True):
-        if qat:
-            # The same trained weights with fake-quant off: splits QAT's remaining gap to the fp32
-            # fine-tune into "the float weights are worse" and "rounding them costs".
-            set_fake_quant_enabled(model, False)
-            floats[name] = held_out_loss(model, run.eval_windows)
-            set_fake_quant_enabled(model, True)
-            model = convert(model)
-        results[name] = held_out_loss(model, run.eval_windows)
-        print(f"{name:<40} validation loss {results[name]:.4f}", flush=True)
+def candidates(args, config):
+    """``(name, config changes, learned scales, distill)`` of every candidate fine-tune."""
+    if args.combine:
+        return [(f"QAT + learned x{factor:g} + distill T={temperature:g} w={weight:g}",
+                 dict(scale_lr=config.finetune_lr * factor, distill_temperature=temperature, distill_weight=weight),
+                 True, True)
+                for factor, temperature, weight in itertools.product(args.scale_lr_factors, args.temperatures,
+                                                                     args.weights)]
+    learned = [(f"QAT + learned scales, scale_lr x{factor:g}", dict(scale_lr=config.finetune_lr * factor), True, False)
+               for factor in args.scale_lr_factors]
+    distilled = [(f"QAT + distill, T={temperature:g} w={weight:g}",
+                  dict(distill_temperature=temperature, distill_weight=weight), False, True)
+                 for temperature, weight in itertools.product(args.temperatures, args.weights)]
+    return learned + distilled
 
-    tuned = run.finetune_phase(lm, "fp32 fine-tune")
-    report("fp32 fine-tune", tuned, qat=False)
-    report("fine-tune + PTQ", quantize_model(tuned, spec), qat=False)
-    report("QAT", run.finetune_phase(lm, "QAT", lambda m: apply_qat(m, spec=spec)))
-    for factor in args.scale_lr_factors if not args.combine else ():
-        run.config = config.replace(scale_lr=config.finetune_lr * factor)
-        name = f"QAT + learned scales, scale_lr x{factor:g}"
-        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned"))))
-    for temperature, weight in itertools.product(args.temperatures, args.weights) if not args.combine else ():
-        run.config = config.replace(distill_temperature=temperature, distill_weight=weight)
-        name = f"QAT + distill, T={temperature:g} w={weight:g}"
-        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec), distill=True))
-    combinations = itertools.product(args.scale_lr_factors, args.temperatures, args.weights) if args.combine else ()
-    for factor, temperature, weight in combinations:
-        run.config = config.replace(scale_lr=config.finetune_lr * factor, distill_temperature=temperature,
-                                    distill_weight=weight)
-        name = f"QAT + learned x{factor:g} + distill T={temperature:g} w={weight:g}"
-        report(name, run.finetune_phase(lm, name, lambda m: apply_qat(m, spec=spec.replace(scale="learned")),
-                                        distill=True))
+
+def print_summary(args, data, run, results, floats):
     base, tuned_loss = results["fine-tune + PTQ"], results["fp32 fine-tune"]
     print(f"\nvalidation ({data.info['validation_tokens']:,} tokens carved from the training text; preset "
           f"{args.preset}, seed {args.seed}): recovered % of fine-tune + PTQ's degradation, perplexity vs fp32 fine-tune")
@@ -110,9 +91,44 @@ def main(argv=None):
             continue
         line = f"{name:<40} {100 * (base - loss) / (base - tuned_loss):6.1f}%  {100 * math.expm1(loss - tuned_loss):+.2f}%"
         if name in floats:  # of the int model's gap to fp32 fine-tune, the share already in its float weights
-            line += f"   float weights {100 * math.expm1(floats[name] - tuned_loss):+.2f}%, rounding {100 * math.expm1(loss - floats[name]):+.2f}%"
+            line += (f"   float weights {100 * math.expm1(floats[name] - tuned_loss):+.2f}%, "
+                     f"rounding {100 * math.expm1(loss - floats[name]):+.2f}%")
         print(line)
     print("phase seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in run.seconds.items()))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    changes = {k: v for k, v in (("steps", args.steps), ("finetune_steps", args.finetune_steps)) if v is not None}
+    config = PRESETS[args.preset].replace(seed=args.seed, bits=(4,), threads=args.threads, **changes)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    data = carve_validation(prepare_data(config), config, args.val_fraction)
+    run = CompareRun(config, data, progress=True)
+    lm = fp32_checkpoint(run, args.checkpoint)
+    spec = config.spec(4)
+    results, floats = {}, {}
+
+    def report(name, model, qat=True):
+        if qat:
+            # The same trained weights with fake-quant off: splits QAT's remaining gap to the fp32
+            # fine-tune into "the float weights are worse" and "rounding them costs".
+            set_fake_quant_enabled(model, False)
+            floats[name] = run.loss(model)
+            set_fake_quant_enabled(model, True)
+            model = convert(model)
+        results[name] = run.loss(model)
+        print(f"{name:<40} validation loss {results[name]:.4f}", flush=True)
+
+    tuned = run.finetune(lm, "fp32 fine-tune")
+    report("fp32 fine-tune", tuned, qat=False)
+    report("fine-tune + PTQ", quantize_model(tuned, spec), qat=False)
+    report("QAT", run.finetune(lm, "QAT", lambda m: apply_qat(m, spec=spec)))
+    for name, settings, learned, distill in candidates(args, config):
+        run.config = config.replace(**settings)
+        trial = spec.replace(scale="learned") if learned else spec
+        report(name, run.finetune(lm, name, lambda m, s=trial: apply_qat(m, spec=s), distill=distill))
+    print_summary(args, data, run, results, floats)
     return 0
 
 

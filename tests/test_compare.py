@@ -213,7 +213,7 @@ def test_an_unusable_out_dir_is_refused_before_training(tmp_path, capsys, monkey
 
 
 def test_a_failed_write_keeps_the_printed_table_and_leaves_no_complete_set(tmp_path, capsys, monkeypatch):
-    import mixle.lm.compare as compare
+    import mixle.lm.report as compare  # write_outputs and the save_plot it calls live in mixle.lm.report
 
     out = tmp_path / "out"
     assert cli.main([*TINY, "--out-dir", str(out)]) == 0

@@ -7,6 +7,7 @@ with the matching ``batch_ndim`` and ``out_ndim``.
 import numpy as np
 
 from mixle.core.array_ops import array_kind
+from mixle.core.numerics import quantize_array
 
 __all__ = ["quantize_linear_weight", "quantize_conv_weight", "quantize_embedding_weight"]
 
@@ -55,7 +56,7 @@ def quantize_linear_weight(w, spec=None, input_axis_count=1, batch_axis_count=0,
             f"a weight of shape {tuple(w.shape)} has no output axis left after {batch_axis_count} batch "
             f"and {input_axis_count} input axes: a 1-D vector is not a linear weight (use quantize_array)"
         )
-    return _quantize_array(w, spec, batch_ndim=batch_axis_count,
+    return quantize_array(w, spec, batch_ndim=batch_axis_count,
                            out_ndim=ndim - batch_axis_count - input_axis_count, **spec_fields)
 
 
@@ -113,12 +114,4 @@ def _quantize_leading_axes(w, spec, spec_fields, count, argument, what, layout, 
     _axis_count(count, argument, 1, max(ndim - 1, 1), w.shape, f"{what} needs at least {needs}")
     if ndim < 2:
         raise ValueError(f"{what} has at least 2 axes {layout}, got shape {tuple(w.shape)}")
-    return _quantize_array(w, spec, batch_ndim=0, out_ndim=count, **spec_fields)
-
-
-def _quantize_array(w, spec, **keywords):
-    # Imported on use: mixle.core.numerics re-exports these quantizers, so a module-level
-    # import would make the two modules import each other.
-    from mixle.core.numerics import quantize_array
-
-    return quantize_array(w, spec, **keywords)
+    return quantize_array(w, spec, batch_ndim=0, out_ndim=count, **spec_fields)

@@ -16,11 +16,6 @@ import numpy as np
 
 from mixle.core.array_ops import array_kind, array_ops, is_tracer  # noqa: F401
 from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error  # noqa: F401
-from mixle.core.layer_weights import (  # noqa: F401
-    quantize_conv_weight,
-    quantize_embedding_weight,
-    quantize_linear_weight,
-)
 from mixle.core.spec import QuantSpec, resolve_spec  # noqa: F401
 
 __all__ = [

@@ -1,1 +1,9 @@
-"""The LM job on top: the causal LM, the fine-tuning loop, data, the compare run and the CLI."""
+"""The LM jobs on top: model families, one training loop and evaluator, the llama.cpp evaluation, the
+report, the ``compare`` job and the CLI.
+
+``config`` (the job's settings, also its CLI flags through ``flags``), ``data`` and ``windows``
+(corpus, tokenizers, token windows), ``transformer`` (mixle's ``build_causal_lm``), ``family``
+(what the jobs need of a causal LM: mixle's or a transformers one), ``grad_leaf``, ``distill`` and
+``training`` (the training loop and evaluator), ``llama_cpp_eval`` (a model from its GGUF file and
+in llama.cpp), ``report`` (summary, table, plot, files), ``compare`` (the job) and ``cli``.
+"""

@@ -252,6 +252,53 @@ class GradLeaf:
                 f"state were restored to the last step with a finite loss. Lower lr (now {base_lrs}), set "
                 f"grad_clip, or check the data for NaN/inf")
 
+    def _progress_bar(self):
+        """A tqdm bar over the M-step's steps when ``progress`` is set, else None."""
+        if not self.progress:
+            return None
+        from mixle._optional import require
+
+        return require("tqdm.auto", extra="bench", purpose="progress bars").tqdm(
+            total=self.m_steps, desc=str(self.progress), leave=False)
+
+    def _row_log_density(self, x, batch, step, snapshot, base_lrs):
+        """The objective's per-row log density of minibatch ``x`` (one value per row, checked)."""
+        try:
+            log_density = (self.module.log_density(*x) if self.distill is None
+                           else self.distill.row_log_density(self.module, *x))
+        except Exception as error:
+            # A step left a weight non-finite and the forward refused it (e.g. a QAT
+            # quantizer's ValueError) before the loss could show NaN: the same divergence.
+            if step and not _all_finite(self.module):
+                snapshot.restore()
+                raise NonFiniteLossError(self._diverged(f"the module's weights became non-finite and "
+                                                        f"its forward failed ({error})", step, base_lrs)) from error
+            raise
+        if log_density.shape != (batch,):
+            raise ValueError(
+                f"module.log_density returned shape {tuple(log_density.shape)} for {batch} rows: "
+                f"it must return one log density per row, shape ({batch},)"
+            )
+        return log_density
+
+    def _descend(self, loss, optimizer):
+        """One optimizer step on ``loss`` (gradient norm clipped to ``grad_clip`` when set)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in optimizer.param_groups for p in g["params"]], self.grad_clip)
+        optimizer.step()
+
+    def _after_step(self, step, value, bar):
+        self.history.append(value)
+        if self.callback is not None:
+            self.callback(step, value)
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0 or step == self.m_steps - 1:
+                bar.set_postfix(loss=f"{value * self.progress_scale:.4g}", refresh=False)
+
     def _m_step(self, fields, weights):
         rows = len(fields[0])
         norm = weights / weights.sum()
@@ -260,12 +307,7 @@ class GradLeaf:
         base_lrs = [g["lr"] for g in optimizer.param_groups]
         snapshot = _Snapshot(self.module, optimizer)
         was_training = self.module.training
-        bar = None
-        if self.progress:
-            from mixle._optional import require
-
-            bar = require("tqdm.auto", extra="bench", purpose="progress bars").tqdm(
-                total=self.m_steps, desc=str(self.progress), leave=False)
+        bar = self._progress_bar()
         self.module.train()
         try:
             for step in range(self.m_steps):
@@ -276,22 +318,7 @@ class GradLeaf:
                 idx = None if batch == rows else torch.randperm(rows, generator=self.generator)[:batch]
                 x = tuple((f if idx is None else f[idx]).to(device) for f in fields)
                 w = (norm if idx is None else norm[idx]).to(device) * (rows / batch)
-                try:
-                    log_density = (self.module.log_density(*x) if self.distill is None
-                                   else self.distill.row_log_density(self.module, *x))
-                except Exception as error:
-                    # A step left a weight non-finite and the forward refused it (e.g. a QAT
-                    # quantizer's ValueError) before the loss could show NaN: the same divergence.
-                    if step and not _all_finite(self.module):
-                        snapshot.restore()
-                        raise NonFiniteLossError(self._diverged(f"the module's weights became non-finite and "
-                                                                f"its forward failed ({error})", step, base_lrs)) from error
-                    raise
-                if log_density.shape != (batch,):
-                    raise ValueError(
-                        f"module.log_density returned shape {tuple(log_density.shape)} for {batch} rows: "
-                        f"it must return one log density per row, shape ({batch},)"
-                    )
+                log_density = self._row_log_density(x, batch, step, snapshot, base_lrs)
                 loss = -(w.to(log_density.dtype) * log_density).sum()
                 value = loss.item()
                 if not math.isfinite(value):
@@ -299,19 +326,8 @@ class GradLeaf:
                     raise NonFiniteLossError(self._diverged(f"the M-step loss became {value}", step, base_lrs))
                 if step:
                     snapshot.take()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for g in optimizer.param_groups for p in g["params"]], self.grad_clip)
-                optimizer.step()
-                self.history.append(value)
-                if self.callback is not None:
-                    self.callback(step, value)
-                if bar is not None:
-                    bar.update(1)
-                    if step % 10 == 0 or step == self.m_steps - 1:
-                        bar.set_postfix(loss=f"{value * self.progress_scale:.4g}", refresh=False)
+                self._descend(loss, optimizer)
+                self._after_step(step, value, bar)
         finally:
             for group, base in zip(optimizer.param_groups, base_lrs):
                 group["lr"] = base

@@ -10,7 +10,8 @@ import math
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.core.numerics import QuantizedArray, block_shape, quantize_conv_weight
+from mixle.core.layer_weights import quantize_conv_weight
+from mixle.core.numerics import QuantizedArray, block_shape
 from mixle.torch_backend.fake_quant import fake_quantized_weight
 from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
 from mixle.torch_backend.quantized import QuantizedWeight

@@ -113,7 +113,7 @@ class QuantizedConv1D(QuantizedWeight):
         weight_shape: ``(out, in)`` (the transpose of ``Conv1D.weight``'s shape).
         bias: float bias of shape ``(out,)``.
 
-    >>> from mixle.core.numerics import quantize_linear_weight
+    >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> from mixle.core.spec import QuantSpec
     >>> from mixle.torch_backend.quantized import to_storage
     >>> codes, scale = to_storage(quantize_linear_weight(torch.randn(3, 4), bits=8))

@@ -12,7 +12,7 @@ from typing import Callable
 
 from torch import nn
 
-from mixle.core.numerics import quantize_embedding_weight, quantize_linear_weight
+from mixle.core.layer_weights import quantize_embedding_weight, quantize_linear_weight
 from mixle.torch_backend.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
 from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear

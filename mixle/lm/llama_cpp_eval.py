@@ -1,0 +1,145 @@
+"""A model as llama.cpp sees it: evaluated from its GGUF file's weights, and run by llama.cpp itself.
+
+``gguf_loss`` writes a model with ``save_gguf``, reads the file back with gguf-py into a float
+copy of a template model (``load_gguf_weights``: gguf's own dequantization) and evaluates that
+copy with the model's own forward. ``llama_cpp_loss`` runs the file in llama.cpp (through
+llama-cpp-python, the optional ``llama`` extra) on the same windows and scores its logits.
+"""
+
+import contextlib
+import io
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mixle._optional import require
+from mixle.lm.training import held_out_loss
+
+__all__ = ["llama_cpp_module", "quiet_stderr", "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
+
+
+def llama_cpp_module():
+    """llama-cpp-python if installed (the ``llama`` extra), else None: llama.cpp's column is optional.
+
+    >>> llama_cpp_module() is None or hasattr(llama_cpp_module(), "Llama")
+    True
+    """
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence stderr meanwhile: what C code writes to file descriptor 2 and what Python prints to
+    ``sys.stderr`` (llama-cpp-python's log callback).
+
+    >>> import sys
+    >>> with quiet_stderr():
+    ...     print("not shown", file=sys.stderr)
+    >>> print("shown")
+    shown
+    """
+    try:
+        saved = os.dup(2)
+    except OSError:
+        saved = None
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(io.StringIO()):
+            if saved is not None:
+                os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _window_nll(llm, window, block):
+    """llama.cpp's summed next-token negative log-likelihood of one window (float64 softmax)."""
+    llm.reset()
+    llm.eval(window[:-1].tolist())
+    logits = np.asarray(llm.scores[:block], dtype=np.float64)
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+    return float((logz - logits[np.arange(block), window[1:]]).sum())
+
+
+def llama_cpp_loss(path, windows, threads=None):
+    """``(held-out loss, info)`` of the GGUF file run by llama.cpp (F32 KV cache), or None without
+    llama-cpp-python.
+
+    Args:
+        path: a GGUF file.
+        windows: int token windows, shape ``(count, length)``; the context is ``length - 1``.
+        threads: llama.cpp's threads (default: torch's).
+
+    >>> import os, tempfile, torch
+    >>> from mixle.exports.gguf import save_gguf
+    >>> from mixle.lm.transformer import build_causal_lm
+    >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
+    >>> _ = save_gguf(build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh"), path, float_matrices="f32")
+    >>> result = llama_cpp_loss(path, np.zeros((2, 9), dtype=np.int64), threads=1)
+    >>> result is None or result[0] > 0
+    True
+    """
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:
+        return None
+    block = windows.shape[1] - 1
+    threads = threads or require("torch", extra="torch", purpose="llama_cpp_loss").get_num_threads()
+    total = 0.0
+    with quiet_stderr():  # llama.cpp notes that it pads the context to 256 tokens: nothing to act on
+        llm = llama_cpp.Llama(model_path=os.fspath(path), n_ctx=block, logits_all=True, n_threads=threads,
+                              n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+        for window in windows:
+            total += _window_nll(llm, window, block)
+        llm.close()
+        del llm
+    info = {"llama_cpp_python": llama_cpp.__version__, "kv_cache": "f32", "threads": threads}
+    return total / (windows.shape[0] * block), info
+
+
+@dataclass(frozen=True)
+class GGUFLoss:
+    """``gguf_loss``'s result: the held-out loss of the file's weights and the file's tensor bytes."""
+
+    loss: float
+    nbytes: int
+
+
+def gguf_loss(model, template, path, windows, *, tokenizer=None):
+    """Write ``model`` as the GGUF file ``path`` and evaluate the weights read back from it.
+
+    Args:
+        model: a model ``save_gguf`` writes (float, QAT-wrapped or converted).
+        template: a float model of the same architecture and shapes, e.g. ``model`` before QAT;
+            the file's weights are loaded into a copy of it (``load_gguf_weights``).
+        path: the ``.gguf`` file to write.
+        windows: held-out token windows, shape ``(count, length)``.
+        tokenizer: written into the file (``save_gguf(tokenizer=...)``).
+
+    Returns:
+        ``GGUFLoss(loss, nbytes)``: ``held_out_loss`` of the read-back model, and the bytes of the
+        file's tensor data.
+
+    >>> import os, tempfile, torch
+    >>> from mixle.api import apply_qat
+    >>> from mixle.lm.transformer import build_causal_lm
+    >>> base = build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh")
+    >>> qat = apply_qat(build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh"), grid="q4_0")
+    >>> windows = np.zeros((2, 9), dtype=np.int64)
+    >>> result = gguf_loss(qat, base, os.path.join(tempfile.mkdtemp(), "qat.gguf"), windows)
+    >>> abs(result.loss - held_out_loss(qat, windows)) < 1e-5, result.nbytes > 0
+    (True, True)
+    """
+    gguf = require("gguf", extra="gguf", purpose="evaluating a model from its GGUF file")
+    from mixle.exports.gguf import load_gguf_weights, save_gguf
+
+    save_gguf(model, path, tokenizer=tokenizer)
+    from_file = load_gguf_weights(template, path)
+    nbytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    return GGUFLoss(held_out_loss(from_file, windows), nbytes)
