@@ -112,7 +112,18 @@ def invalidate_fake_quant_caches():
     (``param.data.mul_(...)``, writes through a NumPy view) are not seen until the next optimizer
     step: call this after them. A no-op before any torch QAT layer has run.
 
+    >>> import torch
+    >>> layer = apply_qat(torch.nn.Linear(2, 1, bias=False), bits=4)
+    >>> layer.weight.data[:] = torch.tensor([[7.0, -3.0]])  # scale 1: the weights are on the grid
+    >>> x = torch.tensor([[1.0, 0.0]])  # picks the first weight
+    >>> [layer(x).item() for _ in range(2)]  # the second use keeps the codes (and a fingerprint)
+    [7.0, 7.0]
+    >>> layer.weight.data[:] = torch.tensor([[-3.0, 7.0]])  # unseen: same version, same sums
+    >>> layer(x).item()
+    7.0
     >>> invalidate_fake_quant_caches()
+    >>> layer(x).item()
+    -3.0
     """
     import sys
 

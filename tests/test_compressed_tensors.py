@@ -201,7 +201,15 @@ def test_a_converted_or_ptq_model_saves_too_and_the_users_model_is_untouched(tmp
     converted = convert(qat)
     save_pretrained_compressed(converted, tmp_path / "a")
     save_pretrained_compressed(qat, tmp_path / "b")
-    assert stored_tensors(tmp_path / "a").keys() == stored_tensors(tmp_path / "b").keys()
+    # The converted model writes the QAT model's checkpoint: the same tensors, bit for bit.
+    from_converted, from_qat = stored_tensors(tmp_path / "a"), stored_tensors(tmp_path / "b")
+    assert from_converted.keys() == from_qat.keys()
+    for key, tensor in from_qat.items():
+        other = from_converted[key]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, key
+        assert other.view(torch.uint8).numpy().tobytes() == tensor.view(torch.uint8).numpy().tobytes(), key
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    assert torch.equal(logits(loaded), logits(qat))  # decompressed: the fake-quant weights, same ops
     assert all(torch.equal(before[k], v) for k, v in qat.state_dict().items())
     assert isinstance(converted.lm_head, QuantizedLinear) and isinstance(converted.model.embed_tokens, QuantizedEmbedding)
     ptq = quantize_model(tiny_lm("qwen2"), bits=8)

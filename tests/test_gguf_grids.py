@@ -211,16 +211,40 @@ def _storage_args(grid, codes, scale):
     return stored, torch.tensor(scale, dtype=torch.float32).reshape(1, 1, 1), QuantSpec(**_spec_fields(grid)), (1, 32)
 
 
+def _ggml_block(grid, codes, scale):
+    """The same block as llama.cpp stores it (float16 d, then the codes: q4_0 as nibbles q + 8,
+    element j low and j + 16 high in byte j), read back by gguf-py's dequantizer (the oracle)."""
+    codes = np.asarray(codes)
+    if grid == "q4_0":
+        nibbles = (codes + 8).astype(np.uint8)
+        quants = (nibbles[:16] | (nibbles[16:] << 4)).astype(np.uint8)
+    else:
+        quants = codes.astype(np.int8).view(np.uint8)
+    raw = np.concatenate([np.frombuffer(np.float16(scale).tobytes(), np.uint8), quants]).reshape(1, -1)
+    return gguf_quants.dequantize(raw, GRIDS[grid][1])
+
+
 @pytest.mark.parametrize("grid, codes, scale", [
     ("q4_0", [-8] * 16 + [7] * 16, -0.125),  # the signed scale of a block whose extreme is positive
     ("q4_0", [0] * 32, -0.0),  # an all-zero block keeps its signed zero scale
     ("q8_0", [-127] * 16 + [127] * 16, 0.25),
     ("q8_0", [0] * 32, 0.0),
+    ("q4_0", [(5 * j) % 16 - 8 for j in range(32)], 0.375),  # distinct neighbours: the element order shows
+    ("q8_0", [(37 * j) % 255 - 127 for j in range(32)], 0.5),
 ])
-def test_storage_accepts_what_the_grids_write(grid, codes, scale):
-    from mixle.torch_backend.quantized import check_quantized_storage
+def test_storage_accepts_what_the_grids_write(grid, codes, scale, tmp_path):
+    from mixle.api import load_quantized, save_quantized
+    from mixle.torch_backend.quantized import QuantizedLinear, check_quantized_storage
 
-    check_quantized_storage(*_storage_args(grid, codes, scale))
+    args = _storage_args(grid, codes, scale)
+    check_quantized_storage(*args)  # accepted, and it means what llama.cpp means by it:
+    want = bits_of(_ggml_block(grid, codes, scale))  # signed zeros and signed scales included
+    layer = QuantizedLinear(*args)
+    np.testing.assert_array_equal(bits_of(layer.dequantized_weight()), want)
+    save_quantized(torch.nn.Sequential(layer), tmp_path / "block.safetensors")  # the scale as float16
+    loaded = load_quantized(tmp_path / "block.safetensors", torch.nn.Sequential(torch.nn.Linear(32, 1, bias=False)))[0]
+    np.testing.assert_array_equal(bits_of(loaded.scale), bits_of(np.float32(scale)).reshape(1, 1, 1))
+    np.testing.assert_array_equal(bits_of(loaded.dequantized_weight()), want)
 
 
 @pytest.mark.parametrize("grid, codes, scale, words", [

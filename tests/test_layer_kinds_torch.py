@@ -67,8 +67,13 @@ def test_conv1d_int8_channel_and_gradient():
     torch.testing.assert_close(model(x), nn.functional.conv1d(x, torch.from_numpy(expected), model[0].bias, 2),
                                rtol=0, atol=0)
     assert torch.equal(convert(model)(x), model(x))
-    model(x).sum().backward()
-    assert model[0].weight.grad.shape == (6, 4, 3)
+    # Straight-through: the weight's gradient is the gradient w.r.t. a leaf holding the
+    # fake-quantized weight; the same conv1d op on the same values, so equal bit for bit.
+    upstream = torch.randn(2, 6, 5)
+    (model(x) * upstream).sum().backward()
+    leaf = torch.from_numpy(expected).requires_grad_()
+    (nn.functional.conv1d(x, leaf, model[0].bias.detach(), 2) * upstream).sum().backward()
+    assert torch.equal(model[0].weight.grad, leaf.grad) and model[0].weight.grad.abs().sum() > 0
 
 
 def test_weights_no_kind_takes_are_reported_with_their_reason():
@@ -123,8 +128,16 @@ def test_multihead_attention_in_and_out_proj_fake_quantized_toggle_convert_save_
         assert torch.equal(converted(x), fake)
         save_quantized(converted, tmp_path / "mha.safetensors")
         assert torch.equal(load_quantized(tmp_path / "mha.safetensors", attention(batch_first, seed=3))(x), fake)
+    # Slow path with grad: the STE gradients reaching both weights are the gradients w.r.t. the
+    # reference's Parameters, which hold the fake-quantized weights; the stock MHA forward runs on
+    # the same values in both, so the same ops in the same order: equal bit for bit.
     model.train()
-    model(x).sum().backward()  # slow path with grad: STE gradients reach both weights
-    assert model.attn.in_proj_weight.grad is not None and model.attn.out_proj.weight.grad is not None
+    reference.train()
+    upstream = torch.randn(2, 5, 16)
+    (model.attn(x, x, x, need_weights=False)[0] * upstream).sum().backward()
+    (reference.attn(x, x, x, need_weights=False)[0] * upstream).sum().backward()
+    for name in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"):
+        got, want = model.attn.get_parameter(name).grad, reference.attn.get_parameter(name).grad
+        assert torch.equal(got, want) and got.abs().sum() > 0, name
     with pytest.raises(ValueError, match="exclude both or neither"):
         apply_qat(attention(batch_first), exclude=(r"attn\.out_proj",))

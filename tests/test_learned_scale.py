@@ -1,5 +1,6 @@
 """Learned scales (QuantSpec.scale="learned"): init, LSQ gradient, convert/save exactness, resume, refusals."""
 
+import copy
 import math
 
 import numpy as np
@@ -102,12 +103,40 @@ def test_state_dict_resume(tmp_path):
 
 
 def test_tied_head_and_embedding_share_one_scale():
-    lm = apply_qat(build_causal_lm(20, 16, 1, 2, 8), bits=4, scale="learned")
+    torch.manual_seed(0)
+    float_lm = build_causal_lm(20, 16, 1, 2, 8)
+    lm = apply_qat(copy.deepcopy(float_lm), bits=4, scale="learned", patterns=(r"head",))  # tok follows the tie
     assert lm.head.weight_log2_scale is lm.tok.weight_log2_scale
     assert sum(p is lm.head.weight_log2_scale for p in lm.parameters()) == 1
-    tokens = torch.randint(0, 20, (2, 9))
+    with torch.no_grad():
+        lm.head.weight_log2_scale -= 0.5  # smaller scales: some weights clip, both LSQ branches run
+    tokens = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(1))
     (-lm.sequence_log_prob(tokens).sum()).backward()
-    assert lm.head.weight_log2_scale.grad is not None
+
+    # Reference: the float LM with the head and the table untied, each a leaf holding the
+    # fake-quantized weight (numpy), so G_head and G_tok are the gradients the two uses receive.
+    w = float_lm.head.weight.detach().numpy()
+    s = torch.exp2(lm.head.weight_log2_scale.detach()).numpy().reshape(20, 1)
+    v = w / s
+    codes = np.clip(np.round(v), -7, 7)
+    ref = copy.deepcopy(float_lm)
+    ref.head.weight = nn.Parameter(torch.from_numpy(codes * s))
+    ref.tok.weight = nn.Parameter(torch.from_numpy(codes * s))
+    (-ref.sequence_log_prob(tokens).sum()).backward()
+    g_head, g_tok = ref.head.weight.grad.numpy(), ref.tok.weight.grad.numpy()
+    inside = (v >= -7) & (v <= 7)
+    assert 0 < inside.sum() < inside.size
+    # The shared weight gets both straight-through gradients, masked where clipped: the same ops on
+    # the same values, and a float sum of two terms, which does not depend on their order.
+    np.testing.assert_array_equal(lm.head.weight.grad.numpy(), np.where(inside, g_head + g_tok, 0))
+    # The shared scale gets both LSQ gradients; float64 here. Per layer, 16 products summed in
+    # float32, times s and ln 2, then the two layers added: within (16 + 4) eps of the magnitudes.
+    step = np.where(inside, codes - v, codes).astype(np.float64)
+    want = ((g_head + g_tok) * step).sum(-1) * s[:, 0] * math.log(2)
+    magnitude = ((np.abs(g_head) + np.abs(g_tok)) * np.abs(step)).sum(-1) * s[:, 0] * math.log(2)
+    got = lm.head.weight_log2_scale.grad.numpy().ravel()
+    assert (np.abs(got - want) <= 20 * np.finfo(np.float32).eps * magnitude).all()
+    assert np.abs(want).max() > 0
     with torch.no_grad():
         q = convert(lm)
         assert q.head.codes is q.tok.codes

@@ -127,9 +127,24 @@ def test_a_stock_qwix_provider_refuses_a_percentile_rule_instead_of_ignoring_it(
 
 
 def test_symmetric_factor_reproduces_the_symmetric_grid_in_qwix_calibration():
-    """absmax * (qmax + 0.5) / qmax / (qmax + 0.5) is absmax / qmax to float32 rounding."""
+    """Qwix quantizing with mixle's rule for the symmetric grid gets mixle's scale absmax / qmax
+    (Qwix itself divides by qmax + 0.5: the rule's factor (qmax + 0.5) / qmax makes up for it)."""
+    pytest.importorskip("qwix")
+    import jax.numpy as jnp
+    import qwix
+
+    from mixle.flax_backend.rules import qwix_rule
+
     for bits in (4, 8):
         qmax = 2 ** (bits - 1) - 1
-        absmax = np.float32(np.random.default_rng(bits).uniform(0.01, 10, 1000))
-        via_qwix = (absmax * np.float32((qmax + 0.5) / qmax)) / np.float32(qmax + 0.5)
-        np.testing.assert_allclose(via_qwix, absmax / np.float32(qmax), rtol=2.5e-7)
+        kernel = np.random.default_rng(bits).normal(0, 1, (64, 48)).astype(np.float32)  # (in, out)
+        kernel *= np.float32(np.random.default_rng(bits + 1).uniform(0.01, 10, 48))  # very different channels
+        rule = qwix_rule(QuantSpec(bits=bits), "fc")
+        quantized = qwix.quantize(jnp.asarray(kernel), rule.weight_qtype, channelwise_axes=[1],
+                                  calibration_method=rule.weight_calibration_method)
+        expected = np.abs(kernel).max(0, keepdims=True) / np.float32(qmax)  # mixle's symmetric grid
+        # four float32 roundings of 2**-24 at most (the factor, absmax * factor, / (qmax + 0.5) there,
+        # / qmax here), plus their second-order terms
+        np.testing.assert_allclose(np.asarray(quantized.scale), expected, rtol=4.5 * 2.0 ** -24)
+        codes = np.asarray(quantized.qvalue).astype(np.int32)
+        assert codes.min() >= -qmax and codes.max() <= qmax and (np.abs(codes).max(0) == qmax).all()

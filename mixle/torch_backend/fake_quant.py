@@ -53,7 +53,16 @@ _generation = 0
 def invalidate_caches(*_):
     """Make every cached fake-quantized weight stale (e.g. after editing weights via ``.data``).
 
+    >>> from mixle.core.spec import QuantSpec
+    >>> weight, spec = torch.nn.Parameter(torch.tensor([[7.0, -3.0]])), QuantSpec(bits=4)
+    >>> [fake_quantized_weight(weight, spec)[0].tolist() for _ in range(2)]  # codes kept on reuse
+    [[[7.0, -3.0]], [[7.0, -3.0]]]
+    >>> weight.data[:] = torch.tensor([[-3.0, 7.0]])  # same version and row sums: the cache cannot tell
+    >>> fake_quantized_weight(weight, spec)[0].tolist()
+    [[7.0, -3.0]]
     >>> invalidate_caches()
+    >>> fake_quantized_weight(weight, spec)[0].tolist()
+    [[-3.0, 7.0]]
     """
     global _generation
     _generation += 1

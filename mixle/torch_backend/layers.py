@@ -42,7 +42,11 @@ def check_supported(spec):
     """Refuse spec options and grids the torch backend cannot honour.
 
     >>> from mixle.core.spec import QuantSpec
-    >>> check_supported(QuantSpec(bits=8))
+    >>> check_supported(QuantSpec(bits=8)) is None  # accepted
+    True
+    >>> check_supported(QuantSpec(bits=8, bwd_bits=8))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: QuantSpec.bwd_bits=8 is not supported by the torch backend, ...: leave it at its default (None) for torch models
     """
     spec.check_backend(BACKEND, SPEC_FIELDS, _DOES)
     check_activation_spec(spec)
