@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import stat
 import struct
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors", "describe_array", "check_listed", "add_aliases",
-           "TensorInfo", "replace_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
+           "TensorInfo", "replace_atomically", "replace_directory_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
            "MANIFEST_KEY", "DTYPE_ITEMSIZE"]
 
 FORMAT = "mixle.quantized"
@@ -140,6 +141,16 @@ def read_header(path):
     def bad(why):
         return ValueError(f"{source} is not a valid safetensors file: {why}")
 
+    total, size, text = _header_bytes(path, source, bad)
+    header = _header_json(text, bad)
+    metadata = _header_metadata(header.pop("__metadata__", None), bad)
+    infos = {name: _tensor_info(name, entry, bad) for name, entry in header.items()}
+    _check_data_span(infos, total - 8 - size, bad)
+    return metadata, infos
+
+
+def _header_bytes(path, source, bad):
+    """``(file size, header length, header bytes)``, the length field checked against the file."""
     try:
         with open(path, "rb") as handle:
             total = os.fstat(handle.fileno()).st_size
@@ -150,9 +161,12 @@ def read_header(path):
             if size > _MAX_HEADER_BYTES or 8 + size > total:
                 raise bad(f"the header length field claims {size} bytes but the file has {total - 8} after it "
                           f"(truncated or corrupt; mixle reads headers up to {_MAX_HEADER_BYTES} bytes)")
-            text = handle.read(size)
+            return total, size, handle.read(size)
     except OSError as error:
         raise ValueError(f"{source} cannot be read ({error})") from None
+
+
+def _header_json(text, bad):
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except RecursionError:
@@ -161,42 +175,49 @@ def read_header(path):
         raise bad(f"its JSON header does not parse ({err}); the file is corrupt") from None
     if not isinstance(header, dict):
         raise bad(f"its header is a JSON {type(header).__name__}, not an object")
-    metadata = header.pop("__metadata__", None)
+    return header
+
+
+def _header_metadata(metadata, bad):
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise bad(f"field '__metadata__' must map strings to strings, got a {type(metadata).__name__}")
     for key, value in metadata.items():
         if not isinstance(value, str):
             raise bad(f"field '__metadata__'.{key!r} must be a string, got a {type(value).__name__}")
-    infos = {}
-    for name, entry in header.items():
-        field = f"field {name!r}"
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-            raise bad(f"{field} needs exactly dtype, shape and data_offsets, got {got!s:.120}")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
-            raise bad(f"{field}.dtype {dtype!r:.40} is not one of the dtypes mixle reads ({', '.join(DTYPE_ITEMSIZE)})")
-        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"{field}.shape must be a list of at most 64 non-negative integers, got {shape!r:.80}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"{field}.data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.80}")
-        needed = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
-        if offsets[1] - offsets[0] != needed:
-            raise bad(f"{field}: {dtype} {shape} needs {needed} bytes, its data_offsets span {offsets[1] - offsets[0]}")
-        infos[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+    return metadata
+
+
+def _tensor_info(name, entry, bad):
+    field = f"field {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise bad(f"{field} needs exactly dtype, shape and data_offsets, got {got!s:.120}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        raise bad(f"{field}.dtype {dtype!r:.40} is not one of the dtypes mixle reads ({', '.join(DTYPE_ITEMSIZE)})")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad(f"{field}.shape must be a list of at most 64 non-negative integers, got {shape!r:.80}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"{field}.data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.80}")
+    needed = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != needed:
+        raise bad(f"{field}: {dtype} {shape} needs {needed} bytes, its data_offsets span {offsets[1] - offsets[0]}")
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_data_span(infos, data, bad):
+    """The tensors must tile the ``data`` bytes after the header exactly."""
     end = 0
     for name, info in sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin != end:
             raise bad(f"field {name!r}.data_offsets starts at byte {info.begin}, expected {end}: tensors must be "
                       f"contiguous and must not overlap")
         end = info.end
-    data = total - 8 - size
     if end != data:
         state = "truncated" if end > data else "followed by unexpected bytes"
         raise bad(f"the header describes {end} bytes of tensor data, the file holds {data} ({state})")
-    return metadata, infos
 
 
 @contextlib.contextmanager
@@ -231,12 +252,39 @@ def _umask():
     return umask
 
 
+def _fsync(path, directory=False):
+    """Flush a file (errors raise: its data may be lost) or a directory (best effort: some systems
+    cannot open or flush one) to disk."""
+    try:
+        handle = os.open(path, os.O_RDONLY)
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(handle)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(handle)
+
+
 def replace_atomically(path, write):
     """Write a file through ``write(temporary_path)`` and move it over ``path`` in one step.
 
-    A crash never leaves a half-written file under ``path``. The new file keeps the mode of the
-    file it replaces (else the umask's default), and a symbolic link at ``path`` is written
-    through: its target is replaced, the link stays.
+    The temporary file lies in the target's directory; it is flushed to disk before the rename
+    and the directory after it, so neither a failure nor a crash leaves a half-written file under
+    ``path``: the previous file stays until the new one replaces it, and the temporary file is
+    removed on any failure (KeyboardInterrupt too). The new file keeps the mode of the file it
+    replaces (else the umask's default), and a symbolic link at ``path`` is written through: its
+    target is replaced, the link stays.
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "note.txt")
+    >>> replace_atomically(path, lambda tmp: Path(tmp).write_text("hi"))
+    >>> Path(path).read_text(), os.listdir(os.path.dirname(path))
+    ('hi', ['note.txt'])
     """
     path = Path(os.path.realpath(path))
     try:
@@ -248,11 +296,84 @@ def replace_atomically(path, write):
         os.close(handle)
         write(tmp)
         os.chmod(tmp, mode)
+        _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
+    _fsync(path.parent, directory=True)
+
+
+def replace_directory_atomically(target, write, overwrite):
+    """Write a directory through ``write(temporary_directory)`` and rename it to ``target``.
+
+    Nothing is left behind on any failure (KeyboardInterrupt too): the temporary directory is
+    removed, and a previous ``target`` (replaced only with ``overwrite``) is exactly as it was. A
+    previous non-empty directory is renamed aside, the new one renamed in, and the old one
+    removed only once the new one is in place; if that second rename fails, the old one is
+    renamed back. The new directory gets the umask's default mode (the previous one's, if any).
+
+    Returns:
+        What ``write`` returned.
+
+    Raises:
+        FileExistsError: ``target`` was filled by someone else while writing and ``overwrite`` is False.
+
+    >>> import tempfile, os
+    >>> target = Path(tempfile.mkdtemp()) / "checkpoint"
+    >>> replace_directory_atomically(target, lambda tmp: (tmp / "a.txt").write_text("new"), overwrite=False)
+    3
+    >>> os.listdir(target), sorted(os.listdir(target.parent))
+    (['a.txt'], ['checkpoint'])
+    """
+    target = Path(os.path.realpath(target))
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = 0o777 & ~_umask()
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=parent))
+    try:
+        result = write(staging)
+        os.chmod(staging, mode)
+        for root, _, files in os.walk(staging):
+            for name in files:
+                _fsync(os.path.join(root, name))
+            _fsync(root, directory=True)
+        if target.is_dir() and any(target.iterdir()):
+            if not overwrite:  # appeared while writing
+                raise FileExistsError(f"directory={str(target)!r} was filled while writing: nothing was replaced")
+            _swap_directories(staging, target, parent)
+        else:
+            os.replace(staging, target)  # an empty directory is replaced atomically
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _fsync(parent, directory=True)
+    return result
+
+
+def _swap_directories(staging, target, parent):
+    """Rename ``target`` aside, ``staging`` in, then remove the old one; restore it if the rename fails."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=parent))
+    try:
+        os.rename(target, aside / "previous")
+    except BaseException:
+        os.rmdir(aside)
+        raise
+    try:
+        os.rename(staging, target)
+    except BaseException as error:
+        try:
+            os.rename(aside / "previous", target)
+        except OSError:
+            raise OSError(f"replacing {str(target)!r} failed ({error!r}) and the previous directory could not be "
+                          f"moved back: it is at {str(aside / 'previous')!r}") from error
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_safetensors(path, arrays, metadata=None):
@@ -298,11 +419,27 @@ def read_safetensors(path):
 
 
 def canonical_manifest(manifest):
+    """The bytes ``manifest_sha256`` hashes: the manifest without that key, as compact sorted JSON.
+
+    >>> canonical_manifest({"b": 1, "a": [2], "manifest_sha256": "x"})
+    b'{"a":[2],"b":1}'
+    """
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def manifest_from(metadata, source):
+    """The manifest in a file's safetensors ``metadata``, after its format, version and own hash.
+
+    Raises:
+        ValueError: no manifest, not mixle's format or version, or it fails its sha256 check;
+            the message names ``source``.
+
+    >>> manifest_from({}, "plain.safetensors")
+    Traceback (most recent call last):
+    ValueError: plain.safetensors: no 'mixle_manifest' in the safetensors metadata: it was not written by save_quantized
+    """
+
     def bad(why):
         return ValueError(f"{source}: {why}")
 

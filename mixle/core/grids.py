@@ -19,9 +19,24 @@ Rounding rules (``Grid.rounding``):
   - offset`` with ``offset = -code_min``: ggml's Q4_0 rounding, computed in the block's dtype.
 
 A zero block gets ``Grid.zero_scale`` (1: codes 0 and no division by zero); ``None`` keeps the
-computed (signed) zero, as ggml's grids do, whose reciprocal is then 0 too. ``scale_dtype="float16"`` means the scale is *computed* in the
-weight's dtype (the codes use that value) and *stored* in float16, and the dequantized weight is
-``code * float16(scale)``.
+computed (signed) zero, as ggml's grids do, whose reciprocal is then 0 too. ``scale_dtype="float16"``
+means the scale is *computed* in the weight's dtype (the codes use that value) and *stored* in
+float16, and the dequantized weight is ``code * float16(scale)``.
+
+What a grid may also store (the record expresses llama.cpp's K-quants; their numerics come with
+their grids):
+
+* ``scale_rule="min_max"`` with ``offset="min"``: ``scale = (max - min) / divisor`` and the
+  block's min stored as a float offset, ``w = scale * code + min`` (ggml's Q4_1 / Q5_1);
+  ``offset="zero_point"`` stores an integer zero point instead, ``w = scale * (code - zero)``.
+* ``scale_search``: the block scale is refined by a least-squares search over candidate scales
+  (``"make_qx_quants"``, symmetric; ``"make_qkx2_quants"``, with a min), as ggml's K-quants.
+* Two scale levels (``sub_block``, ``sub_scale_bits``, ``sub_scale_signed``): each ``block`` is
+  a super-block of ``block / sub_block`` sub-blocks whose scales (and mins) are small integers
+  under the float super-block scale (and min) stored in ``scale_dtype``:
+  ``w = d * sc * code - dmin * m`` (Q4_K: unsigned 6-bit ``sc``/``m``; Q6_K: signed 8-bit ``sc``).
+* ``ggml_type``: the GGUF block type the grid's codes and scales are written as; ``packing`` says
+  how its codes sit in the bytes of that block (``mixle.core.packing.pack_block_codes``).
 
 Activations (``QuantSpec.act_bits``): ``Grid.activation_grid`` names the grid the activations
 feeding a matmul on this grid are fake-quantized on, in blocks of that grid's ``block`` along the
@@ -32,9 +47,12 @@ Q8_0 blocks of 32 (ggml's ``quantize_row_q8_0``), so ``q4_0`` and ``q8_0`` name 
 
 from dataclasses import dataclass
 
-SCALE_RULES = ("absmax", "signed_max")
+SCALE_RULES = ("absmax", "signed_max", "min_max")
 ROUNDINGS = ("half_even", "half_away", "offset_trunc")
-PACKINGS = ("pairs", "ggml_q4_0")
+PACKINGS = ("pairs", "ggml_q4_0", "bytes")
+OFFSETS = (None, "min", "zero_point")
+SCALE_SEARCHES = (None, "make_qx_quants", "make_qkx2_quants")
+SCALE_DTYPES = (None, "float16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,17 +62,28 @@ class Grid:
     Attributes:
         name: the ``QuantSpec.grid`` value.
         codes: ``{bits: (code_min, code_max)}``; its keys are the bit widths the grid has.
-        divisor: ``{bits: divisor}`` of the scale rule.
+        divisor: ``{bits: divisor}`` of the scale rule (with two levels: of the super-block scale).
         scale_rule: one of ``SCALE_RULES``.
         rounding: one of ``ROUNDINGS``.
-        scale_dtype: ``None`` (the weight's own dtype) or ``"float16"``.
+        scale_dtype: ``None`` (the weight's own dtype) or ``"float16"``; with two levels the dtype
+            of the super-block scale (and min).
         zero_scale: the scale of an all-zero block (None: the computed zero is kept).
-        block: a fixed group size the grid imposes (``None``: any granularity).
+        block: a fixed group size the grid imposes (``None``: any granularity); with two levels
+            the super-block.
         activation_grid: the grid (in blocks of its ``block`` along each token's inputs) that
             ``act_bits`` fake-quantizes activations on; ``None``: per token on this grid.
-        packing: how two int4 codes share a byte in storage (see ``mixle.core.packing``).
+        packing: how codes sit in the bytes of the grid's file blocks (one of ``PACKINGS``; see
+            ``mixle.core.packing``). mixle's own files always store 4-bit codes as ``"pairs"``.
+        offset: one of ``OFFSETS``: no offset, a float ``"min"`` or an integer ``"zero_point"``
+            per block.
+        scale_search: one of ``SCALE_SEARCHES``: a least-squares search refining each scale.
+        sub_block: values per sub-block of a two-level grid (``None``: one scale level).
+        sub_scale_bits: bits of the integer sub-block scales (and mins).
+        sub_scale_signed: sub-block scales are signed (stored int8) rather than unsigned (uint8).
+        ggml_type: the GGUF block type the grid is written as (``"Q4_0"``), or None.
         backends: the backends that train on this grid (the numerics in ``mixle.core.numerics``
-            implement every grid; a backend is listed once its layers, kernels and storage do).
+            implement every registered grid; a backend is listed once its layers, kernels and
+            storage do).
         summary: one line for errors and docs.
 
     >>> GRIDS["symmetric"].code_range(4)
@@ -71,14 +100,68 @@ class Grid:
     block: int | None = None
     activation_grid: str | None = None
     packing: str = "pairs"
+    offset: str | None = None
+    scale_search: str | None = None
+    sub_block: int | None = None
+    sub_scale_bits: int | None = None
+    sub_scale_signed: bool = False
+    ggml_type: str | None = None
     backends: tuple = ("torch", "flax")
     summary: str = ""
 
     def __post_init__(self):
         if set(self.codes) != set(self.divisor):
             raise ValueError(f"grid {self.name!r}: codes and divisor must list the same bit widths")
-        if self.scale_rule not in SCALE_RULES or self.rounding not in ROUNDINGS or self.packing not in PACKINGS:
-            raise ValueError(f"grid {self.name!r}: unknown rule in {self!r}")
+        for field, allowed in (("scale_rule", SCALE_RULES), ("rounding", ROUNDINGS), ("packing", PACKINGS),
+                               ("offset", OFFSETS), ("scale_search", SCALE_SEARCHES), ("scale_dtype", SCALE_DTYPES)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"grid {self.name!r}: {field}={getattr(self, field)!r} is unknown: use one of "
+                                 f"{allowed}")
+        for bits, (low, high) in self.codes.items():
+            top = 2 ** (bits - 1) - 1 if low < 0 else 2 ** bits - 1
+            if not (isinstance(bits, int) and 1 <= bits <= 8 and -(2 ** (bits - 1)) <= low < high <= top):
+                raise ValueError(f"grid {self.name!r}: codes[{bits!r}]=({low}, {high}) is not a range of "
+                                 f"{bits}-bit integers")
+        problem = self._rule_problem() or self._level_problem() or self._file_problem()
+        if problem:
+            raise ValueError(f"grid {self.name!r}: {problem}")
+
+    def _rule_problem(self):
+        if self.scale_rule == "min_max" and self.offset is None:
+            return "scale_rule='min_max' spans min..max, so the block's min must be stored: set offset='min'"
+        if self.scale_search == "make_qkx2_quants" and self.offset != "min":
+            return "scale_search='make_qkx2_quants' searches a scale and a min: set offset='min'"
+        if self.scale_search == "make_qx_quants" and self.offset is not None:
+            return "scale_search='make_qx_quants' is ggml's symmetric search: it stores no offset"
+        if self.zero_scale is not None and not self.zero_scale > 0:
+            return f"zero_scale={self.zero_scale!r} must be positive (or None to keep a zero block's zero scale)"
+        return None
+
+    def _level_problem(self):
+        fields = (self.sub_block, self.sub_scale_bits)
+        if fields == (None, None):
+            return "sub_scale_signed=True needs a second scale level (sub_block)" if self.sub_scale_signed else None
+        if None in fields:
+            return "a second scale level needs both sub_block and sub_scale_bits"
+        if self.block is None or self.sub_block < 1 or self.block % self.sub_block or self.sub_block == self.block:
+            return (f"sub_block={self.sub_block!r} must divide the super-block block={self.block!r} into "
+                    f"at least two sub-blocks")
+        if not 2 <= self.sub_scale_bits <= 8:
+            return f"sub_scale_bits={self.sub_scale_bits!r} must be 2..8 (the sub-scales are small integers)"
+        if self.scale_dtype is None:
+            return "a two-level grid stores its super-block scale as a float: set scale_dtype='float16'"
+        if self.offset == "zero_point":
+            return "a two-level grid stores sub-block mins (offset='min'), not a zero point"
+        return None
+
+    def _file_problem(self):
+        if self.packing == "ggml_q4_0" and (set(self.codes) != {4} or self.block is None or self.block % 32):
+            return "packing='ggml_q4_0' holds 4-bit codes in blocks of 32: set codes={4: ...} and block=32"
+        if self.packing == "bytes" and set(self.codes) != {8}:
+            return "packing='bytes' holds one 8-bit code per byte: set codes={8: ...}"
+        if self.ggml_type is not None and (self.block is None or self.scale_dtype is None):
+            return f"ggml_type={self.ggml_type!r} stores fixed blocks with float16 scales: set block and scale_dtype"
+        return None
 
     def activation_record(self):
         """The Grid activations are fake-quantized on (this one when ``activation_grid`` is None).
@@ -89,17 +172,40 @@ class Grid:
         return self if self.activation_grid is None else GRIDS[self.activation_grid]
 
     def code_range(self, bits):
-        """``(code_min, code_max)`` at ``bits``."""
+        """``(code_min, code_max)`` at ``bits``.
+
+        >>> GRIDS["q8_0"].code_range(8)
+        (-127, 127)
+        """
         return self.codes[bits]
+
+    @property
+    def two_level(self):
+        """Whether blocks hold sub-blocks with integer scales under a float super-block scale."""
+        return self.sub_block is not None
+
+    def sub_scale_range(self):
+        """``(low, high)`` of the integer sub-block scales (and mins) of a two-level grid, else None.
+
+        >>> Grid(name="k", codes={4: (0, 15)}, divisor={4: 15.0}, scale_rule="min_max", offset="min",
+        ...      scale_dtype="float16", block=256, sub_block=32, sub_scale_bits=6).sub_scale_range()
+        (0, 63)
+        """
+        if not self.two_level:
+            return None
+        bits = self.sub_scale_bits
+        return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if self.sub_scale_signed else (0, 2 ** bits - 1)
 
     def is_plain(self):
         """True for the grids every kernel and backend implements: absmax scale, half-even
-        rounding, scale kept in the weight's dtype.
+        rounding, scale kept in the weight's dtype, one scale level and no offset.
 
         >>> GRIDS["qwix"].is_plain(), GRIDS["q4_0"].is_plain()
         (True, False)
         """
-        return (self.scale_rule, self.rounding, self.scale_dtype, self.zero_scale) == ("absmax", "half_even", None, 1.0)
+        plain = ("absmax", "half_even", None, 1.0, None, None, None)
+        return (self.scale_rule, self.rounding, self.scale_dtype, self.zero_scale, self.offset, self.scale_search,
+                self.sub_block) == plain
 
 
 GRIDS = {
@@ -112,10 +218,11 @@ GRIDS = {
                      "compressed-tensors' symmetric int scheme)"),
         Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",
              rounding="offset_trunc", scale_dtype="float16", zero_scale=None, block=32, packing="ggml_q4_0",
-             activation_grid="q8_0", backends=("torch",),
+             ggml_type="Q4_0", activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q4_0: blocks of 32, scale = signed max / -8 stored as float16"),
         Grid(name="q8_0", codes={8: (-127, 127)}, divisor={8: 127.0}, rounding="half_away",
-             scale_dtype="float16", zero_scale=None, block=32, activation_grid="q8_0", backends=("torch",),
+             scale_dtype="float16", zero_scale=None, block=32, packing="bytes", ggml_type="Q8_0",
+             activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
     )
 }

@@ -10,13 +10,12 @@ reshaped to *blocks* of shape ``(B, S, K)`` and every reduction runs over the la
 """
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from mixle.core.array_ops import array_kind, array_ops, is_tracer  # noqa: F401
 from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error  # noqa: F401
-from mixle.core.spec import QuantSpec, resolve_spec  # noqa: F401
+from mixle.core.spec import QuantSpec, block_shape, resolve_spec  # noqa: F401
 
 __all__ = [
     "QuantSpec",
@@ -45,56 +44,6 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------
 # Blocks: the (B, S, K) view every reduction works on.
-
-
-def _split_shape(shape, batch_ndim, out_ndim):
-    if out_ndim is None:
-        out_ndim = 1 if len(shape) - batch_ndim >= 2 else 0
-    if batch_ndim < 0 or out_ndim < 0 or batch_ndim + out_ndim > len(shape):
-        raise ValueError(
-            f"an array of shape {tuple(shape)} has no room for {batch_ndim} batch and {out_ndim} "
-            f"output axes: the counts must not exceed its {len(shape)} dimensions"
-        )
-    batch = math.prod(shape[:batch_ndim])
-    rows = math.prod(shape[batch_ndim : batch_ndim + out_ndim])
-    cols = math.prod(shape[batch_ndim + out_ndim :])
-    return batch, rows, cols
-
-
-def block_shape(shape, spec, batch_ndim=0, out_ndim=None):
-    """The ``(B, S, K)`` block view of an array of ``shape``: S scales of K elements per batch.
-
-    Args:
-        shape: the array shape, laid out ``batch + out + in``.
-        spec: the QuantSpec (granularity and group_size decide S and K).
-        batch_ndim: leading axes that each get their own scales (stacked expert weights).
-        out_ndim: output axes after the batch axes; ``None`` means 1 for arrays with at least
-            two non-batch axes, else 0.
-
-    Returns:
-        ``(B, S, K)``: the batch size, the scales per batch element and the elements per scale.
-
-    Raises:
-        ValueError: the axis counts do not fit ``shape``, or group_size does not divide the
-            input size.
-
-    >>> block_shape((8, 64), QuantSpec(group_size=16))
-    (1, 32, 16)
-    """
-    batch, rows, cols = _split_shape(tuple(shape), batch_ndim, out_ndim)
-    if spec.granularity == "tensor":
-        return batch, 1, rows * cols
-    if spec.granularity == "channel":
-        return batch, rows, cols
-    if cols % spec.group_size:
-        divisors = [d for d in range(1, cols + 1) if cols % d == 0]
-        near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
-        raise ValueError(
-            f"group_size={spec.group_size} does not divide the input size {cols} of an array of "
-            f"shape {tuple(shape)}: use a divisor of {cols}, e.g. {sorted(near)}, or "
-            f"granularity='channel'"
-        )
-    return batch, rows * cols // spec.group_size, spec.group_size
 
 
 def percentile_positions(count, percentile):
@@ -333,32 +282,8 @@ def _quantize_blocks(x, spec, batch_ndim, out_ndim):
 # Public numerics.
 
 
-@dataclass(frozen=True, eq=False)
-class QuantizedArray:
-    """Integer codes and scales of one quantized array.
-
-    Attributes:
-        codes: int8 array with the original shape (int4 codes are stored one per int8 here;
-            see ``pack_int4`` for two per byte).
-        scale: scales with shape ``(B, S, 1)`` in the array's float dtype (see ``block_shape``).
-        spec: the QuantSpec used.
-        batch_ndim: leading batch axes of the original array.
-        out_ndim: output axes after the batch axes.
-    """
-
-    codes: object
-    scale: object
-    spec: QuantSpec
-    batch_ndim: int = 0
-    out_ndim: int | None = None
-
-    @property
-    def shape(self):
-        return tuple(self.codes.shape)
-
-    def dequantize(self):
-        """Float array ``codes * scale`` with the original shape and the scale's dtype."""
-        return dequantize_array(self)
+# The stored-array record (codes, scales, offsets, second-level scales) lives with its validation.
+from mixle.core.stored import QuantizedArray  # noqa: E402
 
 
 def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
@@ -384,16 +309,14 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
 
 
 def dequantize_array(q):
-    """Float array from a QuantizedArray: ``codes * scale`` per block.
+    """Float array from a QuantizedArray: ``codes * scale`` per block (``QuantizedArray.dequantize``,
+    which also applies a grid's offsets and second-level scales).
 
     >>> q = quantize_array(np.array([1.0, -0.5], np.float32), bits=8)
     >>> dequantize_array(q).tolist()
     [1.0, -0.5039370059967041]
     """
-    ops = array_ops(q.codes)
-    shape = block_shape(q.codes.shape, q.spec, q.batch_ndim, q.out_ndim)
-    codes = ops.to_dtype(q.codes.reshape(shape), q.scale)
-    return (codes * q.scale).reshape(q.codes.shape)
+    return q.dequantize()
 
 
 def quantize_dequantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):

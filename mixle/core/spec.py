@@ -442,3 +442,53 @@ def resolve_spec(spec, spec_fields):
             f"use spec.replace({', '.join(f'{k}=...' for k in spec_fields)})"
         )
     return spec
+def _split_shape(shape, batch_ndim, out_ndim):
+    if out_ndim is None:
+        out_ndim = 1 if len(shape) - batch_ndim >= 2 else 0
+    if batch_ndim < 0 or out_ndim < 0 or batch_ndim + out_ndim > len(shape):
+        raise ValueError(
+            f"an array of shape {tuple(shape)} has no room for {batch_ndim} batch and {out_ndim} "
+            f"output axes: the counts must not exceed its {len(shape)} dimensions"
+        )
+    batch = math.prod(shape[:batch_ndim])
+    rows = math.prod(shape[batch_ndim : batch_ndim + out_ndim])
+    cols = math.prod(shape[batch_ndim + out_ndim :])
+    return batch, rows, cols
+
+
+def block_shape(shape, spec, batch_ndim=0, out_ndim=None):
+    """The ``(B, S, K)`` block view of an array of ``shape``: S scales of K elements per batch.
+
+    Args:
+        shape: the array shape, laid out ``batch + out + in``.
+        spec: the QuantSpec (granularity and group_size decide S and K).
+        batch_ndim: leading axes that each get their own scales (stacked expert weights).
+        out_ndim: output axes after the batch axes; ``None`` means 1 for arrays with at least
+            two non-batch axes, else 0.
+
+    Returns:
+        ``(B, S, K)``: the batch size, the scales per batch element and the elements per scale.
+
+    Raises:
+        ValueError: the axis counts do not fit ``shape``, or group_size does not divide the
+            input size.
+
+    >>> block_shape((8, 64), QuantSpec(group_size=16))
+    (1, 32, 16)
+    """
+    batch, rows, cols = _split_shape(tuple(shape), batch_ndim, out_ndim)
+    if spec.granularity == "tensor":
+        return batch, 1, rows * cols
+    if spec.granularity == "channel":
+        return batch, rows, cols
+    if cols % spec.group_size:
+        divisors = [d for d in range(1, cols + 1) if cols % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
+        raise ValueError(
+            f"group_size={spec.group_size} does not divide the input size {cols} of an array of "
+            f"shape {tuple(shape)}: use a divisor of {cols}, e.g. {sorted(near)}, or "
+            f"granularity='channel'"
+        )
+    return batch, rows * cols // spec.group_size, spec.group_size
+
+

@@ -26,14 +26,13 @@ compressed-tensors and transformers are imported on first use (the ``hf`` extra)
 import copy
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mixle._optional import require
+from mixle.core.fileformat import replace_directory_atomically
 from mixle.core.grids import grid_named
 from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
@@ -78,8 +77,12 @@ def weight_args(spec):
         raise TypeError(f"spec must be a mixle QuantSpec, got {type(spec).__name__}")
     grid = spec.grid_record
     problems = []
-    if grid.scale_rule != "absmax":
+    if grid.scale_rule == "signed_max":
         problems.append(f"its scale comes from the block's signed maximum ({grid.scale_rule}), so it can be negative")
+    elif grid.scale_rule != "absmax":
+        problems.append(f"its scale comes from the rule {grid.scale_rule!r}, not the symmetric absmax")
+    if grid.offset is not None or grid.two_level:
+        problems.append("it stores per-block offsets or a second level of scales, which the symmetric scheme has not")
     if grid.scale_dtype is not None:
         problems.append(f"it stores scales as {grid.scale_dtype} (rounded from the weight's dtype)")
     low, high = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
@@ -164,7 +167,9 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
         model: a transformers ``PreTrainedModel`` with mixle quantized layers (from ``convert``
             or ``quantize_model``), or with QAT layers (converted here on a copy). Not modified.
         directory: the checkpoint directory to create. It is written to a temporary sibling and
-            renamed into place, so a failure leaves nothing behind.
+            renamed into place, so a failure leaves nothing behind; with ``overwrite`` the previous
+            directory is kept exactly as it was until the new one is in place
+            (``mixle.core.fileformat.replace_directory_atomically``).
         tokenizer: optional tokenizer (or processor) saved into the directory too.
         overwrite: replace an existing non-empty ``directory`` (otherwise refused).
 
@@ -202,7 +207,7 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     export = _private_quantized_copy(model)
     groups, tied = _plan(export)
     _compress_in_place(export, groups, tied)
-    return _write_atomically(target, overwrite, lambda tmp: _write(export, groups, tmp, tokenizer))
+    return replace_directory_atomically(target, lambda tmp: _write(export, groups, tmp, tokenizer), overwrite)
 
 
 def _checked_target(directory, overwrite):
@@ -353,28 +358,6 @@ def _write(model, groups, directory, tokenizer):
         tokenizer.save_pretrained(directory)
     with open(Path(directory) / "config.json", encoding="utf-8") as handle:
         return json.load(handle)["quantization_config"]
-
-
-def _write_atomically(target, overwrite, write):
-    """Run ``write(temporary directory)``, then rename it to ``target`` (nothing is left on failure)."""
-    parent = target.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=parent))
-    try:
-        result = write(staging)
-        if target.is_dir() and any(target.iterdir()):
-            if not overwrite:  # appeared while writing
-                raise FileExistsError(f"directory={str(target)!r} was filled while writing: nothing was replaced")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=parent))
-            os.rename(target, old / "checkpoint")
-            os.rename(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)  # an empty directory is replaced atomically
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return result
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""ggml's Q4_0 / Q8_0 block layouts, written from mixle's codes and float16 scales (numpy only).
+"""ggml's block layouts, written from mixle's codes and float16 scales (numpy only).
 
 Nothing is re-quantized here: the codes and scales a QAT or converted layer holds are laid out
-byte for byte as llama.cpp stores them. Per block of 32 consecutive weights of a row:
+byte for byte as llama.cpp stores them. Which block type a grid is written as is the grid
+record's ``ggml_type``, how its codes sit in a block its ``packing``, and the codes' range its
+``code_range`` (``mixle.core.grids``); this module only knows the block layouts. Per block of 32
+consecutive weights of a row:
 
 * Q4_0 (18 bytes): the float16 scale ``d``, then 16 bytes where byte ``j`` holds
   ``q[j] | q[j + 16] << 4`` with ``q = code + 8`` (codes -8..7 stored as 0..15).
@@ -10,42 +13,75 @@ byte for byte as llama.cpp stores them. Per block of 32 consecutive weights of a
 A row of ``cols`` weights takes ``cols / 32`` blocks; rows follow each other.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from mixle.core.grids import GRIDS, Grid, grid_named
+from mixle.core.packing import pack_block_codes
+from mixle.core.spec import QuantSpec
+from mixle.core.stored import check_stored
 
 BLOCK = 32
 
-__all__ = ["BLOCK", "GGML_TYPE_OF_GRID", "pack_blocks"]
+__all__ = ["BLOCK", "GGML_BLOCKS", "GGML_TYPE_OF_GRID", "GGMLBlock", "ggml_grid", "pack_blocks"]
 
 
-def _scale_bytes(scale, blocks):
-    """float16 bytes of the scales, which must already be float16 values (no rounding here)."""
-    scale = np.asarray(scale, dtype=np.float32).reshape(blocks, 1)
-    half = scale.astype(np.float16)
-    if not np.array_equal(half.astype(np.float32), scale, equal_nan=False):
-        raise ValueError("scales are not float16 values: they were not made on a llama.cpp grid")
-    return half.view(np.uint8)
+@dataclass(frozen=True)
+class GGMLBlock:
+    """One ggml block type: its values per block and the bytes of its fields, in file order.
+
+    Attributes:
+        name: the ggml type name (``gguf.GGMLQuantizationType`` member).
+        block: values per block.
+        fields: ``(field, bytes)`` in the order a block stores them: ``"d"`` the float16 scale,
+            ``"qs"`` the codes as the grid's ``packing`` lays them out.
+    """
+
+    name: str
+    block: int
+    fields: tuple
+
+    @property
+    def nbytes(self):
+        """Bytes of one block.
+
+        >>> GGML_BLOCKS["Q4_0"].nbytes
+        18
+        """
+        return sum(size for _, size in self.fields)
 
 
-def _q4_0(codes, scale):
-    q = (codes.reshape(-1, BLOCK).astype(np.int16) + 8).astype(np.uint8)
-    packed = q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << np.uint8(4))
-    return np.concatenate([_scale_bytes(scale, q.shape[0]), packed], axis=1)
+GGML_BLOCKS = {block.name: block for block in (
+    GGMLBlock("Q4_0", BLOCK, (("d", 2), ("qs", BLOCK // 2))),
+    GGMLBlock("Q8_0", BLOCK, (("d", 2), ("qs", BLOCK))),
+)}
+
+# grid name -> ggml type name, read off the grid records.
+GGML_TYPE_OF_GRID = {grid.name: grid.ggml_type for grid in GRIDS.values() if grid.ggml_type in GGML_BLOCKS}
 
 
-def _q8_0(codes, scale):
-    q = codes.reshape(-1, BLOCK).astype(np.int8).view(np.uint8)
-    return np.concatenate([_scale_bytes(scale, q.shape[0]), q], axis=1)
+def ggml_grid(grid):
+    """The Grid record of ``grid`` (a name or a Grid) if GGUF has its block type; ValueError otherwise.
 
-
-# grid name -> (ggml type name, packer, code range)
-GGML_TYPE_OF_GRID = {"q4_0": ("Q4_0", _q4_0, (-8, 7)), "q8_0": ("Q8_0", _q8_0, (-127, 127))}
+    >>> ggml_grid("q8_0").ggml_type
+    'Q8_0'
+    """
+    record = grid if isinstance(grid, Grid) else grid_named(grid)
+    if record.ggml_type not in GGML_BLOCKS:
+        usable = sorted(GGML_TYPE_OF_GRID)
+        raise ValueError(f"grid={record.name!r} has no ggml block type: use one of {usable}")
+    return record
 
 
 def pack_blocks(grid, codes, scale):
     """The ggml blocks of a ``(rows, cols)`` matrix of codes on ``grid`` with one scale per block.
 
+    The codes and scales are validated first (``mixle.core.stored.check_stored``: codes on the
+    grid, scales finite, of the grid's sign rule and exact float16 values).
+
     Args:
-        grid: ``"q4_0"`` or ``"q8_0"``.
+        grid: a grid name (``"q4_0"``, ``"q8_0"``) or Grid record with a ggml type.
         codes: integer array ``(rows, cols)``, ``cols`` a multiple of 32, in the grid's range.
         scale: ``rows * cols / 32`` float16 values (any float dtype holding them exactly).
 
@@ -56,13 +92,19 @@ def pack_blocks(grid, codes, scale):
     >>> pack_blocks("q8_0", np.arange(-16, 16).reshape(1, 32), np.float32([0.5])).shape
     (1, 34)
     """
-    if grid not in GGML_TYPE_OF_GRID:
-        raise ValueError(f"grid={grid!r} has no ggml block type: use one of {sorted(GGML_TYPE_OF_GRID)}")
-    _, packer, (low, high) = GGML_TYPE_OF_GRID[grid]
+    record = ggml_grid(grid)
+    layout = GGML_BLOCKS[record.ggml_type]
+    (bits,) = record.codes
     codes = np.asarray(codes)
-    if codes.ndim != 2 or codes.shape[1] % BLOCK:
-        raise ValueError(f"codes must be (rows, cols) with cols a multiple of {BLOCK}, got shape {codes.shape}")
-    if codes.size and (codes.min() < low or codes.max() > high):
-        raise ValueError(f"{grid} codes lie in [{low}, {high}], got [{codes.min()}, {codes.max()}]")
-    rows = codes.shape[0]
-    return packer(codes, scale).reshape(rows, -1)
+    if codes.ndim != 2 or codes.shape[1] % layout.block:
+        raise ValueError(f"codes must be (rows, cols) with cols a multiple of {layout.block}, got shape {codes.shape}")
+    scale = np.asarray(scale, dtype=np.float32).reshape(1, -1, 1)
+    spec = QuantSpec(bits=bits, grid=record.name)
+    narrow = codes.astype(np.int8)
+    if not np.array_equal(narrow, codes):
+        low, high = record.code_range(bits)
+        raise ValueError(f"{record.name} codes lie in [{low}, {high}], got [{codes.min()}, {codes.max()}]")
+    check_stored(narrow, scale, spec, codes.shape, packed=False, name=f"{record.name} blocks")
+    fields = {"d": scale.reshape(-1, 1).astype(np.float16).view(np.uint8),
+              "qs": pack_block_codes(codes, record, bits)}
+    return np.concatenate([fields[name] for name, _ in layout.fields], axis=1).reshape(codes.shape[0], -1)

@@ -34,8 +34,7 @@ activations to Q8_0 before Q4_0/Q8_0 products (train and evaluate with ``act_bit
 q4_0/q8_0 grids to fake-quantize them the same way).
 """
 
-import os
-import tempfile
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +43,8 @@ import torch
 from torch import nn
 
 from mixle._optional import require
-from mixle.exports.ggml_blocks import BLOCK, GGML_TYPE_OF_GRID, pack_blocks
+from mixle.core.fileformat import replace_atomically
+from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_blocks
 from mixle.exports.gguf_layouts import layout_of
 from mixle.exports.gguf_vocab import vocabulary
 from mixle.torch_backend.convert import check_convertible
@@ -77,19 +77,20 @@ def _plan_matrix(module, path, gguf_name, float_matrices, gguf):
             raise ValueError(f"layer {path!r}: {err}") from None
     else:
         return _float_matrix(module.weight.detach(), path, gguf_name, float_matrices, gguf)
-    if spec.grid not in GGML_TYPE_OF_GRID:
+    if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
             f"layer {path!r} is quantized on {spec.short()}, which GGUF has no block type for: train it on "
-            f"grid='q4_0' or grid='q8_0' (llama.cpp's Q4_0 / Q8_0), or leave it out of apply_qat so it is "
+            f"{' or '.join(f'grid={name!r}' for name in GGML_TYPE_OF_GRID)} (llama.cpp's "
+            f"{' / '.join(GGML_TYPE_OF_GRID.values())}), or leave it out of apply_qat so it is "
             f"written as float_matrices={float_matrices!r}"
         )
     codes = quantized.codes.detach().cpu().numpy()
     scale = quantized.scale.detach().cpu().to(torch.float32).numpy().ravel()
     try:
-        blocks = pack_blocks(spec.grid, codes, scale)
+        blocks = pack_blocks(spec.grid_record, codes, scale)
     except ValueError as err:
         raise ValueError(f"layer {path!r}: {err}") from None
-    return _Tensor(gguf_name, blocks, GGML_TYPE_OF_GRID[spec.grid][0])
+    return _Tensor(gguf_name, blocks, spec.grid_record.ggml_type)
 
 
 def _float_matrix(weight, path, gguf_name, float_matrices, gguf):
@@ -177,13 +178,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
     ('Q4_0', 'Q4_0', 'F32')
     """
     gguf = require("gguf", extra="gguf", purpose="save_gguf")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
-    if float_matrices not in FLOAT_MATRICES:
-        raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
-    if not isinstance(allow_activation_mismatch, bool):
-        raise TypeError(f"allow_activation_mismatch must be True or False, got {allow_activation_mismatch!r}")
-    check_convertible(model)  # e.g. LoRA layers: fold them in first
+    _check_save_arguments(model, float_matrices, allow_activation_mismatch)
     layout = layout_of(model, gguf)
     if layout.notes and not allow_activation_mismatch:
         what, fix = layout.notes[0]
@@ -194,15 +189,25 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    _write(path, layout, tensors, words, name or path.stem, gguf)
+    title = name or path.stem
+    replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, title, gguf))
     return {t.name: t.ggml_type for t in tensors}
 
 
+def _check_save_arguments(model, float_matrices, allow_activation_mismatch):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
+    if float_matrices not in FLOAT_MATRICES:
+        raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
+    if not isinstance(allow_activation_mismatch, bool):
+        raise TypeError(f"allow_activation_mismatch must be True or False, got {allow_activation_mismatch!r}")
+    check_convertible(model)  # e.g. LoRA layers: fold them in first
+
+
 def _write(path, layout, tensors, words, name, gguf):
-    fd, partial = tempfile.mkstemp(suffix=".gguf.partial", dir=path.parent)
-    os.close(fd)
+    """Write the GGUF file at ``path`` (the temporary file ``replace_atomically`` moves into place)."""
+    writer = gguf.GGUFWriter(path, arch=layout.arch)
     try:
-        writer = gguf.GGUFWriter(partial, arch=layout.arch)
         writer.add_name(name)
         for method, value in layout.hparams:
             getattr(writer, method)(value)
@@ -221,11 +226,8 @@ def _write(path, layout, tensors, words, name, gguf):
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(partial, path)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        writer.close()
 
 
 def load_gguf_weights(model, path):
@@ -258,8 +260,6 @@ def load_gguf_weights(model, path):
     >>> torch.equal(back.blocks[0].fc.weight, quantize_model(lm, grid="q4_0").blocks[0].fc.dequantized_weight())
     True
     """
-    import copy
-
     gguf = require("gguf", extra="gguf", purpose="load_gguf_weights")
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_gguf_weights takes a torch.nn.Module, got {type(model).__name__}")
@@ -269,6 +269,16 @@ def load_gguf_weights(model, path):
                          f"from, whose copy load_gguf_weights fills with the file's weights")
     out = copy.deepcopy(model)
     layout = layout_of(out, gguf)
+    stored = _read_tensors(path, layout, gguf)
+    with torch.no_grad():
+        for part in layout.parts:
+            target = part.module.weight if part.module is not None else part.tensor
+            target.copy_(torch.from_numpy(_part_values(stored[part.name], part, target, path, gguf)))
+    return out
+
+
+def _read_tensors(path, layout, gguf):
+    """``{gguf tensor name: ReaderTensor}`` of the file, after checking it holds ``layout``'s tensors."""
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     if arch != layout.arch:
@@ -278,19 +288,19 @@ def load_gguf_weights(model, path):
     if set(stored) != wanted:
         raise ValueError(f"{str(path)!r} does not hold this model's tensors: missing {sorted(wanted - set(stored))}, "
                          f"unexpected {sorted(set(stored) - wanted)}")
-    with torch.no_grad():
-        for part in layout.parts:
-            target = part.module.weight if part.module is not None else part.tensor
-            tensor = stored[part.name]
-            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            shape = tuple(int(d) for d in reversed(tensor.shape))
-            if values.size != target.numel() or shape[-1] != target.shape[-1]:
-                raise ValueError(f"tensor {part.name!r} of {str(path)!r} has shape {list(shape)}, but {part.path!r} "
-                                 f"has {list(target.shape)}")
-            values = values.reshape(target.shape)
-            if part.rows is not None:  # file row r holds model row rows[r]
-                unpermuted = np.empty_like(values)
-                unpermuted[part.rows] = values
-                values = unpermuted
-            target.copy_(torch.from_numpy(values))
-    return out
+    return stored
+
+
+def _part_values(tensor, part, target, path, gguf):
+    """One file tensor dequantized by gguf-py, in the model's shape and row order."""
+    values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if values.size != target.numel() or shape[-1] != target.shape[-1]:
+        raise ValueError(f"tensor {part.name!r} of {str(path)!r} has shape {list(shape)}, but {part.path!r} "
+                         f"has {list(target.shape)}")
+    values = values.reshape(target.shape)
+    if part.rows is not None:  # file row r holds model row rows[r]
+        unpermuted = np.empty_like(values)
+        unpermuted[part.rows] = values
+        values = unpermuted
+    return values

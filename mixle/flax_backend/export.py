@@ -19,18 +19,14 @@ axes, and the torch names of its Params; kernels of other layer types (``Einsum`
 """
 
 import dataclasses
-import hashlib
-import json
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import mixle
-from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, add_aliases, canonical_manifest,
-                                   check_listed, describe_array, manifest_from, open_tensors, write_safetensors)
-from mixle.core.packing import packed_int4_nbytes, unpack_int4
-from mixle.core.spec import QuantSpec
+from mixle.core.fileformat import describe_array, manifest_from, open_tensors, write_safetensors
+from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
+from mixle.core.stored import check_stored
 from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes
 from mixle.flax_backend.fake_quant import weight_layout
 
@@ -135,34 +131,9 @@ def save_quantized(model, path, *, names=None):
     arrays, layers, aliases, used = {}, [], {}, set()
     for module_path, module in _modules(model).items():
         variables = _own_variables(module)
-        if not variables:
-            continue
-        layer = _layer_of(module)
-        quantized = {n: v for n, v in variables.items() if isinstance(v, QuantizedKernel)}
-        for name in quantized:
-            if layer is None or layer.weight != name:
-                raise ValueError(
-                    f"kernel {_join(module_path, name)!r} of a {type(module).__name__} is quantized, but mixle's file format "
-                    f"has torch layers only for {', '.join(c.__name__ for c in LAYERS if LAYERS[c].kind)} weights: "
-                    f"keep this layer in float (patterns=[({module_path!r}, None), ...]) to save the model")
-        tied = isinstance(module, nnx.Embed) and bool(quantized)
-        torch_path, head_path = _torch_paths(module_path, names, tied)
-        used.add(module_path)
-        for name, variable in variables.items():
-            if name in quantized:
-                value = variable.get_raw_value()
-                entry = _layer_entry(torch_path, layer, value, arrays, bias=_bias(layer, variables, torch_path))
-                layers.append(entry)
-                if head_path is not None:
-                    head = _layer_entry(head_path, _HEAD, value, {}, bias=None)
-                    aliases[head["codes"]], aliases[head["scale"]] = entry["codes"], entry["scale"]
-                    layers.append(head)
-                continue
-            if layer is not None and layer.weight in quantized and name == "bias":
-                continue  # written with its layer
-            torch_name, transposed = (layer.torch_names.get(name, (name, False)) if layer else (name, False))
-            array = np.asarray(variable.get_raw_value())
-            arrays[_join(torch_path, torch_name)] = array.T if transposed and array.ndim == 2 else array
+        if variables:
+            used.add(module_path)
+            _save_module(module_path, module, variables, names, arrays, layers, aliases)
     unknown = sorted(set(names or ()) - used)
     if unknown:
         raise ValueError(f"names has entries {unknown} that are not modules with variables in this model: "
@@ -171,19 +142,38 @@ def save_quantized(model, path, *, names=None):
         raise ValueError("the model has no quantized kernel: make one with quantize_model(model, example_inputs=...) "
                          "or convert(qat_model)")
     described = {name: describe_array(array, name) for name, array in arrays.items()}
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "mixle_version": mixle.__version__,
-        "layers": layers,
-        "tensors": {name: {"dtype": dtype, "shape": list(shape), "sha256": sha256}
-                    for name, (dtype, shape, sha256) in described.items()},
-        "aliases": aliases,
-        "nbytes": model_nbytes(model).as_dict(),
-    }
-    manifest["manifest_sha256"] = hashlib.sha256(canonical_manifest(manifest)).hexdigest()
-    write_safetensors(path, arrays, {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)})
+    manifest = build_manifest(layers, described, aliases, model_nbytes(model))
+    write_safetensors(path, arrays, manifest_metadata(manifest))
     return manifest
+
+
+def _save_module(module_path, module, variables, names, arrays, layers, aliases):
+    """Add one module's tensors to ``arrays`` and its quantized layers (and tied head) to ``layers``."""
+    layer = _layer_of(module)
+    quantized = {n: v for n, v in variables.items() if isinstance(v, QuantizedKernel)}
+    for name in quantized:
+        if layer is None or layer.weight != name:
+            raise ValueError(
+                f"kernel {_join(module_path, name)!r} of a {type(module).__name__} is quantized, but mixle's file format "
+                f"has torch layers only for {', '.join(c.__name__ for c in LAYERS if LAYERS[c].kind)} weights: "
+                f"keep this layer in float (patterns=[({module_path!r}, None), ...]) to save the model")
+    tied = isinstance(module, nnx.Embed) and bool(quantized)
+    torch_path, head_path = _torch_paths(module_path, names, tied)
+    for name, variable in variables.items():
+        if name in quantized:
+            value = variable.get_raw_value()
+            entry = _layer_entry(torch_path, layer, value, arrays, bias=_bias(layer, variables, torch_path))
+            layers.append(entry)
+            if head_path is not None:
+                head = _layer_entry(head_path, _HEAD, value, {}, bias=None)
+                aliases[head["codes"]], aliases[head["scale"]] = entry["codes"], entry["scale"]
+                layers.append(head)
+            continue
+        if layer is not None and layer.weight in quantized and name == "bias":
+            continue  # written with its layer
+        torch_name, transposed = (layer.torch_names.get(name, (name, False)) if layer else (name, False))
+        array = np.asarray(variable.get_raw_value())
+        arrays[_join(torch_path, torch_name)] = array.T if transposed and array.ndim == 2 else array
 
 
 def _bias(layer, variables, torch_path):
@@ -195,80 +185,39 @@ def _bias(layer, variables, torch_path):
 def _layer_entry(torch_path, layer, value, arrays, bias):
     """One manifest layer (torch's entry) and its tensors added to ``arrays``."""
     codes, scale = np.asarray(value.codes), np.asarray(value.scale)
+    check_stored(codes, scale, value.spec, value.matrix_shape, name=f"layer {torch_path!r}")
     names = {"codes": _join(torch_path, "codes"), "scale": _join(torch_path, "scale")}
     arrays[names["codes"]], arrays[names["scale"]] = codes, scale
-    entry = {
-        "path": torch_path,
-        "kind": layer.kind,
-        "bits": value.spec.bits,
-        "spec": dataclasses.asdict(value.spec),
-        "weight_shape": list(value.matrix_shape),
-        **names,
-        "codes_nbytes": codes.nbytes,
-        "scale_nbytes": scale.nbytes,
-    }
+    options = {}
     if layer.kind == "linear":
-        entry["bias"] = None
+        options["bias"] = None
         if bias is not None:
-            entry["bias"], arrays[bias[0]] = bias
-    entry.update(layer.options)
-    return entry
+            options["bias"], arrays[bias[0]] = bias
+    options.update(layer.options)
+    return layer_entry(torch_path, layer.kind, value.spec, value.matrix_shape, names, (codes.nbytes, scale.nbytes),
+                       **options)
 
 
 # ------------------------------------------------------------------------------------------------
 # Loading
 
 
-def _checked_arrays(manifest, infos, handle, source):
-    """``{name: numpy array}`` (aliases included) after dtype/shape/sha256 checks."""
-    check_listed(manifest, infos, source)
-    arrays = {}
-    for name, info in infos.items():
-        if info.dtype == "BF16":
-            raise ValueError(f"{source}: tensor {name!r} is bfloat16, which this loader does not read yet")
-        array = handle.get_tensor(name)
-        if describe_array(array, name) != (info.dtype, info.shape, manifest["tensors"][name].get("sha256")):
-            raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
-        arrays[name] = array.astype(array.dtype.newbyteorder("="))
-    return add_aliases(manifest, arrays, source)
-
-
-def _quantized_value(entry, arrays, param, layer, where):
+def _quantized_value(entry, arrays, param, layer, where, source):
     """The QuantizedValue of one manifest layer, validated against the model's float Param."""
-    try:
-        spec = QuantSpec(**entry["spec"])
-        codes, scale = arrays[entry["codes"]], arrays[entry["scale"]]
-        rows, cols = (int(d) for d in entry["weight_shape"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
-    if entry.get("bits") != spec.bits or entry.get("kind") != layer.kind:
-        raise ValueError(f"{where}: a {entry.get('kind')} layer with bits={entry.get('bits')!r} cannot fill a "
-                         f"{layer.kind} weight of spec {spec.short()}")
+    if entry.get("kind") != layer.kind:
+        raise ValueError(f"{where}: a {entry.get('kind')} layer cannot fill a {layer.kind} weight")
+    stored = read_layer(entry, arrays, source)  # the shared manifest and storage checks
+    rows, cols = stored.shape
     perm, out_count = weight_layout(param.ndim, layer.input_axes)
     value_shape = tuple(param.shape)
     if (rows, cols) != (value_shape[perm[0]], value_shape[perm[1]]):
         raise ValueError(f"{where}: the file holds a {[rows, cols]} weight, the model's {layer.weight} is "
                          f"{list(value_shape)} (torch layout {[value_shape[perm[0]], value_shape[perm[1]]]}): "
                          f"pass a model built like the saved one")
-    if spec.bits == 4:
-        want = (np.uint8, (packed_int4_nbytes(rows * cols),))
-    else:
-        want = (np.int8, (rows, cols))
-    if codes.dtype != want[0] or codes.shape != want[1]:
-        raise ValueError(f"{where}: {spec.short()} codes of a {[rows, cols]} weight are {np.dtype(want[0])} "
-                         f"{list(want[1])}, got {codes.dtype} {list(codes.shape)}")
-    values = unpack_int4(codes, (rows, cols)) if spec.bits == 4 else codes
-    if values.min() < spec.code_min or values.max() > spec.code_max:
-        raise ValueError(f"{where}: codes span [{values.min()}, {values.max()}], outside the {spec.short()} grid "
-                         f"[{spec.code_min}, {spec.code_max}]: the data is corrupt or was written with another spec")
-    from mixle.core.numerics import block_shape
-
-    blocks = block_shape((rows, cols), spec, 0, 1)
-    if scale.shape != (blocks[0], blocks[1], 1) or not np.issubdtype(scale.dtype, np.floating) or \
-            not np.all(np.isfinite(scale)) or not np.all(scale > 0):
-        raise ValueError(f"{where}: {spec.short()} scales of a {[rows, cols]} weight are finite positive floats of "
-                         f"shape {[blocks[0], blocks[1], 1]}, got {scale.dtype} {list(scale.shape)}")
-    return QuantizedValue(jnp.asarray(codes), jnp.asarray(scale), spec, value_shape, perm, out_count)
+    codes, scale = stored.parts["codes"], stored.parts["scale"]
+    if entry.get("codes_nbytes") != codes.nbytes or entry.get("scale_nbytes") != scale.nbytes:
+        raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
+    return QuantizedValue(jnp.asarray(codes), jnp.asarray(scale), stored.spec, value_shape, perm, out_count)
 
 
 def load_quantized(path, model, *, names=None):
@@ -302,58 +251,14 @@ def load_quantized(path, model, *, names=None):
     if names is not None and not isinstance(names, dict):
         raise TypeError(f"names must be a dict {{flax module path: torch module path}}, got {type(names).__name__}")
     source = str(path)
-    with open_tensors(path, "numpy") as (metadata, infos, handle):
-        manifest = manifest_from(metadata, source)
-        arrays = _checked_arrays(manifest, infos, handle, source)
-    entries = {}
-    for entry in manifest["layers"]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise ValueError(f"{source}: a manifest layer entry has no path: {entry!r:.120}")
-        entries[entry["path"]] = entry
+    manifest, arrays, entries = _read_file(path, source)
     new = nnx.clone(model)
     consumed, assigned = set(), []
     for module_path, module in _modules(new).items():
         variables = _own_variables(module)
-        if not variables:
-            continue
-        layer = _layer_of(module)
-        target = names.get(module_path, module_path) if names else path
-        tied = isinstance(module, nnx.Embed) and isinstance(target, tuple)
-        torch_path, head_path = _torch_paths(module_path, names, tied)
-        entry = entries.get(torch_path)
-        if entry is not None and layer is not None and layer.kind == entry.get("kind"):
-            if isinstance(module, nnx.Embed) and head_path is None:
-                raise ValueError(f"{source}: the file quantizes the embedding {torch_path!r}, which is tied to a head: "
-                                 f"name that head, names={{{module_path!r}: ({torch_path!r}, '<head path>')}}")
-            where = f"{source}: layer {torch_path!r}"
-            value = _quantized_value(entry, arrays, variables[layer.weight].get_raw_value(), layer, where)
-            assigned.append((module, layer.weight, value))
-            consumed |= {entry["codes"], entry["scale"]}
-            if head_path is not None:
-                head = entries.get(head_path)
-                if head is None or manifest["aliases"].get(head.get("codes"), head.get("codes")) != \
-                        manifest["aliases"].get(entry["codes"], entry["codes"]):
-                    raise ValueError(f"{source}: {head_path!r} is not a head sharing the codes of {torch_path!r}: "
-                                     f"the file's layers are {sorted(entries)}")
-                consumed |= {head["codes"], head["scale"]}
-            if (entry.get("bias") is None) != ("bias" not in variables):
-                raise ValueError(f"{where}: the file's layer has bias={entry.get('bias') is not None}, the model's "
-                                 f"{type(module).__name__} has bias={'bias' in variables}: pass a model built like "
-                                 f"the saved one")
-            if entry.get("bias") is not None:
-                consumed.add(entry["bias"])
-                assigned.append((module, "bias", _float(arrays, entry["bias"], variables.get("bias"), False, where)))
-        elif head_path is not None:
-            raise ValueError(f"{source}: names maps {module_path!r} to a tied pair, but the file has no embedding layer "
-                             f"{torch_path!r}")
-        for name, variable in variables.items():
-            if entry is not None and layer is not None and name in (layer.weight, "bias") and \
-                    layer.kind == entry.get("kind"):
-                continue
-            torch_name, transposed = layer.torch_names.get(name, (name, False)) if layer else (name, False)
-            key = _join(torch_path, torch_name)
-            assigned.append((module, name, _float(arrays, key, variable, transposed, f"{source}: tensor {key!r}")))
-            consumed.add(key)
+        if variables:
+            _load_module(module_path, module, variables, names, (manifest, arrays, entries, source), consumed,
+                         assigned)
     extra = sorted(set(arrays) - consumed)
     if extra:
         raise ValueError(f"{source} does not fit this model: the file has {extra[:8]} that no variable of the model "
@@ -364,6 +269,76 @@ def load_quantized(path, model, *, names=None):
         else:
             vars(module)[name].set_raw_value(value)
     return new
+
+
+def _read_file(path, source):
+    """``(manifest, {name: numpy array}, {torch path: layer entry})`` of a file, all checked."""
+    with open_tensors(path, "numpy") as (metadata, infos, handle):
+        manifest = manifest_from(metadata, source)
+        arrays = checked_tensors(manifest, infos, _reader(handle, infos, source), describe_array, source)
+    entries = {}
+    for entry in manifest["layers"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ValueError(f"{source}: a manifest layer entry has no path: {entry!r:.120}")
+        entries[entry["path"]] = entry
+    return manifest, arrays, entries
+
+
+def _reader(handle, infos, source):
+    def read(name):
+        if infos[name].dtype == "BF16":
+            raise ValueError(f"{source}: tensor {name!r} is bfloat16, which this loader does not read yet")
+        array = handle.get_tensor(name)
+        return array.astype(array.dtype.newbyteorder("="))
+    return read
+
+
+def _load_module(module_path, module, variables, names, file, consumed, assigned):
+    """Add what one module takes from the file to ``assigned`` and the tensor names to ``consumed``."""
+    manifest, arrays, entries, source = file
+    layer = _layer_of(module)
+    target = names.get(module_path, module_path) if names else module_path
+    tied = isinstance(module, nnx.Embed) and isinstance(target, tuple)
+    torch_path, head_path = _torch_paths(module_path, names, tied)
+    entry = entries.get(torch_path)
+    quantized = entry is not None and layer is not None and layer.kind == entry.get("kind")
+    if quantized:
+        if isinstance(module, nnx.Embed) and head_path is None:
+            raise ValueError(f"{source}: the file quantizes the embedding {torch_path!r}, which is tied to a head: "
+                             f"name that head, names={{{module_path!r}: ({torch_path!r}, '<head path>')}}")
+        where = f"{source}: layer {torch_path!r}"
+        value = _quantized_value(entry, arrays, variables[layer.weight].get_raw_value(), layer, where, source)
+        assigned.append((module, layer.weight, value))
+        consumed |= {entry["codes"], entry["scale"]}
+        if head_path is not None:
+            consumed |= _tied_head(manifest, entries, entry, torch_path, head_path, source)
+        if (entry.get("bias") is None) != ("bias" not in variables):
+            raise ValueError(f"{where}: the file's layer has bias={entry.get('bias') is not None}, the model's "
+                             f"{type(module).__name__} has bias={'bias' in variables}: pass a model built like "
+                             f"the saved one")
+        if entry.get("bias") is not None:
+            consumed.add(entry["bias"])
+            assigned.append((module, "bias", _float(arrays, entry["bias"], variables.get("bias"), False, where)))
+    elif head_path is not None:
+        raise ValueError(f"{source}: names maps {module_path!r} to a tied pair, but the file has no embedding layer "
+                         f"{torch_path!r}")
+    for name, variable in variables.items():
+        if quantized and name in (layer.weight, "bias"):
+            continue
+        torch_name, transposed = layer.torch_names.get(name, (name, False)) if layer else (name, False)
+        key = _join(torch_path, torch_name)
+        assigned.append((module, name, _float(arrays, key, variable, transposed, f"{source}: tensor {key!r}")))
+        consumed.add(key)
+
+
+def _tied_head(manifest, entries, entry, torch_path, head_path, source):
+    """The tensor names of the head layer sharing ``entry``'s codes; ValueError if there is none."""
+    head = entries.get(head_path)
+    aliases = manifest["aliases"]
+    if head is None or aliases.get(head.get("codes"), head.get("codes")) != aliases.get(entry["codes"], entry["codes"]):
+        raise ValueError(f"{source}: {head_path!r} is not a head sharing the codes of {torch_path!r}: "
+                         f"the file's layers are {sorted(entries)}")
+    return {head["codes"], head["scale"]}
 
 
 def _float(arrays, key, variable, transposed, where):

@@ -1,7 +1,8 @@
 """Saving and loading converted torch models in mixle's file format, and their real byte counts.
 
-The format (safetensors plus a hashed JSON manifest) is ``mixle.core.fileformat``'s; this module
-maps torch modules onto it through the layer kinds.
+The format (safetensors plus a hashed JSON manifest) is ``mixle.core.fileformat``'s, its manifest
+built and checked by ``mixle.core.manifest`` (shared with the Flax backend); this module maps torch
+modules onto it through the layer kinds.
 """
 
 import copy
@@ -12,12 +13,11 @@ import json
 import safetensors.torch
 import torch
 
-import mixle
-from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, add_aliases, canonical_manifest,
-                                   check_listed, manifest_from, open_tensors, replace_atomically)
-from mixle.core.spec import QuantSpec
+from mixle.core.fileformat import ModelBytes, manifest_from, open_tensors, replace_atomically
+from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
+from mixle.core.stored import check_stored
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
-from mixle.torch_backend.quantized import QuantizedWeight, check_quantized_storage, file_scale_dtype, scale_nbytes
+from mixle.torch_backend.quantized import QuantizedWeight, file_scale_dtype, scale_nbytes
 from mixle.torch_backend.swap import Change
 
 __all__ = ["model_nbytes", "save_quantized", "load_quantized"]
@@ -82,23 +82,18 @@ def _sha256(tensor):
     return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
+def _describe(tensor, name):
+    """``(safetensors dtype, shape, sha256)`` of a stored tensor, as the manifest lists it."""
+    return _st_dtype(tensor.dtype), tuple(tensor.shape), _sha256(tensor)
+
+
 def _layer_entry(path, module, names):
     kind = kind_named(module.KIND)
-    entry = {
-        "path": path,
-        "kind": kind.name,
-        "bits": module.spec.bits,
-        "spec": dataclasses.asdict(module.spec),
-        "weight_shape": list(module.weight_shape),
-        "codes": names["codes"],
-        "scale": names["scale"],
-        "codes_nbytes": module.codes.numel() * module.codes.element_size(),
-        "scale_nbytes": scale_nbytes(module.spec, module.scale),
-    }
-    if kind.has_bias:
-        entry["bias"] = names.get("bias")
-    entry.update(kind.options_of(module))
-    return entry
+    check_stored(module.codes, module.scale, module.spec, module.weight_shape, name=f"layer {path!r}")
+    options = {"bias": names.get("bias")} if kind.has_bias else {}
+    options.update(kind.options_of(module))
+    nbytes = (module.codes.numel() * module.codes.element_size(), scale_nbytes(module.spec, module.scale))
+    return layer_entry(path, kind.name, module.spec, module.weight_shape, names, nbytes, **options)
 
 
 def save_quantized(model, path):
@@ -130,8 +125,26 @@ def save_quantized(model, path):
         raise ValueError("the model still has QAT layers: save convert(model), the model with real int weights")
     if not any(isinstance(m, QuantizedWeight) for m in model.modules()):
         raise ValueError("the model has no quantized layer: make one with quantize_model(model) or convert(qat_model)")
-
     state = model.state_dict(keep_vars=True)
+    stored, aliases = _stored_state(model, state)
+    layers = []
+    for path_, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            prefix = f"{path_}." if path_ else ""
+            names = {key: f"{prefix}{key}" for key, t in module.named_buffers(recurse=False) if t is not None}
+            missing = [n for n in names.values() if n not in state]
+            if missing:
+                raise ValueError(f"layer {path_!r}: buffers {missing} are not in the model's state_dict")
+            layers.append(_layer_entry(path_, module, names))
+    described = {name: _describe(t, name) for name, t in stored.items()}
+    manifest = build_manifest(layers, described, aliases, model_nbytes(model))
+    metadata = manifest_metadata(manifest)
+    replace_atomically(path, lambda tmp: safetensors.torch.save_file(stored, tmp, metadata=metadata))
+    return manifest
+
+
+def _stored_state(model, state):
+    """``({name: tensor as written}, {alias: stored name})``: each shared tensor stored once."""
     # Scales of float16 grids (llama.cpp's) are written as the float16 values they hold.
     narrow = {id(m.scale): file_scale_dtype(m.spec) for m in model.modules()
               if isinstance(m, QuantizedWeight) and file_scale_dtype(m.spec) is not None}
@@ -146,44 +159,7 @@ def save_quantized(model, path):
             tensor = tensor.clone()  # a view of a stored tensor's memory: safetensors stores each once
         storages.add(tensor.untyped_storage().data_ptr())
         stored[name] = tensor
-    layers = []
-    for path_, module in model.named_modules():
-        if isinstance(module, QuantizedWeight):
-            prefix = f"{path_}." if path_ else ""
-            names = {key: f"{prefix}{key}" for key, t in module.named_buffers(recurse=False) if t is not None}
-            missing = [n for n in names.values() if n not in state]
-            if missing:
-                raise ValueError(f"layer {path_!r}: buffers {missing} are not in the model's state_dict")
-            layers.append(_layer_entry(path_, module, names))
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "mixle_version": mixle.__version__,
-        "layers": layers,
-        "tensors": {name: {"dtype": _st_dtype(t.dtype), "shape": list(t.shape), "sha256": _sha256(t)}
-                    for name, t in stored.items()},
-        "aliases": aliases,
-        "nbytes": model_nbytes(model).as_dict(),
-    }
-    manifest["manifest_sha256"] = hashlib.sha256(canonical_manifest(manifest)).hexdigest()
-    metadata = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)}
-    replace_atomically(path, lambda tmp: safetensors.torch.save_file(stored, tmp, metadata=metadata))
-    return manifest
-
-
-def _checked_tensors(manifest, infos, handle, source):
-    """``{state_dict name: tensor}`` (aliases share one tensor) after dtype/shape/sha256 checks."""
-    check_listed(manifest, infos, source)
-    tensors = {}
-    for name, info in infos.items():
-        tensor = handle.get_tensor(name)
-        if _st_dtype(tensor.dtype) != info.dtype or tuple(tensor.shape) != info.shape:
-            raise ValueError(f"{source}: tensor {name!r} reads as {tensor.dtype} {list(tensor.shape)}, its header "
-                             f"says {info.dtype} {list(info.shape)}")
-        if _sha256(tensor) != manifest["tensors"][name].get("sha256"):
-            raise ValueError(f"{source}: tensor {name!r} fails its sha256 check: the file is corrupt")
-        tensors[name] = tensor
-    return add_aliases(manifest, tensors, source)
+    return stored, aliases
 
 
 def _skeleton_copy(model, replaced_paths):
@@ -206,15 +182,13 @@ def _build_layer(entry, tensors, module, source, widened):
     Float16-stored scales come back in the skeleton weight's dtype, one copy per stored tensor
     (``widened``: id of the file's tensor -> its copy), so tied layers still share it."""
     where = f"{source}: layer {entry.get('path')!r}"
+    stored = read_layer(entry, tensors, source)  # the shared manifest and storage checks
+    spec, shape, bias = stored.spec, stored.shape, stored.bias
     try:
-        spec = QuantSpec(**entry["spec"])
-        kind, bits, shape = kind_named(entry["kind"]), entry["bits"], tuple(entry["weight_shape"])
-        codes, scale = tensors[entry["codes"]], tensors[entry["scale"]]
-        bias = tensors[entry["bias"]] if entry.get("bias") is not None else None
-    except (KeyError, TypeError, ValueError) as err:
+        kind = kind_named(stored.kind)
+    except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
-    if bits != spec.bits:
-        raise ValueError(f"{where}: bits={bits!r} disagrees with its spec's bits={spec.bits}")
+    codes, scale = stored.parts["codes"], stored.parts["scale"]
     stored_dtype = file_scale_dtype(spec)
     if stored_dtype is not None:
         if scale.dtype != stored_dtype:
@@ -223,7 +197,6 @@ def _build_layer(entry, tensors, module, source, widened):
         own_weight = kind.weight_of(module) if isinstance(module, kind.float_types) else None
         if isinstance(own_weight, torch.Tensor) and own_weight.is_floating_point():
             scale = widened.setdefault(id(scale), scale.to(own_weight.dtype))
-    check_quantized_storage(codes, scale, spec, shape, name=where)
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
             entry.get("scale_nbytes") != scale_nbytes(spec, scale):
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
@@ -284,11 +257,10 @@ def load_quantized(path, model):
     source = str(path)
     with open_tensors(path, "pt") as (metadata, infos, handle):
         manifest = manifest_from(metadata, source)
-        tensors = _checked_tensors(manifest, infos, handle, source)
+        tensors = checked_tensors(manifest, infos, handle.get_tensor, _describe, source)
     device = next(iter(model.parameters()), torch.empty(0)).device
     moved = {}
     tensors = {name: moved.setdefault(id(t), t.to(device)) for name, t in tensors.items()}  # ties survive
-
     paths = [entry.get("path") if isinstance(entry, dict) else None for entry in manifest["layers"]]
     modules = dict(model.named_modules())
     for path_ in paths:
@@ -303,7 +275,12 @@ def load_quantized(path, model):
                                                                 widened)
     with Change() as change:
         new = change.swap(new, replacements)
+    _copy_float_state(new, tensors, source)
+    return new
 
+
+def _copy_float_state(new, tensors, source):
+    """Fill ``new``'s tensors other than its quantized layers' from the file, checking every name."""
     state = new.state_dict(keep_vars=True)
     if set(state) != set(tensors):
         raise ValueError(f"{source} does not fit this model: it lacks {sorted(set(state) - set(tensors))} and has "
@@ -318,5 +295,3 @@ def load_quantized(path, model):
                 raise ValueError(f"{source}: tensor {name!r} is {value.dtype} {list(value.shape)} in the file, "
                                  f"{target.dtype} {list(target.shape)} in the model: pass a model built like the saved one")
             target.copy_(value)
-    return new
-

@@ -12,8 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
-from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
+from mixle.core.packing import pack_int4, unpack_int4
 from mixle.core.spec import QuantSpec
+from mixle.core.stored import check_stored
 from mixle.torch_backend import packed_linear as _packed_linear
 from mixle.torch_backend.activations import fake_quant_activations
 from mixle.torch_backend.layers import check_supported, named_error
@@ -22,38 +23,16 @@ __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_qu
            "file_scale_dtype", "scale_nbytes"]
 
 
-def stored_codes_layout(spec, weight_shape):
-    """``(dtype, shape)`` of the stored codes: packed uint8 bytes for int4, int8 for int8.
-
-    >>> stored_codes_layout(QuantSpec(bits=4), (3, 5))
-    (torch.uint8, (8,))
-    """
-    if spec.bits == 4:
-        count = 1
-        for d in weight_shape:
-            count *= d
-        return torch.uint8, (packed_int4_nbytes(count),)
-    return torch.int8, tuple(weight_shape)
-
-
-def scale_shape(spec, weight_shape):
-    """Shape ``(1, S, 1)`` of the scales of a 2-D ``(rows, cols)`` weight under ``spec``.
-
-    >>> scale_shape(QuantSpec(bits=4, group_size=2), (3, 4))
-    (1, 6, 1)
-    """
-    batch, rows, _ = block_shape(weight_shape, spec, 0, 1)
-    return (batch, rows, 1)
-
-
 def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
     """Validate codes and scales of one quantized weight before they are used.
 
-    Checks the codes' dtype and shape for ``spec.bits``, that every code lies on the spec's grid
-    (``[code_min, code_max]``; for int4 also that an odd count's pad nibble is zero), and that
-    the scales have the block shape, a floating dtype and the values the grid allows: finite and
-    positive; zero too on grids with ``zero_scale=None`` and any sign on signed-max grids
-    (llama.cpp's), whose scales must also be exact float16 values.
+    The torch backend's checks (a spec it trains, torch tensors, a 2-D weight), then
+    ``mixle.core.stored.check_stored``, the validation every loader and exporter shares: the
+    codes' dtype and shape for ``spec.bits``, every code on the spec's grid
+    (``[code_min, code_max]``; for int4 also that an odd count's pad nibble is zero), and scales
+    of the block shape, a floating dtype and the values the grid allows: finite and positive;
+    zero too on grids with ``zero_scale=None`` and any sign on signed-max grids (llama.cpp's),
+    whose scales must also be exact float16 values.
 
     Raises:
         TypeError: spec is not a QuantSpec, or codes/scale are not torch tensors.
@@ -78,34 +57,7 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
     weight_shape = tuple(int(d) for d in weight_shape)
     if len(weight_shape) != 2 or min(weight_shape) < 1:
         raise ValueError(f"{name}: weight_shape must be (rows, cols) with positive sizes, got {weight_shape}")
-    dtype, shape = stored_codes_layout(spec, weight_shape)
-    if codes.dtype != dtype or tuple(codes.shape) != shape:
-        raise ValueError(
-            f"{name}: bits={spec.bits} for a weight of shape {list(weight_shape)} needs {dtype} codes of "
-            f"shape {list(shape)}, got {codes.dtype} of shape {list(codes.shape)}"
-        )
-    values = unpack_int4(codes, weight_shape) if spec.bits == 4 else codes
-    low, high = int(values.min()), int(values.max())
-    if low < spec.code_min or high > spec.code_max:
-        raise ValueError(
-            f"{name}: codes span [{low}, {high}], outside the {spec.short()} grid "
-            f"[{spec.code_min}, {spec.code_max}]: the data is corrupt or was written with another spec"
-        )
-    count = weight_shape[0] * weight_shape[1]
-    if spec.bits == 4 and count % 2 and int(codes[-1]) >> 4:
-        raise ValueError(f"{name}: the pad nibble after the last of {count} int4 codes is not zero: the data is corrupt")
-    try:
-        want = scale_shape(spec, weight_shape)
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from None
-    if tuple(scale.shape) != want or not scale.is_floating_point():
-        raise ValueError(
-            f"{name}: {spec.short()} scales of a {list(weight_shape)} weight are floats of shape {list(want)}, "
-            f"got {scale.dtype} of shape {list(scale.shape)}"
-        )
-    problem = _scale_problem(scale, spec)
-    if problem:
-        raise ValueError(f"{name}: {spec.short()} scales must be {problem}; the data is corrupt")
+    check_stored(codes, scale, spec, weight_shape, name=name)
 
 
 def file_scale_dtype(spec):
@@ -132,25 +84,6 @@ def scale_nbytes(spec, scale):
     dtype = file_scale_dtype(spec)
     itemsize = scale.element_size() if dtype is None else torch.empty(0, dtype=dtype).element_size()
     return scale.numel() * itemsize
-
-
-def _scale_problem(scale, spec):
-    """What the grid requires of its scales that ``scale`` violates, or None."""
-    grid = spec.grid_record
-    # A signed-max scale carries the sign of its block's extreme value; zero_scale=None keeps an
-    # all-zero block's scale 0.
-    signed = grid.scale_rule == "signed_max"
-    magnitude = scale.abs() if signed else scale
-    if grid.zero_scale is None:
-        sign_ok, wanted = magnitude >= 0, "finite" if signed else "finite and non-negative"
-    else:
-        sign_ok, wanted = magnitude > 0, "finite and non-zero" if signed else "finite and positive"
-    if not bool(torch.isfinite(scale).all()) or not bool(sign_ok.all()):
-        return wanted
-    dtype = file_scale_dtype(spec)
-    if dtype is not None and not torch.equal(scale.to(dtype).to(scale.dtype), scale):
-        return f"{wanted} {dtype} values (the grid stores them in {dtype})".replace("torch.", "")
-    return None
 
 
 class QuantizedWeight(nn.Module):
@@ -225,7 +158,7 @@ class QuantizedLinear(QuantizedWeight):
         weight_shape: ``(out_features, in_features)``.
         bias: float bias of shape ``(out_features,)`` or None.
 
-    >>> from mixle.core.numerics import quantize_linear_weight
+    >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> codes, scale = to_storage(quantize_linear_weight(torch.randn(2, 4), bits=4))
     >>> layer = QuantizedLinear(codes, scale, QuantSpec(bits=4), (2, 4))
     >>> layer.codes.dtype, tuple(layer.codes.shape), tuple(layer(torch.ones(3, 4)).shape)
@@ -310,7 +243,7 @@ class QuantizedEmbedding(QuantizedWeight):
         Raises:
             IndexError: an index lies outside ``[0, num_embeddings)``.
 
-        >>> from mixle.core.numerics import quantize_embedding_weight
+        >>> from mixle.core.layer_weights import quantize_embedding_weight
         >>> codes, scale = to_storage(quantize_embedding_weight(torch.randn(5, 4), bits=4))
         >>> table = QuantizedEmbedding(codes, scale, QuantSpec(bits=4), (5, 4))
         >>> torch.equal(table.dequantized_rows(torch.tensor([3, 0, 3])), table.dequantized_weight()[[3, 0, 3]])
