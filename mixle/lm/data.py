@@ -147,7 +147,12 @@ def load_splits(path=None, held_out_fraction=0.1, seed=0, *, tokenizer="char"):
 def check_block(ids, block, name="ids"):
     """Raise a clear ValueError unless ``ids`` has room for one window of ``block + 1`` tokens.
 
-    >>> check_block(np.arange(10), 9)
+    >>> check_block(np.arange(10), 9) is None
+    True
+    >>> check_block(np.arange(10), 10)
+    Traceback (most recent call last):
+    ...
+    ValueError: block=10 is larger than the data: ids has 10 tokens but one training window needs block + 1 = 11; use a smaller block or a longer text
     """
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
