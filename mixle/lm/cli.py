@@ -1,4 +1,5 @@
-"""The ``mixle`` command line: ``mixle compare`` runs the QAT-vs-PTQ comparison on real text."""
+"""The ``mixle`` command line: ``mixle compare`` runs the QAT-vs-PTQ comparison on real text;
+``mixle finetune`` turns a pretrained checkpoint into a QAT-trained quantized file."""
 
 import argparse
 import sys
@@ -30,7 +31,27 @@ def build_parser():
     cmp.add_argument("--out-dir", default="mixle_runs/compare", help="output directory (default: %(default)s)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bars")
     cmp.set_defaults(subparser=cmp)
+    _add_finetune(commands)
     return parser
+
+
+def _add_finetune(commands):
+    """The ``finetune`` subcommand; its flags are ``FinetuneConfig``'s fields."""
+    from mixle.lm.finetune_config import FinetuneConfig
+
+    ft = commands.add_parser(
+        "finetune", help="QAT-fine-tune a pretrained causal LM (directory, GGUF or hub id) into a q4_0 / int4 file",
+        description="Load a pretrained transformers causal LM (a directory with config, safetensors and tokenizer; "
+                    "a GGUF file; or a hub id where the hub is reachable), evaluate it in float and after PTQ on "
+                    "the target, fine-tune it with quantization-aware training distilled from the float model, and "
+                    "write the GGUF (and a compressed-tensors directory for integer grids), results.json, "
+                    "table.txt, finetune.png and a README.md model card into --out. Ctrl-C or SIGTERM writes a "
+                    "checkpoint; --resume DIR continues exactly where it stopped.")
+    add_flags(ft, FinetuneConfig)
+    ft.add_argument("--resume", metavar="DIR", help="continue the interrupted run whose --out is DIR (its flags are "
+                                                    "taken from its checkpoint)")
+    ft.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ft.set_defaults(subparser=ft)
 
 
 def config_from_args(args):
@@ -59,6 +80,10 @@ def main(argv=None):
         args = parser.parse_args(argv)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "finetune":
+            from mixle.lm.finetune_cli import finetune_command
+
+            return finetune_command(args)
     except KeyboardInterrupt:
         return _fail("interrupted (Ctrl-C); no complete run was written", status=130)
     parser.error(f"unknown command {args.command!r}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from mixle._optional import require
 
-__all__ = ["MIN_DEGRADATION", "summarize", "format_table", "save_plot", "write_outputs", "check_out_dir", "OUTPUTS",
+__all__ = ["MIN_DEGRADATION", "summarize", "plot_training_curve", "format_table", "save_plot", "write_outputs", "check_out_dir", "OUTPUTS",
            "COMPLETE", "FP32", "PTQ", "FINETUNE", "FINETUNE_PTQ", "QAT", "QAT_DISTILL", "QAT_LEARNED", "QAT_BOTH",
            "OPTION_METHODS", "ACT8_PTQ", "ACT8_QAT", "ACT8_METHODS", "GGUF_FINETUNE", "GGUF_PTQ", "GGUF_QAT",
            "GGUF_METHODS"]
@@ -160,16 +160,30 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def plot_training_curve(axis, curve, label):
+    """Draw one training curve on a matplotlib ``axis``: its smoothed training loss (faint line)
+    and its held-out loss (dots), ``curve`` holding ``step``, ``train_loss``, ``eval_step`` and
+    ``held_out_loss`` lists (``TrainLog.curve``).
+
+    >>> from matplotlib.figure import Figure
+    >>> axis = Figure().subplots()
+    >>> plot_training_curve(axis, {"step": [1, 2], "train_loss": [2.0, 1.5], "eval_step": [0, 2],
+    ...                            "held_out_loss": [2.1, 1.6]}, "QAT")
+    >>> [line.get_label() for line in axis.get_lines()][-1]
+    'QAT'
+    """
+    steps, loss = np.asarray(curve["step"]), np.asarray(curve["train_loss"])
+    width = max(1, min(50, len(loss) // 10))
+    smooth = np.convolve(loss, np.ones(width) / width, mode="valid") if len(loss) else loss
+    line, = axis.plot(steps[width - 1 :] if len(loss) else steps, smooth, alpha=0.3, linewidth=1)
+    axis.plot(curve["eval_step"], curve["held_out_loss"], marker="o", markersize=3, color=line.get_color(),
+              label=label)
+
+
 def _plot_curves(results, axis, phases, title):
     """Training curves: smoothed training loss (faint) and held-out loss (dots) of each phase."""
     for phase in phases:
-        curve = results["curves"][phase]
-        steps, loss = np.asarray(curve["step"]), np.asarray(curve["train_loss"])
-        width = max(1, min(50, len(loss) // 10))
-        smooth = np.convolve(loss, np.ones(width) / width, mode="valid")
-        line, = axis.plot(steps[width - 1 :], smooth, alpha=0.3, linewidth=1)
-        axis.plot(curve["eval_step"], curve["held_out_loss"], marker="o", markersize=3,
-                  color=line.get_color(), label=phase)
+        plot_training_curve(axis, results["curves"][phase], phase)
     axis.set_xlabel("training step")
     axis.set_ylabel("loss (nats/token)")
     axis.set_title(title, fontsize=10)

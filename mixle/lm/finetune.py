@@ -1,0 +1,454 @@
+"""``mixle finetune``: from a pretrained checkpoint to a better quantized file, in one run.
+
+The job (``run_finetune``):
+
+1. checks the output directory (writable, room for the files and the checkpoint), loads the
+   model (``mixle.lm.finetune_load``) and checks the target fits it, tokenizes the data
+   (``mixle.lm.finetune_data``), all before any training;
+2. evaluates the float model and PTQ on the same target (``quantize_model``: what
+   ``llama-quantize`` gives the user), on the held-out windows, in mixle and, from their GGUF
+   files, in llama.cpp;
+3. wraps the model with ``apply_qat`` (every decoder-block matrix; the embedding and tied head
+   stay float, as PTQ leaves them), optionally with LoRA adapters on a frozen base, and trains it
+   distilled from the float model (``mixle.lm.finetune_train``), checkpointing as it goes;
+4. evaluates the QAT model converted to its integer codes, writes the GGUF (the trained blocks
+   as they are) and, for an integer grid, a compressed-tensors directory, runs the GGUF in
+   llama.cpp, and writes ``results.json``, ``table.txt``, ``finetune.png`` and ``README.md``
+   (``mixle.lm.finetune_report``).
+
+Memory: the teacher is a copy of the float model that shares every tensor the student does not
+train (the embedding and tied head, the norms; with LoRA all of the base) instead of copying it.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import math
+import os
+import platform
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from mixle._optional import require
+from mixle.lm.family import TRANSFORMERS
+from mixle.lm.finetune_checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
+from mixle.lm.finetune_config import FinetuneConfig
+from mixle.lm.finetune_data import prepare_finetune_data
+from mixle.lm.finetune_load import load_model
+from mixle.lm.finetune_report import FLOAT, GGUF_FILE, COMPRESSED_DIR, PTQ, QAT, summarize, write_outputs
+from mixle.lm.finetune_train import FinetuneTrainer
+from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module
+from mixle.lm.training import held_out_loss
+
+__all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory"]
+
+EXCLUDE = ("lm_head",)  # the head (tied to the embedding or not) stays float, as PTQ leaves it
+
+
+def target_outputs(model, spec, float_matrices):
+    """Which files the target can be written as: ``{"gguf": bool, "compressed_tensors": bool}``.
+
+    Raises:
+        ValueError: no file mixle writes stores ``spec``, or a layer's shape cannot hold it (the
+            message names the layer and why).
+
+    >>> target_outputs  # doctest: +ELLIPSIS
+    <function target_outputs at ...>
+    """
+    from mixle.exports.compressed_tensors import weight_args
+    from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS
+
+    outputs = {"gguf": spec.grid_record.ggml_type in GGML_BLOCKS, "compressed_tensors": True}
+    try:
+        weight_args(spec)
+    except ValueError:
+        outputs["compressed_tensors"] = False
+    except ImportError:
+        outputs["compressed_tensors"] = False
+    torch = require("torch", extra="torch", purpose="mixle finetune")
+    for path, layer in model.named_modules():
+        if not isinstance(layer, torch.nn.Linear) or path in EXCLUDE:
+            continue
+        group = spec.group_size if spec.granularity == "group" else None
+        if group and layer.in_features % group:
+            why = (f"{spec.grid} stores blocks of {group} consecutive inputs" if spec.grid_record.block
+                   else f"its scales cover groups of {group} inputs")
+            raise ValueError(f"target={spec.short()!r} cannot be stored for this {type(model).__name__}: layer "
+                             f"{path!r} has {layer.in_features} inputs and {why}, which do not divide "
+                             f"{layer.in_features}; choose a target whose group divides it, e.g. int4/channel")
+    hidden = model.get_input_embeddings().embedding_dim
+    if outputs["gguf"] and float_matrices == "q8_0" and hidden % BLOCK:
+        raise ValueError(f"float_matrices='q8_0' cannot store the token embedding of width {hidden} (Q8_0 blocks "
+                         f"of {BLOCK}): pass --float-matrices f16")
+    return outputs
+
+
+def check_output_room(out, needed_bytes):
+    """Create ``out`` and check it is writable and has ``needed_bytes`` free; ValueError otherwise.
+
+    Also checks that matplotlib (for ``finetune.png``) is installed, so the run cannot fail at its end.
+
+    >>> import tempfile
+    >>> check_output_room(tempfile.mkdtemp(), 1)
+    """
+    require("matplotlib", extra="bench", purpose="the finetune plot")
+    try:
+        os.makedirs(out, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=out, prefix=".mixle-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"out={str(out)!r} is not a writable directory ({err.strerror or err}): choose a directory "
+                         f"you can write") from None
+    free = shutil.disk_usage(out).free
+    if free < needed_bytes:
+        raise ValueError(f"out={str(out)!r} has {free / 2**20:,.0f} MiB free, but this run writes about "
+                         f"{needed_bytes / 2**20:,.0f} MiB (checkpoint, temporary GGUF files, outputs): free some "
+                         f"space or choose another --out")
+
+
+def _needed_bytes(model, outputs, lora):
+    """About the most bytes the run has on disk at once (a generous estimate)."""
+    params = sum(p.numel() for p in model.parameters())
+    checkpoint = 4 * params * (1 if lora else 3)  # trained tensors + AdamW's two moments
+    quantized = params  # one byte per weight covers Q4_0 / Q8_0 / int codes and the float embedding
+    files = (4 * params + 2 * quantized if outputs["gguf"] else 0) + (quantized if outputs["compressed_tensors"] else 0)
+    return int(1.1 * (checkpoint + files)) + 2**20
+
+
+def _model_digest(model):
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch_uint8()).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def torch_uint8():
+    """torch's uint8 dtype (a tensor's bytes are viewed as it for digests).
+
+    >>> str(torch_uint8())
+    'torch.uint8'
+    """
+    return require("torch", extra="torch", purpose="mixle finetune").uint8
+
+
+def shared_teacher(model, trained):
+    """A frozen copy of ``model`` (fake-quant off: the float model) sharing every tensor not in ``trained``.
+
+    Args:
+        model: the QAT-wrapped student before training.
+        trained: the parameters training will change (the teacher gets its own copy of these).
+
+    Returns:
+        The teacher, in eval mode, every parameter ``requires_grad=False``.
+
+    >>> import torch
+    >>> from mixle.api import apply_qat
+    >>> net = apply_qat(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)), exclude=("1",))
+    >>> teacher = shared_teacher(net, [net[0].weight, net[0].bias])
+    >>> teacher[1].weight is net[1].weight, teacher[0].weight is net[0].weight
+    (True, False)
+    """
+    from mixle.api import set_fake_quant_enabled
+
+    trained_ids = {id(p) for p in trained}
+    memo = {id(p): p for p in model.parameters() if id(p) not in trained_ids}
+    teacher = copy.deepcopy(model, memo)
+    set_fake_quant_enabled(teacher, False)
+    for param in teacher.parameters():
+        if id(param) not in memo:  # the teacher's own copies; shared tensors keep the student's flags
+            param.requires_grad_(False)
+    return teacher.eval()
+
+
+class _Evaluator:
+    """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's."""
+
+    def __init__(self, config, data, tokenizer):
+        self.config, self.data, self.tokenizer = config, data, tokenizer
+        self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
+        self.llama_cpp_info = None
+
+    def mixle(self, model, row):
+        batch = self.config.batch_size
+        row["loss"] = held_out_loss(model, self.data.eval_windows, batch=batch, family=TRANSFORMERS)
+        row["perplexity"] = math.exp(row["loss"])
+        if self.data.extra_windows is not None:
+            row["eval_data_loss"] = held_out_loss(model, self.data.extra_windows, batch=batch, family=TRANSFORMERS)
+            row["eval_data_perplexity"] = math.exp(row["eval_data_loss"])
+        return row
+
+    def from_file(self, path, row):
+        if not self.llama_cpp:
+            return row
+        for key, windows in (("", self.data.eval_windows), ("eval_data_", self.data.extra_windows)):
+            if windows is not None:
+                loss, self.llama_cpp_info = llama_cpp_loss(path, windows, self.config.threads)
+                row[f"{key}llama_cpp_loss"], row[f"{key}llama_cpp_perplexity"] = loss, math.exp(loss)
+        return row
+
+    def gguf(self, model, path, float_matrices, row):
+        """Write ``model`` as the GGUF ``path``, record its bytes and llama.cpp's losses."""
+        from mixle.exports.gguf import save_gguf
+
+        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices)
+        row["file_bytes"] = os.path.getsize(path)
+        return self.from_file(path, row)
+
+
+def _evaluate_before(model, spec, outputs, evaluator, scratch):
+    """The float and PTQ rows (mixle, and llama.cpp from their GGUF files in ``scratch``)."""
+    from mixle.api import quantize_model
+
+    float_row = evaluator.mixle(model, {"method": FLOAT})
+    if outputs["gguf"] and evaluator.llama_cpp:
+        path = os.path.join(scratch, "float.gguf")
+        evaluator.gguf(model, path, "f32", float_row)
+        os.remove(path)
+    ptq = quantize_model(model, spec, exclude=EXCLUDE)
+    ptq_row = evaluator.mixle(ptq, {"method": PTQ, "spec": spec.short()})
+    if outputs["gguf"] and evaluator.llama_cpp:
+        path = os.path.join(scratch, "ptq.gguf")
+        evaluator.gguf(ptq, path, evaluator.config.float_matrices, ptq_row)
+        os.remove(path)
+    return [float_row, ptq_row]
+
+
+def _prepare_student(model, config):
+    """Wrap ``model`` for QAT in place (LoRA too if asked); returns ``(student, teacher, shares)``."""
+    from mixle.api import apply_lora, apply_qat
+
+    spec = config.spec()
+    student = apply_qat(model, spec=spec, exclude=EXCLUDE)
+    for param in student.parameters():
+        param.requires_grad_(False)
+    layers = [m for m in student.modules() if getattr(m, "spec", None) is not None]
+    trained = [] if config.lora else [p for m in layers for p in m.parameters(recurse=False)]
+    trained += [p for m in layers for n, p in m.named_parameters(recurse=False) if n == "weight_log2_scale"]
+    teacher = None if config.distill_weight() == 0.0 else shared_teacher(student, trained)
+    for param in trained:
+        param.requires_grad_(True)
+    if config.lora:
+        paths = [path for path, m in student.named_modules() if getattr(m, "spec", None) is not None]
+        student = apply_lora(student, rank=config.lora, alpha=config.lora_alpha or 2.0 * config.lora,
+                             patterns=[_exact(p) for p in paths], train_base=True, quantize_merged=True)
+    return student, teacher, _sharing(student, teacher)
+
+
+def _exact(path):
+    import re
+
+    return re.escape(path)
+
+
+def _sharing(student, teacher):
+    """Bytes of the teacher's tensors shared with the student, and of its own copies."""
+    if teacher is None:
+        return {"teacher": None}
+    mine = {id(p) for p in student.parameters()}
+    tensors = list(teacher.parameters())
+    shared = sum(p.numel() * p.element_size() for p in tensors if id(p) in mine)
+    own = sum(p.numel() * p.element_size() for p in tensors if id(p) not in mine)
+    return {"teacher": "float model, fake-quant off", "teacher_shared_bytes": shared, "teacher_own_bytes": own}
+
+
+def _evaluate_after(student, config, outputs, evaluator, out):
+    """The QAT row: the trained model converted to its codes; writes the GGUF / compressed-tensors files."""
+    from mixle.api import convert, merge_lora
+
+    if config.lora:
+        student = merge_lora(student)
+    fake = held_out_loss(student, evaluator.data.eval_windows, batch=config.batch_size, family=TRANSFORMERS)
+    converted = convert(student)
+    row = evaluator.mixle(converted, {"method": QAT, "spec": config.spec().short(), "fake_quant_loss": fake})
+    del converted
+    files = {}
+    if outputs["gguf"]:
+        evaluator.gguf(student, os.path.join(out, GGUF_FILE), config.float_matrices, row)
+        files["gguf"] = GGUF_FILE
+    if outputs["compressed_tensors"]:
+        from mixle.exports.compressed_tensors import save_pretrained_compressed
+
+        save_pretrained_compressed(student, os.path.join(out, COMPRESSED_DIR), tokenizer=evaluator.tokenizer,
+                                   overwrite=True)
+        files["compressed_tensors"] = COMPRESSED_DIR
+    return row, files
+
+
+@contextlib.contextmanager
+def _threads(torch, threads):
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+class PeakMemory:
+    """Peak resident memory per phase of a run (Linux's VmHWM, reset between phases; elsewhere
+    ``ru_maxrss`` for the whole run).
+
+    >>> peaks = PeakMemory()
+    >>> peaks.end("loading") > 0 and peaks.total() > 0
+    True
+    """
+
+    def __init__(self):
+        self.phases = {}
+
+    def end(self, phase):
+        """Record the peak since the previous phase ended as ``phase``'s, and restart the count."""
+        peak = _vm_hwm()
+        if peak is None:
+            return _ru_maxrss()
+        self.phases[phase] = peak
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        except OSError:
+            pass
+        return peak
+
+    def total(self):
+        """The peak over every phase (the whole run)."""
+        return max(list(self.phases.values()) + [_vm_hwm() or 0]) if self.phases else _ru_maxrss()
+
+
+def _ru_maxrss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _vm_hwm():
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Run:
+    """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase."""
+
+    def __init__(self, config, resume, progress):
+        self.config, self.resume, self.progress = config, resume, progress
+        self.peaks = PeakMemory()
+        self.out = Path(config.out)
+        self.checkpoint_path = self.out / CHECKPOINT
+        self.payload = read_checkpoint(self.checkpoint_path) if resume else None
+        if not resume and self.checkpoint_path.exists():
+            raise ValueError(f"out={config.out!r} holds an interrupted run's {CHECKPOINT}: continue it with --resume "
+                             f"{config.out}, or choose another --out")
+        self.loaded = load_model(config.model)
+        self.model = self.loaded.model
+        self.outputs = target_outputs(self.model, config.spec(), config.float_matrices)
+        self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
+        check_output_room(self.out, _needed_bytes(self.model, self.outputs, config.lora))
+        self.digests = {"data": self.data.digest, "model": _model_digest(self.model)}
+        if self.payload is not None and self.payload.get("digests") != self.digests:
+            which = [k for k in self.digests if self.payload.get("digests", {}).get(k) != self.digests[k]]
+            raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
+                             f"({str(self.checkpoint_path)!r}): resume with the same --model and --data")
+        self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer)
+
+    def before(self):
+        """The float and PTQ rows (from the checkpoint when resuming)."""
+        if self.payload is not None:
+            self.evaluator.llama_cpp_info = self.payload.get("llama_cpp")
+            return self.payload["rows"]
+        self.model.to(self.config.device)
+        with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
+            return _evaluate_before(self.model, self.config.spec(), self.outputs, self.evaluator, scratch)
+
+    def save(self, trainer, rows):
+        """Write the checkpoint (only from finite trained tensors: a diverged state is never saved)."""
+        torch = trainer.torch
+        if not all(bool(torch.isfinite(p).all()) for _, p in trainer.trainable):
+            return
+        write_checkpoint(self.checkpoint_path, {
+            "config": dataclasses.asdict(self.config), "digests": self.digests, "rows": rows,
+            "llama_cpp": self.evaluator.llama_cpp_info, **trainer.state_dict()})
+
+    def train(self, rows, callback):
+        """Prepare the student and teacher, continue from the checkpoint if any, and train."""
+        self.model.to(self.config.device)
+        self.peaks.end("loading and float / PTQ evaluation")
+        student, teacher, sharing = _prepare_student(self.model, self.config)
+        trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config)
+        if self.payload is not None:
+            trainer.load_state_dict(self.payload, self.checkpoint_path)
+            self.payload = None  # its tensors are in the model now
+        else:
+            self.save(trainer, rows)  # before the first step: a full disk shows here, not at the end
+        state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
+        trained = sum(p.numel() for _, p in trainer.trainable)
+        trainer.release()  # AdamW's state and the teacher go before the files are written
+        self.peaks.end("training")
+        return student, state, {"trained_parameters": trained, **sharing}
+
+
+def _training_info(state, config):
+    tokens_per_step = config.batch_size * config.block * config.accumulate
+    return {"steps_done": state.step, "steps_planned": state.horizon, "stopped_by": state.stopped_by,
+            "seconds": round(state.seconds, 2), "tokens": state.tokens,
+            "seconds_per_step": state.seconds / max(1, state.step),
+            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds)}
+
+
+def run_finetune(config, *, resume=False, progress=True, callback=None):
+    """Run the finetune job of ``config`` (see the module docstring); returns the results dict.
+
+    Args:
+        config: a ``FinetuneConfig``.
+        resume: continue the interrupted run whose checkpoint is in ``config.out``.
+        progress: show a tqdm bar with tokens/s, ETA and the loss.
+        callback: ``f(trainer)`` after every step (e.g. for tests).
+
+    Raises:
+        FileNotFoundError, ValueError: bad model, data, target or output directory (before training).
+        mixle.lm.finetune_train.Stopped: Ctrl-C or SIGTERM; the checkpoint is written.
+        NonFiniteLossError: training diverged; the last checkpoint is kept.
+
+    >>> run_finetune(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: model='/no/such/model' does not exist: ...
+    """
+    if not isinstance(config, FinetuneConfig):
+        raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    torch = require("torch", extra="torch", purpose="mixle finetune")
+    began = time.perf_counter()
+    with _threads(torch, config.threads) as threads:
+        run = _Run(config, resume, progress)
+        rows = run.before()
+        student, state, model_info = run.train(rows, callback)
+        row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out)
+        run.peaks.end("QAT evaluation and files")
+    results = {
+        "config": dataclasses.asdict(config),
+        "model": {**run.loaded.info, **model_info},
+        "data": run.data.info,
+        "rows": [*rows, row],
+        "summary": summarize([*rows, row]),
+        "training": _training_info(state, config),
+        "curve": state.curve,
+        "files": files,
+        "llama_cpp": run.evaluator.llama_cpp_info,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
+                        "device": config.device, "platform": platform.platform(),
+                        "total_seconds": round(time.perf_counter() - began, 2),
+                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
+    }
+    write_outputs(results, run.out)
+    if run.checkpoint_path.exists():
+        os.remove(run.checkpoint_path)
+    return results

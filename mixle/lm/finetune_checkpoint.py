@@ -1,0 +1,91 @@
+"""The finetune job's checkpoint: one file holding everything a resumed run needs to continue exactly.
+
+``checkpoint.pt`` in the output directory holds the run's config, the digest of its data, the
+trained tensors (by parameter name), AdamW's state, the scheduler's state, the data position
+(epoch and index of the window order), torch's RNG state, the curve and counters so far, and
+the float / PTQ evaluations done before training. It is written with ``torch.save`` through
+``replace_atomically`` (a crash leaves the previous checkpoint) and read with
+``torch.load(weights_only=True)`` (no pickled code; memory-mapped, so reading its config costs
+nothing), then checked against the run resuming it.
+"""
+
+import dataclasses
+import os
+
+from mixle._optional import require
+from mixle.core.fileformat import replace_atomically
+
+__all__ = ["CHECKPOINT", "FORMAT", "write_checkpoint", "read_checkpoint", "config_of_checkpoint"]
+
+CHECKPOINT = "checkpoint.pt"
+FORMAT = "mixle.finetune.checkpoint"
+VERSION = 1
+
+
+def write_checkpoint(path, payload):
+    """Write ``payload`` (a dict of tensors, numbers, strings, lists and dicts) to ``path`` atomically.
+
+    >>> import os, tempfile, torch
+    >>> path = os.path.join(tempfile.mkdtemp(), CHECKPOINT)
+    >>> write_checkpoint(path, {"step": 3, "weights": {"w": torch.ones(2)}})
+    >>> read_checkpoint(path)["step"]
+    3
+    """
+    torch = require("torch", extra="torch", purpose="a finetune checkpoint")
+    replace_atomically(path, lambda tmp: torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp))
+
+
+def read_checkpoint(path):
+    """The payload of a checkpoint written by ``write_checkpoint``; ValueError naming the file otherwise.
+
+    >>> read_checkpoint("/no/such/checkpoint.pt")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: resume: '/no/such/checkpoint.pt' does not exist: ...
+    """
+    torch = require("torch", extra="torch", purpose="a finetune checkpoint")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"resume: {str(path)!r} does not exist: --resume takes the --out directory of an "
+                                f"interrupted run, which holds its {CHECKPOINT}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises many kinds for a damaged file
+        raise ValueError(f"resume: {str(path)!r} is not a readable checkpoint ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}): it is damaged; start the run again") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("version") != VERSION:
+        raise ValueError(f"resume: {str(path)!r} is not a mixle finetune checkpoint (version {VERSION})")
+    return payload
+
+
+def config_of_checkpoint(payload, config_type, changes, path):
+    """The config of the run a checkpoint belongs to, with ``changes`` that may differ on resume.
+
+    Args:
+        payload: ``read_checkpoint``'s result.
+        config_type: the config dataclass (``FinetuneConfig``).
+        changes: ``{field: value}`` given for the resumed run (e.g. from the command line).
+        path: the checkpoint (for messages).
+
+    Raises:
+        ValueError: a change to a field that decides the result (the message names the flag).
+
+    >>> from mixle.lm.finetune_config import FinetuneConfig
+    >>> payload = {"config": dataclasses.asdict(FinetuneConfig(model="m", out="o"))}
+    >>> config_of_checkpoint(payload, FinetuneConfig, {"max_minutes": 5.0}, "c.pt").max_minutes
+    5.0
+    """
+    from mixle.lm.finetune_config import RESULT_FIELDS
+
+    saved = dict(payload["config"])
+    for name in ("data", "eval_data"):
+        if saved.get(name) is not None:
+            saved[name] = tuple(saved[name])
+    for name, value in changes.items():
+        if name in RESULT_FIELDS and value != saved.get(name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value!r} differs from the interrupted run's {saved.get(name)!r} ({str(path)!r}): "
+                             f"a resumed run continues that run exactly; leave {flag} out, or start a new run "
+                             f"with another --out")
+        saved[name] = value
+    known = {f.name for f in dataclasses.fields(config_type)}
+    return config_type(**{k: v for k, v in saved.items() if k in known})

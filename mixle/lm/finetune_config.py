@@ -1,0 +1,245 @@
+"""The finetune job's configuration: one validated dataclass whose fields are also its CLI flags.
+
+Each field declared with ``option`` carries its ``--flag`` help in its metadata, and
+``mixle.lm.cli`` generates the ``mixle finetune`` flags from them (``mixle.lm.flags``). The target
+(``--target``) is parsed here into the ``QuantSpec`` QAT trains on (``parse_target``).
+"""
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from mixle.core.grids import GRIDS
+from mixle.core.spec import QuantSpec
+from mixle.lm.flags import option, positive_int
+
+__all__ = ["FinetuneConfig", "parse_target", "OBJECTIVES", "DTYPES", "RESULT_FIELDS"]
+
+OBJECTIVES = ("kl", "ce", "mix")
+DTYPES = ("float32", "bfloat16")
+# The fields that may differ between an interrupted run and its ``--resume``: they change how long
+# or where it runs and what it shows, not what a step computes.
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp")
+# Every other field decides the result: a resumed run must be given the same values.
+RESULT_FIELDS = None  # filled below from the dataclass
+
+_TARGET = re.compile(r"int(?P<bits>4|8)(?:/(?P<gran>channel|tensor|group(?P<group>\d+)|g(?P<g>\d+)))?"
+                     r"(?:/(?P<grid>symmetric|qwix))?")
+_POSITIVE = ("steps", "batch_size", "block", "accumulate", "eval_windows", "curve_windows", "checkpoint_every")
+_RATES = ("lr", "temperature")
+
+
+def parse_target(target):
+    """The ``QuantSpec`` of a ``--target``: a llama.cpp grid (``q4_0``, ``q8_0``) or mixle's integers.
+
+    Integer targets are ``int4`` or ``int8``, optionally ``/channel`` (the default), ``/tensor``
+    or ``/group<N>`` (also ``/g<N>``), and ``/symmetric`` (the default) or ``/qwix`` (codes
+    -8..7, compressed-tensors' own grid): ``spec.short()`` of such a spec parses back to it.
+
+    Raises:
+        ValueError: an unknown target, naming the ones that exist.
+
+    >>> parse_target("q4_0").short(), parse_target("int4/g32").short(), parse_target("int8/channel/qwix").short()
+    ('int4/group32/q4_0', 'int4/group32/symmetric', 'int8/channel/qwix')
+    """
+    if not isinstance(target, str):
+        raise ValueError(f"target={target!r} must be a string such as 'q4_0' or 'int4/group32'")
+    fixed = {name: grid for name, grid in GRIDS.items() if len(grid.codes) == 1 and grid.block is not None}
+    if target.lower() in fixed:
+        return QuantSpec(bits=next(iter(fixed[target.lower()].codes)), grid=target.lower())
+    found = _TARGET.fullmatch(target)
+    if found is None:
+        mix = " (llama.cpp's K-quant mixes such as Q4_K_M are not trainable yet)" if "_K" in target.upper() else ""
+        raise ValueError(f"target={target!r} is unknown{mix}: use one of {sorted(fixed)} (llama.cpp's blocks), "
+                         f"or int4 / int8 with an optional /channel, /tensor or /group<N> and /symmetric or /qwix, "
+                         f"e.g. 'int4/group32'")
+    group = found["group"] or found["g"]
+    granularity = "group" if group else (found["gran"] or "channel")
+    return QuantSpec(bits=int(found["bits"]), grid=found["grid"] or "symmetric", granularity=granularity,
+                     group_size=int(group) if group else None)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    """Everything that decides a finetune run (validated on construction).
+
+    Args:
+        model: a transformers causal-LM directory (config + safetensors + tokenizer), a ``.gguf``
+            file (read through transformers' GGUF loader, dequantized to float), or a hub id
+            (``owner/name``: downloaded by ``from_pretrained`` where the hub is reachable).
+        out: the output directory (created; checked for room before training).
+        data: UTF-8 text files or directories of them (``*.txt``, ``*.md``, ``*.rst``, sorted);
+            None: the embedded corpus (CPython's documentation topics).
+        eval_data: optional second held-out text (files/directories), never trained on.
+        target: what QAT trains for and the file stores (``parse_target``).
+        steps: optimizer steps (the cosine schedule's length); max_minutes: stop training
+            after this many minutes (the schedule is fitted to the steps that fit).
+        batch_size, block, accumulate: windows of ``block`` predicted tokens per micro-batch,
+            micro-batches per optimizer step (gradient accumulation).
+        lr, warmup, weight_decay, grad_clip: AdamW's peak rate, linear warm-up steps (default
+            5% of the steps), decoupled weight decay, gradient-norm clip.
+        objective: ``kl`` (distillation from the float model: KL at ``temperature``), ``ce``
+            (next-token cross-entropy) or ``mix`` (``(1 - w) CE + w T^2 KL``, w = ``mix_weight``).
+        lora, lora_alpha: train rank-``lora`` adapters on a frozen base (alpha default 2 x rank),
+            merged and requantized at the end; None trains the quantized layers' weights.
+        learned_scales, scale_lr: also learn the quantization scales (integer targets), at
+            ``scale_lr`` (default 10 x ``lr``).
+        dtype: ``float32``, or ``bfloat16`` (student and teacher under bfloat16 autocast; the
+            master weights and the evaluation stay float32).
+        device: a torch device (``cpu``, ``cuda``, ``cuda:1``).
+        held_out_fraction: the share of the data's tokens (its end) held out and reported.
+        eval_windows, curve_windows, curve_every: windows of the reported evaluations, of the
+            held-out training curve and its spacing in steps (default: 10 points).
+        checkpoint_every: write the training state every this many steps (and on Ctrl-C/SIGTERM).
+        float_matrices: how the GGUF stores matrices QAT leaves float (the token embedding).
+        seed, threads, llama_cpp: data order seed; torch/llama.cpp threads; also evaluate
+            the written files in llama.cpp when llama-cpp-python is installed.
+
+    >>> FinetuneConfig(model="m", out="o").replace(target="int4/g32").spec().short()
+    'int4/group32/symmetric'
+    """
+
+    model: str = option(None, "a transformers causal-LM directory, a .gguf file, or a hub id (owner/name)")
+    out: str = option(None, "output directory: the GGUF / compressed-tensors files, results, plot, model card")
+    data: tuple[str, ...] | None = option(None, "UTF-8 text files or directories of them to train on (default: "
+                                                "the embedded CPython documentation topics)")
+    eval_data: tuple[str, ...] | None = option(None, "a second held-out text (files or directories), never trained on")
+    target: str = option("q4_0", "what QAT trains for: q4_0, q8_0 (llama.cpp blocks) or int4 / int8 "
+                                 "[/channel|/tensor|/group<N>][/symmetric|/qwix] (default: q4_0)")
+    steps: int = option(240, "optimizer steps (default: 240)", type=positive_int)
+    max_minutes: float | None = option(None, "stop training after this many minutes (the learning-rate schedule "
+                                             "is fitted to the steps that fit)")
+    batch_size: int = option(4, "windows per micro-batch (default: 4)", type=positive_int)
+    block: int = option(128, "tokens predicted per window (default: 128)", type=positive_int)
+    accumulate: int = option(1, "micro-batches per optimizer step (gradient accumulation)", type=positive_int)
+    lr: float = option(2e-5, "peak learning rate of AdamW (default: 2e-5)")
+    warmup: int | None = option(None, "linear warm-up steps before the cosine decay (default: 5%% of --steps)")
+    weight_decay: float = option(0.0, "AdamW's decoupled weight decay (default: 0.0)")
+    grad_clip: float | None = option(1.0, "clip the gradient norm to this (default: 1.0)")
+    objective: str = option("kl", "kl: distil the float model (KL at --temperature), ce: next-token "
+                                  "cross-entropy, mix: (1-w) CE + w KL with w = --mix-weight", choices=OBJECTIVES)
+    temperature: float = option(1.0, "temperature of the distillation KL (default: 1.0)")
+    mix_weight: float = option(0.5, "w of --objective mix (default: 0.5)")
+    lora: int | None = option(None, "train rank-LORA adapters on the frozen base; merged and requantized at the end",
+                              type=positive_int)
+    lora_alpha: float | None = option(None, "LoRA scale numerator (default: 2 x rank)")
+    learned_scales: bool = option(False, "also learn the quantization scales (integer targets only)")
+    scale_lr: float | None = option(None, "learning rate of the learned scales (default: 10 x --lr)")
+    dtype: str = option("float32", "float32, or bfloat16 autocast for student and teacher", choices=DTYPES)
+    device: str = option("cpu", "torch device: cpu, cuda, cuda:1, ... (default: cpu)")
+    held_out_fraction: float = option(0.1, "share of the data's tokens held out (its end; default: 0.1)")
+    eval_windows: int = option(32, "held-out windows of each reported evaluation (default: 32)",
+                               type=positive_int)
+    curve_windows: int = 8
+    curve_every: int | None = None
+    checkpoint_every: int = option(50, "write a checkpoint every this many steps (default: 50)",
+                                   type=positive_int)
+    float_matrices: str = option("q8_0", "GGUF storage of matrices left float (the token embedding): q8_0, f16, "
+                                         "f32", choices=("q8_0", "f16", "f32"))
+    seed: int = option(0, "seed of the data order (default: 0)")
+    threads: int | None = option(None, "torch and llama.cpp CPU threads", type=positive_int)
+    llama_cpp: bool = option(True, "skip the llama.cpp evaluation of the written files")
+
+    def __post_init__(self):
+        for name in ("model", "out"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}={value!r}: --{name} is required (a path)")
+        for name in ("data", "eval_data"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None and (not isinstance(value, tuple | list) or not value):
+                raise ValueError(f"{name}={value!r} must be a list of paths or None")
+            elif value is not None:
+                object.__setattr__(self, name, tuple(str(v) for v in value))
+        self._check_numbers()
+        self._check_choices()
+        self.spec()  # the target parses, learned scales fit its grid
+
+    def _check_numbers(self):
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        for name, value in (("curve_every", self.curve_every), ("warmup", self.warmup), ("lora", self.lora),
+                            ("threads", self.threads)):
+            if value is not None and (not _is_int(value) or value < (0 if name == "warmup" else 1)):
+                raise ValueError(f"{name}={value!r} must be a positive int or None")
+        for name in _RATES:
+            if not _is_rate(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive number")
+        for name in ("max_minutes", "lora_alpha", "scale_lr", "grad_clip"):
+            value = getattr(self, name)
+            if value is not None and not _is_rate(value):
+                raise ValueError(f"{name}={value!r} must be a positive number or None")
+        if not isinstance(self.weight_decay, int | float) or not 0 <= self.weight_decay < 1:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be in [0, 1)")
+        if not isinstance(self.mix_weight, int | float) or not 0 < self.mix_weight < 1:
+            raise ValueError(f"mix_weight={self.mix_weight!r} must be strictly between 0 and 1")
+        if not isinstance(self.held_out_fraction, float) or not 0 < self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction={self.held_out_fraction!r} must be strictly between 0 and 1, e.g. 0.1")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+
+    def _check_choices(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} is unknown: use one of {OBJECTIVES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown: use one of {DTYPES}")
+        for name in ("learned_scales", "llama_cpp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r} is not a torch device: use cpu, cuda or cuda:N")
+
+    def spec(self):
+        """The QuantSpec QAT trains on: the target's, with learned scales if asked.
+
+        >>> FinetuneConfig(model="m", out="o").spec().short()
+        'int4/group32/q4_0'
+        """
+        spec = parse_target(self.target)
+        if not self.learned_scales:
+            return spec
+        try:
+            return spec.replace(scale="learned")
+        except ValueError as err:
+            raise ValueError(f"--learned-scales with --target {self.target}: {err}") from None
+
+    def warmup_steps(self):
+        """The warm-up steps: ``warmup``, or 5% of the steps (at least 1).
+
+        >>> FinetuneConfig(model="m", out="o", steps=100).warmup_steps()
+        5
+        """
+        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+
+    def distill_weight(self):
+        """w of ``mixle.lm.distill.distill_row_loss``: 1 for ``kl``, 0 for ``ce``, ``mix_weight`` for ``mix``.
+
+        >>> FinetuneConfig(model="m", out="o", objective="ce").distill_weight()
+        0.0
+        """
+        return {"kl": 1.0, "ce": 0.0, "mix": float(self.mix_weight)}[self.objective]
+
+    def replace(self, **changes):
+        """A validated copy with some fields changed.
+
+        >>> FinetuneConfig(model="m", out="o").replace(steps=5).steps
+        5
+        """
+        return dataclasses.replace(self, **changes)
+
+
+def _is_rate(value):
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(FinetuneConfig)
+                      if f.name not in RESUMABLE_CHANGES + ("out", "model"))

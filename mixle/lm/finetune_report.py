@@ -1,0 +1,201 @@
+"""The finetune job's results: the recovered-% summary, the table, the plot, the model card, the files.
+
+``write_outputs`` writes ``results.json``, ``table.txt``, ``finetune.png`` and ``README.md`` (a
+short model card) into the output directory, each through ``replace_atomically``.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+from mixle._optional import require
+from mixle.lm.report import MIN_DEGRADATION, plot_training_curve
+
+__all__ = ["FLOAT", "PTQ", "QAT", "GGUF_FILE", "COMPRESSED_DIR", "OUTPUTS", "summarize", "format_table",
+           "save_plot", "model_card", "write_outputs"]
+
+FLOAT, PTQ, QAT = "float", "PTQ", "QAT"
+GGUF_FILE = "model.gguf"
+COMPRESSED_DIR = "compressed-tensors"
+OUTPUTS = ("results.json", "table.txt", "finetune.png", "README.md")
+# (key prefix, label) of each measure: mixle's and llama.cpp's, on the held-out split and on --eval-data.
+MEASURES = (("", "held-out"), ("llama_cpp_", "held-out, llama.cpp"), ("eval_data_", "eval data"),
+            ("eval_data_llama_cpp_", "eval data, llama.cpp"))
+
+
+def _row(rows, method):
+    return next(r for r in rows if r["method"] == method)
+
+
+def summarize(rows):
+    """Per measure: PTQ's and QAT's perplexity increase over float, and the share QAT recovers.
+
+    ``recovered = (L_ptq - L_qat) / (L_ptq - L_float)`` in held-out loss (nats per token); None
+    when PTQ loses less than ``MIN_DEGRADATION``, where the ratio would be noise.
+
+    >>> rows = [{"method": "float", "loss": 1.0}, {"method": "PTQ", "loss": 1.2}, {"method": "QAT", "loss": 1.02}]
+    >>> round(summarize(rows)["held-out"]["recovered_percent"], 6)
+    90.0
+    """
+    summary = {}
+    base, ptq, qat = (_row(rows, m) for m in (FLOAT, PTQ, QAT))
+    for key, label in MEASURES:
+        name = f"{key}loss"
+        if not all(name in r for r in (base, ptq, qat)):
+            continue
+        lost = ptq[name] - base[name]
+        summary[label] = {
+            "ptq_perplexity_increase_percent": 100 * math.expm1(lost),
+            "qat_perplexity_increase_percent": 100 * math.expm1(qat[name] - base[name]),
+            "recovered_percent": None if lost < MIN_DEGRADATION else 100 * (ptq[name] - qat[name]) / lost,
+        }
+    return summary
+
+
+def _cell(row, key):
+    value = row.get(f"{key}perplexity")
+    return f"{value:>12.4f}" if value is not None else f"{'-':>12}"
+
+
+def format_table(results):
+    """The rows (float, PTQ, QAT) as a plain-text table of perplexities, and the summary lines.
+
+    >>> rows = [{"method": m, "loss": l, "perplexity": math.exp(l)} for m, l in (("float", 1.0), ("PTQ", 1.2),
+    ...         ("QAT", 1.02))]
+    >>> results = {"rows": rows, "summary": summarize(rows), "config": {"target": "q4_0"},
+    ...            "data": {"predicted_tokens": 256, "source": "t.txt"}}
+    >>> print(format_table(results))  # doctest: +NORMALIZE_WHITESPACE
+    method       held-out
+    ---------------------
+    float          2.7183
+    PTQ            3.3201
+    QAT            2.7732
+    <BLANKLINE>
+    held-out: PTQ +22.14%, QAT +2.02% perplexity vs float: QAT recovers 90.0% of what PTQ loses
+    held-out: 256 tokens of t.txt; target q4_0
+    """
+    rows = results["rows"]
+    keys = [(key, label) for key, label in MEASURES if any(f"{key}perplexity" in r for r in rows)]
+    header = f"{'method':<9}" + "".join(f"{label:>{max(12, len(label) + 2)}}" for _, label in keys)
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(f"{row['method']:<9}" + "".join(
+            _cell(row, key).rjust(max(12, len(label) + 2)) for key, label in keys))
+    lines.append("")
+    for label, entry in results["summary"].items():
+        recovered = entry["recovered_percent"]
+        what = ("PTQ loses nothing measurable" if recovered is None else
+                f"QAT recovers {recovered:.1f}% of what PTQ loses")
+        lines.append(f"{label}: PTQ {entry['ptq_perplexity_increase_percent']:+.2f}%, QAT "
+                     f"{entry['qat_perplexity_increase_percent']:+.2f}% perplexity vs float: {what}")
+    data = results["data"]
+    lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['source']}; target {results['config']['target']}")
+    return "\n".join(lines)
+
+
+def _plot_curve(axis, results):
+    """The held-out loss of the training curve and, on a second axis, the training objective."""
+    curve, config = results["curve"], results["config"]
+    objective = config.get("objective", "ce")
+    held = {"step": [], "train_loss": [], "eval_step": curve["eval_step"], "held_out_loss": curve["held_out_loss"]}
+    plot_training_curve(axis, held, "held-out cross-entropy (fake-quant)")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("held-out loss (nats/token)")
+    twin = axis.twinx()
+    twin.plot(curve["step"], curve["train_loss"], color="grey", alpha=0.5, linewidth=1,
+              label=f"training objective ({objective})")
+    twin.set_ylabel(f"training objective ({objective}, nats/token)")
+    axis.set_title(f"QAT for {config['target']}", fontsize=10)
+    lines = axis.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    axis.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], fontsize=8)
+
+
+def save_plot(results, path):
+    """Write a PNG: the training curve, and the float / PTQ / QAT perplexities (mixle and llama.cpp).
+
+    >>> import os, tempfile
+    >>> curve = {"step": [1, 2], "train_loss": [2.0, 1.5], "eval_step": [0, 2], "held_out_loss": [2.1, 1.6]}
+    >>> rows = [{"method": m, "perplexity": p} for m, p in (("float", 4.0), ("PTQ", 5.0), ("QAT", 4.2))]
+    >>> path = save_plot({"curve": curve, "rows": rows, "config": {"target": "q4_0"}},
+    ...                  os.path.join(tempfile.mkdtemp(), "plot.png"))
+    >>> open(path, "rb").read(4)
+    b'\\x89PNG'
+    """
+    require("matplotlib", extra="bench", purpose="the finetune plot")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5))
+    left, right = fig.subplots(1, 2)
+    _plot_curve(left, results)
+    rows = results["rows"]
+    keys = [(key, label) for key, label in MEASURES if all(f"{key}perplexity" in r for r in rows)]
+    width = 0.8 / max(1, len(keys))
+    for i, (key, label) in enumerate(keys):
+        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
+        bars = right.bar(xs, [r[f"{key}perplexity"] for r in rows], width, label=label)
+        right.bar_label(bars, fmt="%.2f", fontsize=7)
+    values = [r[f"{key}perplexity"] for key, _ in keys for r in rows]
+    low, high = min(values), max(values)
+    right.set_ylim(max(0.0, low - 0.5 * (high - low) - 1e-3), high + 0.25 * (high - low) + 1e-3)
+    right.set_xticks(range(len(rows)), [r["method"] for r in rows])
+    right.set_ylabel("perplexity (lower is better)")
+    right.set_title("float, PTQ and QAT perplexity", fontsize=10)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    return path
+
+
+def model_card(results):
+    """A short ``README.md`` for the output directory: base model, data, target, steps, the numbers.
+
+    >>> rows = [{"method": m, "loss": l, "perplexity": math.exp(l)} for m, l in (("float", 1.0), ("PTQ", 1.2),
+    ...         ("QAT", 1.02))]
+    >>> card = model_card({"rows": rows, "summary": summarize(rows), "config": {"target": "q4_0", "objective": "kl",
+    ...     "lr": 2e-5, "batch_size": 4, "block": 128, "accumulate": 1, "lora": None}, "data": {"predicted_tokens": 256,
+    ...     "source": "t.txt", "train_tokens": 1000}, "model": {"source": "m", "class": "LlamaForCausalLM",
+    ...     "parameters": 10}, "training": {"steps_done": 5, "seconds": 3.0}, "files": {"gguf": "model.gguf"}})
+    >>> card.splitlines()[0]
+    '# m, quantization-aware fine-tuned for q4_0'
+    """
+    config, data, model, training = results["config"], results["data"], results["model"], results["training"]
+    objective = {"kl": "distillation from the float model (KL, T = 1)", "ce": "next-token cross-entropy",
+                 "mix": "cross-entropy mixed with distillation"}.get(config["objective"], config["objective"])
+    lines = [f"# {model['source']}, quantization-aware fine-tuned for {config['target']}", "",
+             f"Base model: `{model['source']}` ({model['class']}, {model['parameters']:,} parameters).",
+             f"Trained by `python -m mixle finetune` for {training['steps_done']} steps "
+             f"({training['seconds']:.0f} s) of {config['accumulate']} x {config['batch_size']} windows of "
+             f"{config['block']} tokens on {data['source']} ({data['train_tokens']:,} training tokens), objective: "
+             f"{objective}, AdamW at lr {config['lr']:g} with warm-up and cosine decay"
+             + (f", LoRA rank {config['lora']} (merged and requantized)" if config.get("lora") else "") + ".", "",
+             "## Files", ""]
+    for kind, name in results["files"].items():
+        usage = {"gguf": f"llama.cpp: `llama-cli -m {name}`",
+                 "compressed_tensors": f"transformers / vLLM: `AutoModelForCausalLM.from_pretrained('{name}')`"}
+        lines.append(f"- `{name}`: {usage.get(kind, kind)}")
+    lines += ["", "## Held-out perplexity", "", "```", format_table(results), "```", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results, out_dir):
+    """Write ``results.json``, ``table.txt``, ``finetune.png`` and ``README.md`` into ``out_dir``, atomically each.
+
+    Returns:
+        ``{name: path}`` of the files.
+
+    >>> write_outputs  # doctest: +ELLIPSIS
+    <function write_outputs at ...>
+    """
+    from mixle.core.fileformat import replace_atomically
+
+    paths = {name: os.path.join(out_dir, name) for name in OUTPUTS}
+    writers = {
+        "results.json": lambda tmp: Path(tmp).write_text(json.dumps(results, indent=1)),
+        "table.txt": lambda tmp: Path(tmp).write_text(format_table(results) + "\n"),
+        "finetune.png": lambda tmp: save_plot(results, tmp),
+        "README.md": lambda tmp: Path(tmp).write_text(model_card(results)),
+    }
+    for name in OUTPUTS:
+        replace_atomically(paths[name], writers[name])
+    return paths

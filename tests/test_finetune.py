@@ -1,0 +1,373 @@
+"""``mixle finetune``: a pretrained checkpoint (directory or GGUF) to a QAT-trained file, end to end.
+
+Tiny random Llama and Qwen2 models are saved with ``save_pretrained`` beside a byte-level BPE
+tokenizer trained here with the ``tokenizers`` library; the numbers the job reports are checked
+against references computed here from the models' logits, the files' weights and llama.cpp.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import signal
+import struct
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+gguf = pytest.importorskip("gguf")
+
+import torch.nn.functional as F  # noqa: E402
+
+from mixle import quantize_model, save_gguf  # noqa: E402
+from mixle.exports.gguf import load_gguf_weights  # noqa: E402
+from mixle.lm import cli  # noqa: E402
+from mixle.lm.data import default_text  # noqa: E402
+from mixle.lm.finetune import run_finetune, shared_teacher  # noqa: E402
+from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
+from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
+from mixle.lm.finetune_train import NonFiniteLossError, Stopped  # noqa: E402
+from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
+from mixle.lm.windows import held_out_windows  # noqa: E402
+
+BLOCK, EVAL_WINDOWS = 16, 6
+FAST = ["--block", str(BLOCK), "--batch-size", "2", "--eval-windows", str(EVAL_WINDOWS), "--threads", "1",
+        "--lr", "5e-5", "--no-progress"]
+
+
+def byte_level_tokenizer(text):
+    """A byte-level BPE tokenizer of ~300 tokens trained on ``text`` (llama.cpp's gpt2 vocabulary kind)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+def tiny(kind, vocab, hidden=64, seed=0):
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=True))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, tie_word_embeddings=False))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=1, n_head=2,
+                                                                n_positions=64))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    text = default_text()[:24000]
+    tokenizer = byte_level_tokenizer(text[:12000])
+    (root / "data.txt").write_text(text[:16000])
+    (root / "other.txt").write_text(text[16000:])
+    paths = {"root": root, "data": root / "data.txt", "other": root / "other.txt"}
+    for kind, hidden in (("llama", 64), ("qwen2", 64), ("gpt2", 64), ("llama48", 48)):
+        model = tiny(kind.rstrip("48"), len(tokenizer), hidden)
+        model.save_pretrained(root / kind)
+        tokenizer.save_pretrained(root / kind)
+        paths[kind] = root / kind
+    paths["gguf"] = root / "llama.gguf"
+    save_gguf(transformers.AutoModelForCausalLM.from_pretrained(paths["llama"]), paths["gguf"], tokenizer=tokenizer,
+              float_matrices="f32")
+    paths["tokenizer"] = tokenizer
+    return paths
+
+
+def held_out(assets, path="data", model="llama", fraction=0.1):
+    """The held-out windows of a run, from the text and the split rule (the last 10% of the tokens), tokenized
+    by the model directory's tokenizer as transformers loads it (for Qwen2: Qwen2's pre-tokenizer)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(assets[model])
+    ids = np.asarray(tokenizer.encode(assets[path].read_text(), add_special_tokens=False))
+    count = max(BLOCK + 1, round(fraction * len(ids))) if path == "data" else len(ids)
+    return held_out_windows(ids[-count:], BLOCK, EVAL_WINDOWS)
+
+
+def cross_entropy(model, windows):
+    """Mean next-token cross-entropy computed here from the model's logits (float64)."""
+    with torch.no_grad():
+        logits = model(torch.as_tensor(windows[:, :-1])).logits.double()
+    return F.cross_entropy(logits.flatten(0, 1), torch.as_tensor(windows[:, 1:]).flatten()).item()
+
+
+def kl_to(reference, model, windows):
+    with torch.no_grad():
+        p = F.log_softmax(reference(torch.as_tensor(windows[:, :-1])).logits.double(), -1)
+        q = F.log_softmax(model(torch.as_tensor(windows[:, :-1])).logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def finetune(*flags):
+    return cli.main(["finetune", *flags])
+
+
+def results_of(out):
+    return json.loads((out / "results.json").read_text())
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+def test_llama_directory_to_q4_0_gguf_with_numbers_checked(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    status = finetune("--model", str(assets["llama"]), "--data", str(assets["data"]), "--eval-data",
+                      str(assets["other"]), "--out", str(out), "--steps", "12", "--float-matrices", "f32", *FAST,
+                      "--batch-size", "4")
+    assert status == 0, capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "model.gguf", "results.json", "table.txt"]
+    results = results_of(out)
+    rows = {row["method"]: row for row in results["rows"]}
+    windows, other = held_out(assets), held_out(assets, "other")
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama"])
+    ptq = quantize_model(float_model, grid="q4_0", exclude=("lm_head",))
+    from_file = load_gguf_weights(float_model, out / "model.gguf")
+    # Each reported number is the cross-entropy of that model's logits on the held-out windows.
+    assert rows["float"]["perplexity"] == pytest.approx(math.exp(cross_entropy(float_model, windows)), rel=1e-6)
+    assert rows["PTQ"]["loss"] == pytest.approx(cross_entropy(ptq, windows), rel=1e-6)
+    assert rows["QAT"]["loss"] == pytest.approx(cross_entropy(from_file, windows), rel=1e-5)
+    assert rows["QAT"]["eval_data_loss"] == pytest.approx(cross_entropy(from_file, other), rel=1e-5)
+    assert results["data"]["held_out_windows"] == EVAL_WINDOWS == len(windows)
+    # QAT moved the file toward the float model: closer to it than PTQ's file, on both texts.
+    assert kl_to(float_model, from_file, windows) < kl_to(float_model, ptq, windows)
+    assert kl_to(float_model, from_file, other) < kl_to(float_model, ptq, other)
+    if llama_cpp_module() is not None:  # llama.cpp ran mixle's file: its perplexity, and parity with mixle's
+        loss, _ = llama_cpp_loss(out / "model.gguf", windows, threads=1)
+        assert rows["QAT"]["llama_cpp_loss"] == pytest.approx(loss, rel=1e-9)
+        assert rows["QAT"]["llama_cpp_loss"] == pytest.approx(rows["QAT"]["loss"], rel=2e-3)
+        assert rows["float"]["llama_cpp_loss"] == pytest.approx(rows["float"]["loss"], rel=2e-3)
+    # The teacher shares the frozen embedding (tied head) and norms; it owns copies of the trained matrices.
+    frozen = [p for n, p in float_model.named_parameters() if "norm" in n or "embed" in n]
+    trained = [p for n, p in float_model.named_parameters() if "proj" in n]
+    model = results["model"]
+    assert model["teacher_shared_bytes"] == sum(4 * p.numel() for p in frozen)
+    assert model["teacher_own_bytes"] == sum(4 * p.numel() for p in trained) == 4 * model["trained_parameters"]
+    table = (out / "table.txt").read_text()
+    assert "QAT" in table and f"{rows['PTQ']['perplexity']:.4f}" in table
+    assert "q4_0" in (out / "README.md").read_text() and (out / "finetune.png").read_bytes()[:4] == b"\x89PNG"
+    assert "wrote model.gguf" in capsys.readouterr().out
+
+
+def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys):
+    """An integer target: no GGUF block type, so a compressed-tensors directory transformers loads; learned
+    scales, plain cross-entropy and a --max-minutes budget on the way."""
+    out = tmp_path / "run"
+    status = finetune("--model", str(assets["qwen2"]), "--data", str(assets["data"]), "--out", str(out),
+                      "--target", "int4/group32", "--learned-scales", "--objective", "ce", "--steps", "50",
+                      "--max-minutes", "0.004", *FAST)
+    assert status == 0, capsys.readouterr().err
+    results = results_of(out)
+    assert results["files"] == {"compressed_tensors": "compressed-tensors"} and not (out / "model.gguf").exists()
+    assert results["training"]["stopped_by"] == "max_minutes" and 1 <= results["training"]["steps_done"] < 50
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "compressed-tensors")
+    qat = next(row for row in results["rows"] if row["method"] == "QAT")
+    assert qat["loss"] == pytest.approx(cross_entropy(loaded, held_out(assets, model="qwen2")), rel=1e-5)
+    assert qat["spec"] == "int4/group32/symmetric/learned" and results["model"]["teacher"] is None
+
+
+def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):
+    """A GGUF file in (transformers' GGUF loader): the same float numbers as the directory it was written
+    from; LoRA on the frozen base under bfloat16 autocast, merged and requantized into Q8_0 blocks."""
+    out = tmp_path / "run"
+    status = finetune("--model", str(assets["gguf"]), "--data", str(assets["data"]), "--out", str(out),
+                      "--target", "q8_0", "--lora", "4", "--dtype", "bfloat16", "--steps", "4", "--no-llama-cpp",
+                      *FAST)
+    assert status == 0, capsys.readouterr().err
+    results = results_of(out)
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama"])
+    assert results["rows"][0]["loss"] == pytest.approx(cross_entropy(float_model, held_out(assets)), rel=1e-6)
+    shapes = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # q k v o gate up down
+    assert results["model"]["kind"] == "gguf"
+    assert results["model"]["trained_parameters"] == 2 * sum(4 * (i + o) for i, o in shapes)  # rank-4 A and B
+    assert results["model"]["teacher_own_bytes"] == 0  # a frozen base: the teacher shares all of it
+    reader = gguf.GGUFReader(out / "model.gguf")
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.ffn_down.weight"] == "Q8_0"
+
+
+# ------------------------------------------------------------------------------------ resume
+
+
+def test_resume_after_sigterm_is_bit_for_bit_the_uninterrupted_run(assets, tmp_path, capsys, monkeypatch):
+    flags = ["--model", str(assets["llama"]), "--data", str(assets["data"]), "--steps", "6", "--accumulate", "2",
+             "--checkpoint-every", "2", "--no-llama-cpp", *FAST]
+    assert finetune(*flags, "--out", str(tmp_path / "whole")) == 0
+    from mixle.lm import finetune_train
+
+    step = finetune_train.FinetuneTrainer.step
+
+    def step_then_sigterm(trainer):  # SIGTERM arrives during step 3, as from a scheduler
+        value = step(trainer)
+        if trainer.state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return value
+
+    monkeypatch.setattr(finetune_train.FinetuneTrainer, "step", step_then_sigterm)
+    parted = tmp_path / "parted"
+    capsys.readouterr()
+    assert finetune(*flags, "--out", str(parted)) == 130
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM after step 3" in err and f"--resume {parted}" in err
+    assert read_checkpoint(parted / "checkpoint.pt")["state"]["step"] == 3
+    assert not (parted / "model.gguf").exists()
+    monkeypatch.undo()
+    assert finetune("--resume", str(parted), "--no-progress") == 0, capsys.readouterr().err
+    whole, resumed = results_of(tmp_path / "whole"), results_of(parted)
+    assert resumed["rows"] == whole["rows"] and resumed["curve"] == whole["curve"]
+    digest = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(parted / "model.gguf") == digest(tmp_path / "whole" / "model.gguf")
+    assert not (parted / "checkpoint.pt").exists()
+
+
+def test_resume_refuses_another_result_flag_and_a_busy_out(assets, tmp_path, capsys):
+    config = FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(tmp_path / "run"),
+                            steps=4, block=BLOCK, batch_size=2, eval_windows=2, llama_cpp=False, threads=1)
+
+    def stop(trainer):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step finishes, then the checkpoint is written
+
+    with pytest.raises(Stopped, match="SIGINT after step 1"):
+        run_finetune(config, progress=False, callback=stop)
+    with pytest.raises(SystemExit):
+        finetune("--resume", config.out, "--steps", "5")
+    assert "--steps 5 differs from the interrupted run's 4" in capsys.readouterr().err
+    assert finetune("--model", config.model, "--out", config.out) == 1
+    assert f"holds an interrupted run's checkpoint.pt: continue it with --resume {config.out}" in capsys.readouterr().err
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_path):
+    config = FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(tmp_path / "run"),
+                            steps=6, block=BLOCK, batch_size=2, eval_windows=2, checkpoint_every=2, llama_cpp=False,
+                            threads=1)
+
+    def poison(trainer):  # after the step-2 checkpoint, one trained weight becomes NaN
+        if trainer.state.step == 2:
+            with torch.no_grad():
+                trainer.trainable[0][1][0, 0] = float("nan")
+
+    with pytest.raises(NonFiniteLossError, match=r"at step 3: .*last checkpoint is kept.*Lower --lr"):
+        run_finetune(config, progress=False, callback=poison)
+    saved = read_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert saved["state"]["step"] == 2 and all(bool(torch.isfinite(t).all()) for t in saved["trainable"].values())
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _error(capsys, *flags, status=1):
+    code = None
+    try:
+        code = finetune(*flags)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == status
+    return capsys.readouterr().err
+
+
+def test_bad_models_are_refused_before_training_naming_the_file(assets, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "out"), "--data", str(assets["data"]), *FAST]
+    assert "--model '/no/such/dir' does not exist" in _error(capsys, "--model", "/no/such/dir", *out)
+    err = _error(capsys, "--model", str(assets["gpt2"]), *out)
+    assert "GPT2LMHeadModel, which mixle cannot export" in err and "LlamaForCausalLM (llama), Qwen2ForCausalLM" in err
+    err = _error(capsys, "--model", str(assets["llama48"]), *out)
+    assert "cannot be stored for this LlamaForCausalLM: layer 'model.layers.0.self_attn.q_proj' has 48 inputs" in err
+    err = _error(capsys, "--model", str(assets["llama"]), "--learned-scales", *out, status=2)
+    assert "--learned-scales with --target q4_0" in err
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for name in os.listdir(assets["llama"]):
+        (truncated / name).write_bytes((assets["llama"] / name).read_bytes())
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert f"{str(weights)!r} is truncated" in _error(capsys, "--model", str(truncated), *out)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(assets["gguf"].read_bytes()[:-1000])
+    assert "is not a readable GGUF file" in _error(capsys, "--model", str(cut), *out)
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_a_nan_float16_block_scale_in_a_gguf_is_refused(assets, tmp_path, capsys):
+    model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama"])
+    path = tmp_path / "nan.gguf"
+    save_gguf(model, path, tokenizer=assets["tokenizer"])  # the token embedding as Q8_0 blocks
+    embd = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    data = bytearray(path.read_bytes())
+    data[embd.data_offset : embd.data_offset + 2] = struct.pack("<H", 0x7E00)  # block 0's scale: float16 NaN
+    path.write_bytes(bytes(data))
+    err = _error(capsys, "--model", str(path), "--out", str(tmp_path / "out"), *FAST)
+    assert f"tensor 'model.embed_tokens.weight' read from {str(path)!r} holds 32 non-finite values" in err
+
+
+def test_bad_data_and_out_are_refused_before_training(assets, tmp_path, capsys, monkeypatch):
+    model = ["--model", str(assets["llama"]), *FAST]
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    assert f"data file {str(latin)!r} is not UTF-8 text" in _error(capsys, *model, "--data", str(latin), "--out",
+                                                                    str(tmp_path / "o"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert "is empty" in _error(capsys, *model, "--data", str(empty), "--out", str(tmp_path / "o"))
+    short = tmp_path / "short.txt"
+    short.write_text("A short text of a few tokens.")
+    assert "needs at least 170" in _error(capsys, *model, "--data", str(short), "--out", str(tmp_path / "o"))
+    (tmp_path / "no_text").mkdir()
+    assert "no text files" in _error(capsys, *model, "--data", str(tmp_path / "no_text"), "--out", str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()  # bad data is found before the output directory is made
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert "is not a writable directory" in _error(capsys, *model, "--data", str(assets["data"]), "--out",
+                                                   str(blocker / "out"))
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    err = _error(capsys, *model, "--data", str(assets["data"]), "--out", str(tmp_path / "full"))
+    assert "has 0 MiB free, but this run writes about" in err
+    assert os.listdir(tmp_path / "full") == []
+
+
+# ------------------------------------------------------------------------------------ pieces
+
+
+def test_help_explains_every_flag_the_issue_names(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--data", "--target", "--out", "--steps", "--max-minutes", "--resume", "--lora", "--dtype",
+                 "--device", "--objective", "--eval-data", "--learned-scales", "--accumulate"):
+        assert flag in text, flag
+
+
+def test_the_teacher_is_the_float_model_sharing_the_frozen_tensors(assets):
+    from mixle.api import apply_qat
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama"])
+    ids = torch.as_tensor(held_out(assets)[:2])
+    with torch.no_grad():
+        expected = model(ids).logits
+    student = apply_qat(model, grid="q4_0", exclude=("lm_head",))
+    trained = [student.model.layers[0].self_attn.q_proj.weight]
+    teacher = shared_teacher(student, trained)
+    assert teacher.model.embed_tokens.weight is student.model.embed_tokens.weight
+    assert teacher.model.layers[1].mlp.up_proj.weight is student.model.layers[1].mlp.up_proj.weight
+    assert teacher.model.layers[0].self_attn.q_proj.weight is not trained[0]
+    with torch.no_grad():
+        assert torch.equal(teacher(ids).logits, expected)
+        assert not torch.equal(student(ids).logits, expected)  # the student fake-quantizes
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="--model is required"):
+        FinetuneConfig(out="o")
+    with pytest.raises(ValueError, match="target='int3' is unknown"):
+        FinetuneConfig(model="m", out="o", target="int3")
+    with pytest.raises(ValueError, match="Q4_K_M are not trainable yet"):
+        FinetuneConfig(model="m", out="o", target="Q4_K_M")
+    assert dataclasses.replace(FinetuneConfig(model="m", out="o"), data="a.txt").data == ("a.txt",)
