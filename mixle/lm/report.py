@@ -260,7 +260,15 @@ def check_out_dir(out_dir):
         ImportError: matplotlib is missing (names the extra to install).
 
     >>> import tempfile, os
-    >>> check_out_dir(os.path.join(tempfile.mkdtemp(), "new", "run"))
+    >>> run = os.path.join(tempfile.mkdtemp(), "new", "run")
+    >>> check_out_dir(run)
+    >>> os.path.isdir(run), os.listdir(run)    # created, and the write probe removed again
+    (True, [])
+    >>> open(os.path.join(run, "file"), "w").close()
+    >>> check_out_dir(os.path.join(run, "file", "sub"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: out_dir='.../file/sub' cannot be created (Not a directory): choose a directory you can write
     """
     require("matplotlib", extra="bench", purpose="the comparison plot")
     try:
