@@ -10,13 +10,22 @@ activations, caches, temporaries) from building the model through its third trai
 Shapes: ``mlp`` is 4 Linear layers 512->2048->512->2048->512 with GELU, batch 256, MSE loss;
 ``transformer`` is ``mixle.models.transformer.build_causal_lm(vocab=256)`` with its defaults
 (d_model 128, 3 layers, 4 heads, block 64; head tied to the embedding), batch 32 of 65 tokens,
-next-token cross-entropy.
+next-token cross-entropy; ``smollm2`` is SmolLM2-135M (transformers Llama: hidden 576,
+intermediate 1536, 9 heads, 3 KV heads, vocab 49152, tied head), the real checkpoint with
+``--smollm2-gguf`` or else ``--smollm2-layers`` randomly initialised layers of its shapes,
+batch 4 of 128 tokens, the model's own next-token loss.
+
+``--dtypes fp32,bf16`` also runs every variant under ``torch.autocast("cpu", torch.bfloat16)``
+(rows ``... +bf16``); each row's ratio is to the float step in the same dtype, measured in the
+same interleaved rounds.
 
 Usage::
 
     python benchmarks/overhead.py                       # both shapes, 2 threads, 30 steps
     python benchmarks/overhead.py --shapes mlp --steps 40 --threads 2 --plot overhead.png
     python benchmarks/overhead.py --no-compile --no-memory --only "fp32|int4 channel"
+    python benchmarks/overhead.py --shapes smollm2 --dtypes fp32,bf16 --steps 10 --warmup 2 \
+        --no-memory --no-compile --only "int4 group32$|q4_0$|q8_0$|qwix|8da4w group32$"
 """
 
 import argparse
@@ -91,11 +100,36 @@ def _lm_loss(model, tokens, _):
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
+SMOLLM2 = {"gguf": None, "layers": 4}  # set from the command line
+
+
+def _smollm2():
+    import transformers
+
+    torch.manual_seed(0)
+    if SMOLLM2["gguf"]:
+        path = Path(SMOLLM2["gguf"])
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=SMOLLM2["layers"], num_attention_heads=9,
+                                      num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _smollm2_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 49152, (4, 128), generator=g), None
+
+
 SHAPES = {
     "mlp": Shape("mlp", "MLP 512->2048->512->2048->512 (GELU), batch 256, MSE", _mlp, _mlp_batch,
                  lambda model, x, y: F.mse_loss(model(x), y)),
     "transformer": Shape("transformer", "build_causal_lm(vocab=256): d_model 128, 3 layers, 4 heads, "
                          "tied head; batch 32 x 64 tokens, cross-entropy", _lm, _lm_batch, _lm_loss),
+    "smollm2": Shape("smollm2", "SmolLM2-135M shapes (hidden 576, intermediate 1536, vocab 49152, tied); "
+                     "batch 4 x 128 tokens", _smollm2, _smollm2_batch,
+                     lambda model, tokens, _: model(input_ids=tokens, labels=tokens).loss),
 }
 
 
@@ -108,10 +142,22 @@ class Variant:
     prepare: object  # fp32 model -> model to train (may be compiled)
     compiled: bool = False
     torch_ops: bool = False  # mixle's fused CPU kernels switched off: its numerics as torch ops
+    autocast: bool = False  # the step under torch.autocast("cpu", dtype=torch.bfloat16)
+
+    @property
+    def baseline(self):
+        """The float row this row's ratio is taken to (same dtype)."""
+        return "fp32 +bf16" if self.autocast else "fp32"
 
 
 def _mixle(bits, granularity, group_size=None, percentile=None):
     spec = QuantSpec(bits=bits, granularity=granularity, group_size=group_size, clip_percentile=percentile)
+    return lambda model: apply_qat(model, spec=spec)
+
+
+def _mixle_grid(**fields):
+    """A mixle spec by its fields (the other grids: qwix, llama.cpp's q4_0 and q8_0)."""
+    spec = QuantSpec(**fields)
     return lambda model: apply_qat(model, spec=spec)
 
 
@@ -190,7 +236,15 @@ def _installed(module):
     return True
 
 
-def variants(compile_rows):
+def variants(compile_rows, dtypes=("fp32",)):
+    rows = _fp32_variants(compile_rows)
+    if "bf16" not in dtypes:
+        return rows
+    bf16 = [Variant(f"{row.name} +bf16", row.prepare, row.compiled, row.torch_ops, autocast=True) for row in rows]
+    return (rows if "fp32" in dtypes else []) + bf16
+
+
+def _fp32_variants(compile_rows):
     rows = [Variant("fp32", lambda model: model)]
     for bits in (4, 8):
         for granularity, group_size, label in (("tensor", None, "tensor"), ("channel", None, "channel"),
@@ -205,6 +259,10 @@ def variants(compile_rows):
     if _installed("torchao"):
         rows.append(Variant("torchao int4 group32", _torchao("group")))
         rows.append(Variant("torchao int4 channel", _torchao("channel")))
+    rows.append(Variant("mixle qwix int4 group32", _mixle_grid(bits=4, group_size=32, grid="qwix")))
+    rows.append(Variant("mixle q4_0", _mixle_grid(bits=4, grid="q4_0")))
+    rows.append(Variant("mixle q8_0", _mixle_grid(bits=8, grid="q8_0")))
+    rows.append(Variant("mixle q4_0 a8", _mixle_grid(bits=4, grid="q4_0", act_bits=8)))
     rows.append(Variant("mixle int4 channel learned", _mixle_learned("channel")))
     rows.append(Variant("mixle int4 group32 learned", _mixle_learned("group", 32)))
     rows.append(Variant("mixle 8da4w group32", _mixle_8da4w()))
@@ -241,14 +299,21 @@ def _trainer(shape, variant, base, data):
     def step():
         with _fused_cpu.switched_off() if variant.torch_ops else contextlib.nullcontext():
             optimizer.zero_grad(set_to_none=True)
-            shape.loss(model, inputs, targets).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.autocast):
+                loss = shape.loss(model, inputs, targets)
+            loss.backward()
             optimizer.step()
 
     return step
 
 
-def time_steps(shape, rows, steps, warmup):
-    """Median seconds per step of each variant, steps interleaved round by round."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_steps(shape, rows, steps, warmup, clock="wall"):
+    """Median seconds per step of each variant, steps interleaved round by round; ``clock="cpu"``
+    counts this process's CPU time (with 1 thread: immune to other processes taking the cores)."""
+    now = CLOCKS[clock]
     from tqdm import tqdm
 
     base, data = shape.build(), shape.batch()
@@ -259,9 +324,9 @@ def time_steps(shape, rows, steps, warmup):
         order = list(range(len(rows)))
         order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
         for i in order:
-            start = time.perf_counter()
+            start = now()
             trainers[i]()
-            elapsed = time.perf_counter() - start
+            elapsed = now() - start
             if r >= warmup:
                 times[i].append(elapsed)
     return [(statistics.median(t), min(t)) for t in times]
@@ -294,20 +359,22 @@ def peak_memory(shape, variant, steps=3):
 
 
 def report(shape, rows, timing, memory):
-    """Median step time and its ratio to fp32 (the measure); the fastest step as a load check."""
-    fp32_median, fp32_min = timing[0]
-    compiled_fp32 = next((t for row, (t, _) in zip(rows, timing) if row.name == "fp32 compiled"), None)
+    """Median step time and its ratio to the float step in the same dtype (the measure); the
+    fastest step as a load check."""
+    by_name = dict(zip((row.name for row in rows), timing))
     lines = [f"\n== {shape.name}: {shape.description}",
-             f"{'variant':<36} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'x fp32':>7} "
-             f"{'peak MB':>8} {'x fp32':>7}  note"]
+             f"{'variant':<40} {'median ms':>9} {'x float':>7} {'min ms':>8} {'x float':>7} "
+             f"{'peak MB':>8} {'x float':>7}  note"]
     for row, (median, fastest) in zip(rows, timing):
-        mem = memory.get(row.name)
-        mem_cols = f"{mem / 2**20:>8.1f} {mem / memory['fp32']:>7.3f}" if mem else f"{'-':>8} {'-':>7}"
+        base_median, base_min = by_name.get(row.baseline, (median, fastest))
+        mem, base_mem = memory.get(row.name), memory.get(row.baseline)
+        mem_cols = f"{mem / 2**20:>8.1f} {mem / base_mem:>7.3f}" if mem and base_mem else f"{'-':>8} {'-':>7}"
+        compiled_float = by_name.get(row.baseline.replace("fp32", "fp32 compiled", 1))
         note = ""
-        if row.compiled and compiled_fp32 and row.name != "fp32 compiled":
-            note = f"{median / compiled_fp32:.3f}x fp32 compiled"
-        lines.append(f"{row.name:<36} {median * 1e3:>9.2f} {median / fp32_median:>7.3f} {fastest * 1e3:>8.2f} "
-                     f"{fastest / fp32_min:>7.3f} {mem_cols}  {note}")
+        if row.compiled and compiled_float and not row.name.startswith("fp32 compiled"):
+            note = f"{median / compiled_float[0]:.3f}x float compiled"
+        lines.append(f"{row.name:<40} {median * 1e3:>9.2f} {median / base_median:>7.3f} {fastest * 1e3:>8.2f} "
+                     f"{fastest / base_min:>7.3f} {mem_cols}  {note}")
     print("\n".join(lines), flush=True)
 
 
@@ -340,23 +407,31 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (median of these)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
     parser.add_argument("--shapes", default="mlp,transformer", help="comma list of: " + ", ".join(SHAPES))
-    parser.add_argument("--only", default=None, help="regex: keep variants whose name matches (fp32 always kept)")
+    parser.add_argument("--only", default=None, help="regex: keep variants whose name (without +bf16) matches "
+                        "(the float rows always kept)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     parser.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG")
+    parser.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (bf16: the step under "
+                        "torch.autocast('cpu', torch.bfloat16), ratios to the float step under it)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or this process's CPU time (use with --threads 1 on a busy machine)")
+    parser.add_argument("--smollm2-gguf", default=None, help="the smollm2 shape loads this SmolLM2-135M .gguf")
+    parser.add_argument("--smollm2-layers", type=int, default=4, help="without it: this many layers of its shapes")
     args = parser.parse_args(argv)
-    if args.steps < 20:
-        parser.error(f"--steps={args.steps}: use at least 20 so the medians mean something")
+    if args.steps < 10:
+        parser.error(f"--steps={args.steps}: use at least 10 so the medians mean something")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}: choose from {list(SHAPES)}")
 
     torch.set_num_threads(args.threads)
-    rows = variants(compile_rows=not args.no_compile)
+    SMOLLM2.update(gguf=args.smollm2_gguf, layers=args.smollm2_layers)
+    rows = variants(compile_rows=not args.no_compile, dtypes=args.dtypes.split(","))
     if args.only:
-        rows = [r for r in rows if r.name == "fp32" or re.search(args.only, r.name)]
+        rows = [r for r in rows if r.name in ("fp32", "fp32 +bf16") or re.search(args.only, r.name.removesuffix(" +bf16"))]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"median of {args.steps} steps after {args.warmup} warm-up, variants interleaved; "
+          f"median of {args.steps} steps after {args.warmup} warm-up ({args.clock} clock), variants interleaved; "
           f"clipping percentile {PERCENTILE}; load average {os.getloadavg()[0]:.2f} at start")
     print(f"mixle fused CPU fake-quant kernels: "
           f"{'on, ' + _fused_cpu.library_path() if _fused_cpu.available() else 'OFF (torch ops)'}; "
@@ -367,7 +442,7 @@ def main(argv=None):
     results = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        timing = time_steps(shape, rows, args.steps, args.warmup)
+        timing = time_steps(shape, rows, args.steps, args.warmup, args.clock)
         memory = {}
         if not args.no_memory:
             for row in rows:

@@ -246,3 +246,160 @@ def test_face_imports_gguf_only_when_called():
     code = "import sys, mixle.task.quantize as q; q.save_gguf; print('gguf' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------------------------
+# Any llama.cpp grid, given per layer as a QuantizedArray (the entry point the torch wiring uses),
+# and the refusals.
+
+from mixle.core.numerics import quantize_array  # noqa: E402
+
+# layer -> grid: ffn_down rows hold 256 values (the K-quants), the others 64 (the 32-blocks).
+NEW_BLOCKS = {"blocks.0.out": "q4_k", "blocks.1.out": "q6_k", "blocks.0.fc": "q4_1", "blocks.0.qkv": "q5_0",
+              "blocks.1.qkv": "q5_1", "blocks.1.fc": "mxfp4", "blocks.0.proj": "q8_0", "blocks.1.proj": "q4_0"}
+
+
+def _module(lm, path):
+    return lm.get_submodule(path)
+
+
+def test_quantized_arrays_on_every_ggml_grid_are_written_as_their_blocks(tmp_path):
+    lm = _lm()
+    arrays = {path: quantize_array(_module(lm, path).weight.detach(), grid=grid) for path, grid in NEW_BLOCKS.items()}
+    types = save_gguf(lm, tmp_path / "lm.gguf", quantized=arrays, float_matrices="f32")
+    reader, got = _read(tmp_path / "lm.gguf")
+    index = {"qkv": "attn_qkv", "proj": "attn_output", "fc": "ffn_up", "out": "ffn_down"}
+    for path, grid in NEW_BLOCKS.items():
+        _, block, part = path.split(".")
+        name = f"blk.{block}.{index[part]}.weight"
+        assert types[name] == got[name][0] == grid.upper()
+        want = arrays[path].dequantize().numpy()  # gguf-py's dequantize of the file's blocks == the record's
+        np.testing.assert_array_equal(got[name][1].view(np.uint32), want.view(np.uint32), err_msg=name)
+    assert _field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    back = load_gguf_weights(lm, tmp_path / "lm.gguf")
+    for path in NEW_BLOCKS:
+        torch.testing.assert_close(_module(back, path).weight, arrays[path].dequantize(), rtol=0, atol=0)
+
+
+def test_a_mix_with_qat_layers_on_its_types(tmp_path):
+    from mixle.exports.gguf import gguf_mix_specs, gguf_mix_types
+
+    lm = _lm()
+    specs = gguf_mix_specs(lm, "Q4_K_M")
+    types = gguf_mix_types(lm, "Q4_K_M")
+    assert specs["head"] == specs["tok"] and specs["tok"].grid == "q8_0"  # tied, rows of 64: Q8_0
+    # ffn_down: use_more_bits picks layer 1 of 2 (Q6_K); ffn_up's rows of 64 fall back from Q4_K to Q5_0.
+    assert (specs["blocks.0.out"].grid, specs["blocks.1.out"].grid, specs["blocks.0.fc"].grid) == ("q4_k", "q6_k", "q5_0")
+    arrays = {path: quantize_array(_module(lm, path).weight.detach(), spec) for path, spec in specs.items()
+              if path != "head"}
+    written = save_gguf(lm, tmp_path / "mix.gguf", gguf_mix="Q4_K_M", quantized=arrays)
+    assert written == {name: t or "F32" for name, t in types.items()}
+    save_gguf(lm, tmp_path / "float.gguf", gguf_mix="Q4_K_M")  # the float model: the same file
+    for a, b in zip(gguf.GGUFReader(tmp_path / "mix.gguf").tensors, gguf.GGUFReader(tmp_path / "float.gguf").tensors):
+        assert a.name == b.name and a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (lambda lm: dict(quantized={"blocks.0.fc": quantize_array(lm.blocks[0].fc.weight.detach(), bits=4)}),
+     r"layer 'blocks.0.fc' is quantized on int4/channel/symmetric, which GGUF has no block type"),
+    (lambda lm: dict(quantized={"blocks.0.out": quantize_array(lm.blocks[0].out.weight.detach(), grid="nf4")}),
+     r"layer 'blocks.0.out' is quantized on int4/group64/nf4, which GGUF has no block type"),
+    (lambda lm: dict(quantized={"blocks.9.fc": quantize_array(lm.blocks[0].fc.weight.detach(), grid="q4_1")}),
+     r"quantized names \['blocks.9.fc'\], which are not weight matrices save_gguf writes"),
+    (lambda lm: dict(quantized={"blocks.0.fc": quantize_array(lm.blocks[0].proj.weight.detach(), grid="q4_1")}),
+     r"quantized\['blocks.0.fc'\] has shape \[64, 64\], but the layer's weight is \[256, 64\]"),
+    (lambda lm: dict(gguf_mix="Q4_K_M",
+                     quantized={"blocks.1.out": quantize_array(lm.blocks[1].out.weight.detach(), grid="q4_k")}),
+     r"layer 'blocks.1.out' is quantized on int4/group256/q4_k \(Q4_K\), but llama.cpp's quantizer gives "
+     r"'blk.1.ffn_down.weight' Q6_K in this gguf_mix: train it on grid='q6_k'"),
+    (lambda lm: dict(gguf_mix="Q4_K_M", float_matrices="f32"), r"float_matrices='f32' and gguf_mix='Q4_K_M'"),
+    (lambda lm: dict(gguf_mix="Q2_K"), r"gguf_mix='Q2_K' is unknown"),
+])
+def test_what_gguf_cannot_hold_is_refused_naming_the_layer(kwargs, words, tmp_path):
+    lm = _lm()
+    with pytest.raises(ValueError, match=words):
+        save_gguf(lm, tmp_path / "lm.gguf", **kwargs(lm))
+    assert not (tmp_path / "lm.gguf").exists()
+    with pytest.raises(TypeError, match=r"quantized must be \{layer path: QuantizedArray\}"):
+        save_gguf(lm, tmp_path / "lm.gguf", quantized={"blocks.0.fc": lm.blocks[0].fc.weight})
+
+
+def test_a_qat_layer_off_the_mixs_type_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"layer 'tok' is quantized on int4/group32/q4_0 \(Q4_0\), but llama.cpp's "
+                                         r"quantizer gives 'token_embd.weight' Q8_0 in this gguf_mix"):
+        save_gguf(apply_qat(_lm(), grid="q4_0"), tmp_path / "lm.gguf", gguf_mix="Q4_K_M")
+
+
+# ----------------------------------------------------------------------------------------------
+# load_gguf_weights refuses files it cannot trust, naming the tensor and the file.
+
+from mixle.task.quantize import load_gguf_weights  # noqa: E402
+
+
+@pytest.fixture
+def q4_file(tmp_path):
+    lm = _lm()
+    save_gguf(apply_qat(_lm(), grid="q4_0"), tmp_path / "lm.gguf")
+    return lm, tmp_path / "lm.gguf"
+
+
+def test_a_truncated_file_is_refused_naming_the_tensor(q4_file, tmp_path):
+    lm, path = q4_file
+    data = path.read_bytes()
+    last = gguf.GGUFReader(path).tensors[-1]
+    (tmp_path / "cut.gguf").write_bytes(data[: last.data_offset + 10])
+    with pytest.raises(ValueError, match=rf"cut.gguf' cannot be read as a GGUF file: tensor {last.name!r} needs bytes "
+                                         rf"{last.data_offset}\.\.\d+, but the file ends at {last.data_offset + 10}: "
+                                         rf"it is truncated"):
+        load_gguf_weights(lm, tmp_path / "cut.gguf")
+    (tmp_path / "head.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match=r"head.gguf' cannot be read as a GGUF file: its header is cut short"):
+        load_gguf_weights(lm, tmp_path / "head.gguf")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_nan_or_inf_block_scale_is_refused(q4_file, tmp_path, value):
+    lm, path = q4_file
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    offset = tensor.data_offset + 3 * 18  # the d of the fourth Q4_0 block: rows of 64 hold two
+    data[offset:offset + 2] = np.array([value], "<f2").tobytes()
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"tensor 'blk.1.ffn_up.weight' of '.*bad.gguf' holds a NaN or infinite "
+                                         rf"float16 block scale \(row 1, block 1: d = {value}\): the file is corrupt"):
+        load_gguf_weights(lm, tmp_path / "bad.gguf")
+
+
+def test_nan_values_and_misfit_shapes_are_refused(tmp_path):
+    lm = _lm()
+    save_gguf(lm, tmp_path / "f32.gguf", float_matrices="f32")
+    tensor = next(t for t in gguf.GGUFReader(tmp_path / "f32.gguf").tensors if t.name == "blk.0.ffn_down.weight")
+    data = bytearray((tmp_path / "f32.gguf").read_bytes())
+    data[tensor.data_offset + 8:tensor.data_offset + 12] = np.array([np.nan], "<f4").tobytes()
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_down.weight' of '.*nan.gguf' holds NaN or infinity "
+                                         r"\(F32 value nan at \[0, 2\]\)"):
+        load_gguf_weights(lm, tmp_path / "nan.gguf")
+    torch.manual_seed(0)
+    other = build_causal_lm(vocab=VOCAB, d_model=32, n_layer=LAYERS, n_head=HEADS, block=CONTEXT,
+                            activation="gelu_tanh")
+    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' of '.*f32.gguf' has shape \[48, 64\], but "
+                                         r"'tok' has \[48, 32\]: the file was written for another configuration"):
+        load_gguf_weights(other, tmp_path / "f32.gguf")
+
+
+def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(200))
+    with pytest.raises(ValueError, match=r"x.gguf' cannot be read as a GGUF file: its first bytes are b'PK\\x03\\x04', "
+                                         r"not GGUF's magic"):
+        load_gguf_weights(_lm(), tmp_path / "x.gguf")
+
+
+def test_a_float_weight_too_large_for_the_mixs_float16_scales_is_refused_naming_it(tmp_path):
+    lm = _lm()
+    with torch.no_grad():
+        lm.blocks[0].out.weight[2, 7] = 1e9
+    with pytest.raises(ValueError, match=r"layer 'blocks.0.out': a block scale does not fit float16, which "
+                                         r"grid='q4_k' stores it in"):
+        save_gguf(lm, tmp_path / "lm.gguf", gguf_mix="Q4_K_M")
+    assert not (tmp_path / "lm.gguf").exists()

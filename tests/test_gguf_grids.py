@@ -110,7 +110,7 @@ def test_spec_fixes_blocks_of_32():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(bits=8, grid="q4_0"), r"grid='q4_0' has no bits=8 codes.*use bits=4"),
-    (dict(grid="q8_0"), r"grid='q8_0' has no bits=4 codes.*use bits=8"),
+    (dict(bits=4, grid="q8_0"), r"grid='q8_0' has no bits=4 codes.*use bits=8 \(or leave bits unset\)"),
     (dict(grid="q4_0", group_size=64), r"blocks of 32.*group_size=64: leave both unset"),
     (dict(grid="q4_0", granularity="channel"), r"blocks of 32.*granularity='channel'.*leave both unset"),
     (dict(bits=8, grid="q8_0", granularity="tensor"), r"blocks of 32.*granularity='tensor'"),
@@ -119,6 +119,19 @@ def test_spec_fixes_blocks_of_32():
 def test_conflicting_spec_is_refused(fields, words):
     with pytest.raises(ValueError, match=words):
         QuantSpec(**fields)
+
+
+def test_a_grid_with_one_width_implies_it():
+    # The rough edge of issue 24: grid="q8_0" alone used to fail with "has no bits=4 codes".
+    assert QuantSpec(grid="q8_0").bits == 8 and QuantSpec(grid="q4_0").bits == 4
+    assert QuantSpec(grid="q8_0") == QuantSpec(bits=8, grid="q8_0")
+    assert QuantSpec().bits == 4 and QuantSpec(grid="qwix").bits == 4  # two widths: 4 unless told
+    w = weights(3)
+    np.testing.assert_array_equal(bits_of(quantize_dequantize_array(w, grid="q8_0")), bits_of(gguf_round_trip(w, "q8_0")))
+    import mixle
+
+    np.testing.assert_array_equal(bits_of(mixle.fake_quantize(torch.from_numpy(w), grid="q8_0")),
+                                  bits_of(gguf_round_trip(w, "q8_0")))
 
 
 def test_group_size_must_divide_the_input():

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mixle.core.grids import GRIDS
 from mixle.task.quantize import (
     QuantSpec,
     block_shape,
@@ -197,3 +198,15 @@ def test_property_codes_in_range_error_bounded_and_requantize_is_identity(
     # (the qwix grid's absmax/(qmax+0.5) scale is not a fixed point, so it is excluded).
     if grid == "symmetric":
         np.testing.assert_array_equal(quantize_array(deq, spec).codes, q.codes)
+
+
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+def test_every_grid_quantizes_to_a_valid_record_on_its_own_width(grid):
+    """quantize_array on each grid (its only width implied, its block numerics dispatched to):
+    the record validates and dequantizes to finite values near the weights."""
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    spec = QuantSpec(grid=grid, bits=max(GRIDS[grid].codes))
+    q = quantize_array(w, spec).check(grid)
+    values = np.asarray(q.dequantize())
+    assert values.shape == w.shape and np.isfinite(values).all()
+    assert np.abs(values - w).max() < 0.6 * np.abs(w).max()

@@ -94,3 +94,50 @@ def test_the_compiled_graph_runs_the_fused_kernels_through_the_dispatcher(fake_q
     assert torch.equal(compiled(x), eager)
     uses_kernel = any("mixle.fused_fake_quant" in target for target in seen)
     assert uses_kernel == (fake_quant_path == "fused")
+
+
+class TiedLM(nn.Module):
+    """Every layer kind in one small model: a tied embedding and head, a Linear, transformers'
+    Conv1D, a Conv1d and a MultiheadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.emb, self.fc, self.proj = nn.Embedding(50, 64), nn.Linear(64, 64), Conv1D(64, 64)
+        self.conv, self.attn = nn.Conv1d(64, 64, 1), nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = torch.relu(self.fc(self.emb(ids)))
+        h = self.proj(h) + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+
+
+GRID_SPECS = {  # every grid with act_bits; learned scales and percentile clipping ride on the plain grids
+    "symmetric": dict(bits=4, group_size=32, act_bits=8, scale="learned"),
+    "qwix": dict(bits=8, group_size=32, grid="qwix", act_bits=8, act_symmetric=False, clip_percentile=99.0,
+                 clip_gradient=True),
+    "q4_0": dict(bits=4, grid="q4_0", act_bits=8),
+    "q8_0": dict(bits=8, grid="q8_0", act_bits=8),
+}
+
+
+@pytest.mark.parametrize("name", GRID_SPECS)
+def test_every_grid_and_option_compiles_to_one_graph(name):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = apply_qat(TiedLM(), **GRID_SPECS[name])
+    explained = torch._dynamo.explain(model)(torch.randint(0, 50, (2, 8)))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_q4_0_with_activations_compiles_forward_and_backward_to_eager_values():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, tokens = apply_qat(TiedLM(), grid="q4_0", act_bits=8), torch.randint(0, 50, (2, 8))
+    eager_out, eager_grads = step(model, tokens)
+    out, grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"), tokens)
+    assert torch.equal(out, eager_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))

@@ -72,12 +72,15 @@ def test_fake_quantize_int4_is_bits_4_and_refuses_other_bits():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fake_quantize_keeps_low_precision_dtype(dtype):
+    torch.manual_seed(0)
     x = torch.randn(6, 16).to(dtype).requires_grad_()
     out = fake_quantize(x, bits=4)
     assert out.dtype == dtype
-    # Reference in the same dtype, computed step by step with torch ops.
-    scale = x.detach().abs().amax(dim=1, keepdim=True) / torch.tensor(7.0, dtype=dtype)
-    expected = torch.round(x.detach() / scale).clamp(-7, 7) * scale
+    # Reference: the grid numerics run in float32 (codes as for a float32 copy of x), the scale is
+    # stored in x's dtype, and the product is rounded to x's dtype.
+    w = x.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 7.0
+    expected = (torch.round(w / scale).clamp(-7, 7) * scale.to(dtype).float()).to(dtype)
     assert torch.equal(out.detach(), expected)
     out.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))

@@ -7,7 +7,10 @@ array of it.
 
 Every adapter has the same methods. Reductions (``amax``, ``absmax``, ``order_stats``,
 ``signed_max``) run over one ``axis`` and keep it with length 1; elementwise methods take and
-return arrays of the adapter's library.
+return arrays of the adapter's library. The methods ending in ``_`` (``add_``, ``floor_``, ...)
+may write their result into their first argument, which must be the caller's own temporary:
+torch does (a fresh multi-megabyte tensor per step costs more in page faults than the
+arithmetic), numpy and jax return a new array.
 """
 
 import sys
@@ -57,6 +60,14 @@ class NumpyOps:
 
     def all_finite(self, x):
         return bool(self.xp.isfinite(x).all())
+
+    def readable(self, x):
+        """Whether x's values can be read here, now (not a jax tracer under ``jit``)."""
+        return not is_tracer(x)
+
+    def assert_finite(self, x, message):
+        """The check of values that cannot be read (``readable`` False): none for numpy and jax,
+        which have no asynchronous assert; traced jax code skips the check."""
 
     def amax(self, a, axis=-1):
         return a.max(axis=axis, keepdims=True)
@@ -112,6 +123,24 @@ class NumpyOps:
 
     def to_dtype(self, x, like):
         return x.astype(like.dtype)
+
+    def add_(self, x, y):
+        return x + (self.scalar(y, x) if isinstance(y, (int, float)) else y)
+
+    def sub_(self, x, y):
+        return x - y
+
+    def mul_(self, x, y):
+        return x * y
+
+    def floor_(self, x):
+        return self.floor(x)
+
+    def sign_(self, x):
+        return self.sign(x)
+
+    def clip_(self, x, lo, hi):
+        return self.clip(x, lo, hi)
 
 
 class JaxOps(NumpyOps):
@@ -213,7 +242,10 @@ def _rank_from_top(xp, levels, seen, j):
 class TorchOps:
     """torch's ops: numpy's values, with in-place temporaries and top-k selection for speed.
 
-    torch is imported on construction (a lookup once any tensor exists).
+    Nothing here waits for a device: scalars are Python numbers or filled on the tensor's device
+    (``torch.tensor(value, device=...)`` would be a blocking host-to-device copy), and values are
+    read on the host only where ``readable`` says they live there; elsewhere checks are
+    asynchronous device asserts. torch is imported on construction (a lookup once any tensor exists).
     """
 
     def __init__(self):
@@ -226,6 +258,22 @@ class TorchOps:
 
     def all_finite(self, x):
         return bool(self.torch.isfinite(x).all())
+
+    def readable(self, x):
+        """Whether x's values can be read on the host without waiting for a device: a CPU tensor
+        run eagerly (not traced by torch.compile, not a fake tensor nor a functorch wrapper)."""
+        torch = self.torch
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        fake = sys.modules.get("torch._subclasses.fake_tensor")
+        if fake is not None and isinstance(x, fake.FakeTensor):
+            return False
+        return not torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+    def assert_finite(self, x, message):
+        """An asynchronous device assert that x holds no NaN or infinity (a RuntimeError with
+        ``message`` once the device gets there; raised by the op itself on CPU)."""
+        self.torch._assert_async(self.torch.isfinite(x).all(), message)
 
     def amax(self, a, axis=-1):
         return a.amax(dim=axis, keepdim=True)
@@ -280,10 +328,16 @@ class TorchOps:
         return first, second
 
     def scalar(self, value, like):
-        return self.torch.tensor(value, dtype=like.dtype, device=like.device)
+        # A Python number, with no copy to any device: float32/float64 ops round it to their
+        # dtype first, as numpy does. 16-bit ops would compute with it unrounded, in float32.
+        if like.dtype in (self.torch.float32, self.torch.float64):
+            return value
+        return self.torch.full((), value, dtype=like.dtype, device=like.device)
 
     def divisor(self, value, like):
-        return self.scalar(value, like)
+        # Filled on the device: CUDA divides by a host scalar as a multiplication by its
+        # reciprocal, one ulp off numpy's division for some values; by a device tensor exactly.
+        return self.torch.full((), value, dtype=like.dtype, device=like.device)
 
     def rounded(self, x):
         return x
@@ -305,7 +359,16 @@ class TorchOps:
         return x.to(getattr(self.torch, name))
 
     def signed_max(self, a, axis=-1):
-        index = a.abs().argmax(dim=axis, keepdim=True)  # the first largest |a|, as ggml takes it
+        # The first largest |a|, as ggml takes it. argmax along a short axis runs ~3x slower on CPU
+        # than one integer max of a key: |a|'s bits (which order like |a|), then the reversed index.
+        torch, count = self.torch, a.shape[axis]
+        if a.dtype != torch.float32:
+            return a.gather(axis, a.abs().argmax(dim=axis, keepdim=True))
+        shift = max(1, (count - 1).bit_length())
+        key = a.abs().view(torch.int32).to(torch.int64).bitwise_left_shift_(shift)
+        trailing = a.ndim - 1 - axis % a.ndim
+        key.bitwise_or_(torch.arange(count - 1, -1, -1, device=a.device).reshape((count,) + (1,) * trailing))
+        index = (count - 1) - key.amax(dim=axis, keepdim=True).bitwise_and_((1 << shift) - 1)
         return a.gather(axis, index)
 
     def floor(self, x):
@@ -322,6 +385,24 @@ class TorchOps:
 
     def to_dtype(self, x, like):
         return x.to(like.dtype)
+
+    def add_(self, x, y):
+        return x.add_(self.scalar(y, x) if isinstance(y, (int, float)) else y)
+
+    def sub_(self, x, y):
+        return x.sub_(y)
+
+    def mul_(self, x, y):
+        return x.mul_(y)
+
+    def floor_(self, x):
+        return x.floor_()
+
+    def sign_(self, x):
+        return x.sign_()
+
+    def clip_(self, x, lo, hi):
+        return x.clamp_(lo, hi)
 
 
 def array_ops(x):

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 
-from mixle.core.array_ops import array_ops, is_tracer
+from mixle.core.array_ops import array_ops
 
-__all__ = ["ScaleOverflowError", "check_array", "check_block_max", "not_finite_error"]
+__all__ = ["ScaleOverflowError", "check_array", "check_block_max", "not_finite_error", "require_finite"]
 
 
 class ScaleOverflowError(ValueError):
@@ -19,9 +19,9 @@ def check_array(x, name="x", *, finite=True):
     Args:
         x: the array.
         name: what error messages call it.
-        finite: also scan the values for NaN and infinity (one pass over x). Backends that
-            compute the per-block maximum of ``|x|`` anyway pass False and call
-            ``check_block_max`` on that maximum instead.
+        finite: also scan the values for NaN and infinity (one pass over x; see
+            ``require_finite`` for values on a device). Backends that compute the per-block
+            maximum of ``|x|`` anyway pass False and call ``check_block_max`` on that maximum.
 
     Raises:
         TypeError: not an array, or not a floating dtype.
@@ -40,8 +40,8 @@ def check_array(x, name="x", *, finite=True):
         )
     if math.prod(x.shape) == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)}): there is nothing to quantize")
-    if finite and not is_tracer(x) and not ops.all_finite(x):
-        raise not_finite_error(x, name)
+    if finite:
+        require_finite(x, not_finite_error(x, name))
 
 
 def check_block_max(block_max, x, name="x"):
@@ -57,15 +57,42 @@ def check_block_max(block_max, x, name="x"):
         name: what the message calls x.
 
     Raises:
-        ValueError: a maximum is NaN or infinite.
+        ValueError: a maximum is NaN or infinite (where the maxima live on a device, see
+            ``require_finite``).
 
     >>> check_block_max(np.array([[[0.5]]], np.float32), np.ones(2, np.float32))
     >>> check_block_max(np.array([[[np.nan]]], np.float32), np.ones(2, np.float32), "w")
     Traceback (most recent call last):
     ValueError: w contains NaN or infinity (shape (2,)): quantization needs finite values; find where training diverged or clean the weights first
     """
-    if not is_tracer(block_max) and not array_ops(block_max).all_finite(block_max):
-        raise not_finite_error(x, name)
+    require_finite(block_max, not_finite_error(x, name))
+
+
+def require_finite(x, error):
+    """Raise ``error`` if ``x`` holds NaN or infinity, without ever waiting for a device.
+
+    Values the host can read (numpy, CPU tensors run eagerly) are checked here and ``error`` is
+    raised. A tensor on an accelerator (or traced by torch.compile, or fake) gets an asynchronous
+    device assert instead: a RuntimeError with ``error``'s message when the device reaches it,
+    and no host synchronisation. Traced jax values are not checked (jit has no assert).
+
+    Args:
+        x: the array.
+        error: the exception to raise (its text is the device assert's message).
+
+    Raises:
+        error: x holds NaN or infinity (readable values).
+
+    >>> require_finite(np.ones(2), ValueError("bad"))
+    >>> require_finite(np.array([np.inf]), ValueError("bad"))
+    Traceback (most recent call last):
+    ValueError: bad
+    """
+    ops = array_ops(x)
+    if not ops.readable(x):
+        ops.assert_finite(x, str(error))
+    elif not ops.all_finite(x):
+        raise error
 
 
 def not_finite_error(x, name):

@@ -50,6 +50,8 @@ __all__ = [
     "Q6KFields",
     "BlockType",
     "BLOCK_TYPES",
+    "KVALUES_MXFP4",
+    "e8m0_half",
     "NF4_TABLE",
     "NF4_BLOCK",
 ] + [
@@ -254,8 +256,13 @@ def dequantize_q5_0(fields):
     return y.reshape(tuple(codes.shape[:-2]) + (codes.shape[-2] * QK,))
 
 
-def _e8m0_half(o, e):
-    """``ggml_e8m0_to_fp32_half``: 2**(e - 128) as float32 bits (subnormal for e < 2)."""
+def e8m0_half(o, e):
+    """``ggml_e8m0_to_fp32_half``: 2**(e - 128) as float32 bits (subnormal for e < 2), with ``o``
+    the C-emulation adapter (``c_ops``) of ``e``.
+
+    >>> e8m0_half(c_ops(np.zeros(1)), np.array([127, 0], np.uint8)).tolist()
+    [0.5, 2.938735877055719e-39]
+    """
     e = o.to_named(e, "int32")
     return o.bits_f32(o.where(e < 2, 0x00200000 << e, (e - 1) << 23))
 
@@ -281,7 +288,7 @@ def quantize_mxfp4(x):
     # (uint8_t)(floorf(log2f(amax)) - 2 + 127), or 0
     e = c_int(o, (o.floor(o.log2(amax)) - o.c(2.0)) + o.c(127.0)) & 0xFF
     e = o.where(amax > 0, e, o.zeros(e, "int32"))
-    d = _e8m0_half(o, e)[..., None]
+    d = e8m0_half(o, e)[..., None]
     best = o.zeros(xb, "int32")
     # a wrapped e (amax below 2**-125) makes huge levels
     best_err = abs(o.c(float(KVALUES_MXFP4[0])) * d - xb)
@@ -303,7 +310,7 @@ def dequantize_mxfp4(fields):
     o = c_ops(fields.codes)
     codes = o.to_named(fields.codes, "int64")
     values = o.const([float(v) for v in KVALUES_MXFP4], "float32")[codes]
-    y = values * _e8m0_half(o, fields.e)[..., None]
+    y = values * e8m0_half(o, fields.e)[..., None]
     return y.reshape(tuple(codes.shape[:-2]) + (codes.shape[-2] * QK,))
 
 
@@ -476,7 +483,7 @@ def unpack_nf4(data):
 
 
 class BlockType(NamedTuple):
-    """One block format: its geometry and its four functions.
+    """One block format: its geometry, its four functions and how its fields are a stored array.
 
     Attributes:
         block: values per block.
@@ -486,6 +493,11 @@ class BlockType(NamedTuple):
         dequantize: fields -> float32 (..., n).
         pack: fields -> uint8 (..., n // block * bytes_per_block).
         unpack: uint8 bytes -> fields (numpy).
+        fields: the NamedTuple class of the fields.
+        parts: ``((stored-array part, field name), ...)``: which field is the codes, the (super-block)
+            scale, the offset (a min, or a two-level grid's super-block min), the sub-block scales and
+            mins of ``mixle.core.stored.QuantizedArray``.
+        code_shift: added to the stored code to give the array's code (Q5_0 stores ``code + 16``).
     """
 
     block: int
@@ -495,24 +507,30 @@ class BlockType(NamedTuple):
     dequantize: Callable
     pack: Callable
     unpack: Callable
+    fields: type
+    parts: tuple
+    code_shift: int
 
 
-def _entry(name, block, ggml_type, bytes_per_block):
+_AFFINE_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "m"))
+_K_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "dmin"), ("sub_scales", "scales"), ("sub_offsets", "mins"))
+
+
+def _entry(name, block, ggml_type, bytes_per_block, fields, parts, code_shift=0):
     verbs = [globals()[f"{verb}_{name}"] for verb in ("quantize", "dequantize", "pack", "unpack")]
-    return BlockType(block, ggml_type, bytes_per_block, *verbs)
+    return BlockType(block, ggml_type, bytes_per_block, *verbs, fields, parts, code_shift)
 
 
 BLOCK_TYPES = {
-    name: _entry(name, block, ggml_type, nbytes)
-    for name, block, ggml_type, nbytes in (
-        ("q4_1", 32, "Q4_1", 20),
-        ("q5_0", 32, "Q5_0", 22),
-        ("q5_1", 32, "Q5_1", 24),
-        ("q4_k", 256, "Q4_K", 144),
-        ("q5_k", 256, "Q5_K", 176),
-        ("q6_k", 256, "Q6_K", 210),
-        ("mxfp4", 32, "MXFP4", 17),
-        ("nf4", NF4_BLOCK, None, 36),
+    name: _entry(name, *rest)
+    for name, *rest in (
+        ("q4_1", 32, "Q4_1", 20, AffineFields, _AFFINE_PARTS),
+        ("q5_0", 32, "Q5_0", 22, ScaleFields, (("codes", "codes"), ("scale", "d")), -16),
+        ("q5_1", 32, "Q5_1", 24, AffineFields, _AFFINE_PARTS),
+        ("q4_k", 256, "Q4_K", 144, KFields, _K_PARTS),
+        ("q5_k", 256, "Q5_K", 176, KFields, _K_PARTS),
+        ("q6_k", 256, "Q6_K", 210, Q6KFields, (("codes", "codes"), ("scale", "d"), ("sub_scales", "scales")), -32),
+        ("mxfp4", 32, "MXFP4", 17, MxFields, (("codes", "codes"), ("scale", "e"))),
+        ("nf4", NF4_BLOCK, None, 36, NF4Fields, (("codes", "codes"), ("scale", "absmax"))),
     )
 }
-

@@ -10,6 +10,9 @@ Scale rules (``Grid.scale_rule``), per block of values ``w``:
 * ``"absmax"``: ``scale = max|w| / divisor``.
 * ``"signed_max"``: ``scale = m / divisor`` where ``m`` is the value of largest magnitude with
   its sign (the first one on ties); a negative divisor maps ``m`` to the most negative code.
+* ``"min_max"``: ``scale = (max - min) / divisor``, with the min stored (below).
+* ``"power_of_two"``: ``scale = 2 ** floor(log2(max|w| / divisor))``, stored as its exponent
+  (``scale_dtype="e8m0"``: MXFP4's shared exponent).
 
 Rounding rules (``Grid.rounding``):
 
@@ -17,6 +20,16 @@ Rounding rules (``Grid.rounding``):
 * ``"half_away"``: ``code = clip(round_half_away_from_zero(w * (1 / scale)), ...)``.
 * ``"offset_trunc"``: ``code = clip(trunc(w * (1 / scale) + offset + 0.5), 0, 2 * offset - 1)
   - offset`` with ``offset = -code_min``: ggml's Q4_0 rounding, computed in the block's dtype.
+* ``"half_up"``: ``code = min(trunc((w - min) * (1 / scale) + 0.5), code_max)`` (ggml's Q4_1 / Q5_1).
+* ``"nearest_int"``: ggml's ``nearest_int`` (round half to even through float32's mantissa), as
+  the K-quants round.
+* ``"table_nearest"``: the index of the nearest value of the grid's ``table`` (MXFP4, NF4).
+
+Block numerics (``Grid.numerics``): llama.cpp's other block types (and NF4) are computed by
+``mixle.core.ggml_quants`` (bit for bit as ggml's reference C code), which ``numerics`` names
+(a ``BLOCK_TYPES`` key); the scale rule, rounding and search fields then describe what that code
+does, and the stored array (``mixle.core.stored``) holds its fields. ``table``: the values a
+lookup grid's codes index (``w = table[code] * scale``).
 
 A zero block gets ``Grid.zero_scale`` (1: codes 0 and no division by zero); ``None`` keeps the
 computed (signed) zero, as ggml's grids do, whose reciprocal is then 0 too. ``scale_dtype="float16"``
@@ -41,18 +54,22 @@ their grids):
 Activations (``QuantSpec.act_bits``): ``Grid.activation_grid`` names the grid the activations
 feeding a matmul on this grid are fake-quantized on, in blocks of that grid's ``block`` along the
 input axis of each token. llama.cpp's CPU path quantizes the input of every Q4_0/Q8_0 product to
-Q8_0 blocks of 32 (ggml's ``quantize_row_q8_0``), so ``q4_0`` and ``q8_0`` name ``"q8_0"``;
-``None`` means one scale per token on the weights' own grid.
+Q8_0 blocks of 32 (ggml's ``quantize_row_q8_0``), so ``q4_0`` and ``q8_0`` name ``"q8_0"`` (as do
+``q5_0`` and ``mxfp4``); ``None`` means one scale per token on the weights' own grid, except on
+block-numerics grids, whose products llama.cpp feeds Q8_1 / Q8_K blocks mixle does not emulate
+yet: ``QuantSpec`` refuses ``act_bits`` there.
 """
 
 from dataclasses import dataclass
 
-SCALE_RULES = ("absmax", "signed_max", "min_max")
-ROUNDINGS = ("half_even", "half_away", "offset_trunc")
-PACKINGS = ("pairs", "ggml_q4_0", "bytes")
+from mixle.core.ggml_quants import BLOCK_TYPES, KVALUES_MXFP4, NF4_TABLE
+
+SCALE_RULES = ("absmax", "signed_max", "min_max", "power_of_two")
+ROUNDINGS = ("half_even", "half_away", "offset_trunc", "half_up", "nearest_int", "table_nearest")
+PACKINGS = ("pairs", "ggml_q4_0", "bytes", "block_type")
 OFFSETS = (None, "min", "zero_point")
 SCALE_SEARCHES = (None, "make_qx_quants", "make_qkx2_quants")
-SCALE_DTYPES = (None, "float16")
+SCALE_DTYPES = (None, "float16", "e8m0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +90,8 @@ class Grid:
         activation_grid: the grid (in blocks of its ``block`` along each token's inputs) that
             ``act_bits`` fake-quantizes activations on; ``None``: per token on this grid.
         packing: how codes sit in the bytes of the grid's file blocks (one of ``PACKINGS``; see
-            ``mixle.core.packing``). mixle's own files always store 4-bit codes as ``"pairs"``.
+            ``mixle.core.packing``; ``"block_type"``: as the block numerics' own ``pack`` lays out
+            the whole block). mixle's own files always store 4-bit codes as ``"pairs"``.
         offset: one of ``OFFSETS``: no offset, a float ``"min"`` or an integer ``"zero_point"``
             per block.
         scale_search: one of ``SCALE_SEARCHES``: a least-squares search refining each scale.
@@ -81,6 +99,9 @@ class Grid:
         sub_scale_bits: bits of the integer sub-block scales (and mins).
         sub_scale_signed: sub-block scales are signed (stored int8) rather than unsigned (uint8).
         ggml_type: the GGUF block type the grid is written as (``"Q4_0"``), or None.
+        numerics: the ``mixle.core.ggml_quants.BLOCK_TYPES`` entry that quantizes on this grid
+            (None: ``mixle.core.numerics``' own block rules).
+        table: the values the codes index on a lookup grid (``w = table[code] * scale``), or None.
         backends: the backends that train on this grid (the numerics in ``mixle.core.numerics``
             implement every registered grid; a backend is listed once its layers, kernels and
             storage do).
@@ -106,6 +127,8 @@ class Grid:
     sub_scale_bits: int | None = None
     sub_scale_signed: bool = False
     ggml_type: str | None = None
+    numerics: str | None = None
+    table: tuple | None = None
     backends: tuple = ("torch", "flax")
     summary: str = ""
 
@@ -122,7 +145,8 @@ class Grid:
             if not (isinstance(bits, int) and 1 <= bits <= 8 and -(2 ** (bits - 1)) <= low < high <= top):
                 raise ValueError(f"grid {self.name!r}: codes[{bits!r}]=({low}, {high}) is not a range of "
                                  f"{bits}-bit integers")
-        problem = self._rule_problem() or self._level_problem() or self._file_problem()
+        problem = (self._rule_problem() or self._level_problem() or self._file_problem()
+                   or self._numerics_problem())
         if problem:
             raise ValueError(f"grid {self.name!r}: {problem}")
 
@@ -161,6 +185,22 @@ class Grid:
             return "packing='bytes' holds one 8-bit code per byte: set codes={8: ...}"
         if self.ggml_type is not None and (self.block is None or self.scale_dtype is None):
             return f"ggml_type={self.ggml_type!r} stores fixed blocks with float16 scales: set block and scale_dtype"
+        if self.packing == "block_type" and self.numerics is None:
+            return "packing='block_type' lays codes out as the block numerics do: set numerics"
+        return None
+
+    def _numerics_problem(self):
+        if self.table is not None and (set(self.codes) != {4} or len(self.table) != 16
+                                       or self.codes[4] != (0, 15)):
+            return f"a table of {len(self.table)} values is indexed by 4-bit codes 0..15: set codes={{4: (0, 15)}}"
+        if self.numerics is None:
+            return None
+        block_type = BLOCK_TYPES.get(self.numerics)
+        if block_type is None:
+            return f"numerics={self.numerics!r} is unknown: use one of {sorted(BLOCK_TYPES)}"
+        if (block_type.block, block_type.ggml_type) != (self.block, self.ggml_type):
+            return (f"numerics={self.numerics!r} makes {block_type.ggml_type} blocks of {block_type.block}: set "
+                    f"block={block_type.block}, ggml_type={block_type.ggml_type!r}")
         return None
 
     def activation_record(self):
@@ -178,6 +218,18 @@ class Grid:
         (-127, 127)
         """
         return self.codes[bits]
+
+    def largest_level(self, bits):
+        """The largest magnitude a code stands for before the scale multiplies it: the largest
+        ``|code|``, or of ``|table|`` on a lookup grid (the dequantized extreme is it times the scale).
+
+        >>> GRIDS["qwix"].largest_level(4), GRIDS["mxfp4"].largest_level(4)
+        (8, 12.0)
+        """
+        if self.table is not None:
+            return max(abs(v) for v in self.table)
+        low, high = self.codes[bits]
+        return max(abs(low), abs(high))
 
     @property
     def two_level(self):
@@ -203,10 +255,52 @@ class Grid:
         >>> GRIDS["qwix"].is_plain(), GRIDS["q4_0"].is_plain()
         (True, False)
         """
-        plain = ("absmax", "half_even", None, 1.0, None, None, None)
+        plain = ("absmax", "half_even", None, 1.0, None, None, None, None, None)
         return (self.scale_rule, self.rounding, self.scale_dtype, self.zero_scale, self.offset, self.scale_search,
-                self.sub_block) == plain
+                self.sub_block, self.numerics, self.table) == plain
 
+
+def _block_grid(name, codes, divisor, **fields):
+    """A grid whose numerics are ``BLOCK_TYPES[name]`` (blocks, ggml type and packing from there)."""
+    block_type = BLOCK_TYPES[name]
+    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type", backends=())
+    return Grid(name=name, codes=codes, divisor=divisor, block=block_type.block, ggml_type=block_type.ggml_type,
+                numerics=name, **{**common, **fields})
+
+
+# llama.cpp's other block types and NF4: their numerics are mixle.core.ggml_quants' (no backend
+# trains on them yet: the torch layers are wired next).
+_BLOCK_GRIDS = (
+    _block_grid("q4_1", {4: (0, 15)}, {4: 15.0}, scale_rule="min_max", rounding="half_up", offset="min",
+                summary="llama.cpp's Q4_1: blocks of 32, w = d * code + m with d = (max - min) / 15 and the "
+                        "min m stored as float16"),
+    _block_grid("q5_0", {5: (-16, 15)}, {5: -16.0}, scale_rule="signed_max", rounding="offset_trunc",
+                activation_grid="q8_0",
+                summary="llama.cpp's Q5_0: blocks of 32, scale = signed max / -16 stored as float16"),
+    _block_grid("q5_1", {5: (0, 31)}, {5: 31.0}, scale_rule="min_max", rounding="half_up", offset="min",
+                summary="llama.cpp's Q5_1: blocks of 32, w = d * code + m with d = (max - min) / 31 and the "
+                        "min m stored as float16"),
+    _block_grid("q4_k", {4: (0, 15)}, {4: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
+                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6,
+                summary="llama.cpp's Q4_K: super-blocks of 256 = 8 x 32 with 6-bit scales and mins (a "
+                        "least-squares search) under float16 d and dmin, w = d * sc * code - dmin * m"),
+    _block_grid("q5_k", {5: (0, 31)}, {5: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
+                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6,
+                summary="llama.cpp's Q5_K: as Q4_K with codes 0..31"),
+    _block_grid("q6_k", {6: (-32, 31)}, {6: -128.0}, scale_rule="signed_max", rounding="nearest_int",
+                scale_search="make_qx_quants", sub_block=16, sub_scale_bits=8, sub_scale_signed=True,
+                summary="llama.cpp's Q6_K: super-blocks of 256 = 16 x 16 with int8 scales under a float16 d, "
+                        "codes -32..31, w = d * sc * code"),
+    _block_grid("mxfp4", {4: (0, 15)}, {4: 8.0}, scale_rule="power_of_two", rounding="table_nearest",
+                scale_dtype="e8m0", zero_scale=2.0 ** -128, table=tuple(float(v) for v in KVALUES_MXFP4),
+                activation_grid="q8_0",
+                summary="llama.cpp's MXFP4: blocks of 32, E2M1 values (doubled) under a shared E8M0 "
+                        "exponent (halved)"),
+    _block_grid("nf4", {4: (0, 15)}, {4: 1.0}, scale_rule="absmax", rounding="table_nearest", scale_dtype=None,
+                packing="pairs", table=tuple(NF4_TABLE),
+                summary="QLoRA's NormalFloat-4 (bitsandbytes): blocks of 64, w = NF4_TABLE[code] * absmax "
+                        "(float32); no GGUF type"),
+)
 
 GRIDS = {
     grid.name: grid
@@ -224,7 +318,7 @@ GRIDS = {
              scale_dtype="float16", zero_scale=None, block=32, packing="bytes", ggml_type="Q8_0",
              activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
-    )
+    ) + tuple(_BLOCK_GRIDS)
 }
 
 

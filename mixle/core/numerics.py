@@ -181,7 +181,9 @@ def stored_scale(ops, scale, spec):
         The scales in their own dtype, holding values of the grid's scale dtype.
 
     Raises:
-        ScaleOverflowError: a scale does not fit that dtype (e.g. above float16's 65504).
+        ScaleOverflowError: a scale does not fit that dtype (e.g. above float16's 65504). Scales
+            on an accelerator are checked by an asynchronous device assert instead (a
+            RuntimeError with the same advice), so that no host waits for the device.
 
     >>> s = np.array([[[0.1]]], np.float32)
     >>> stored_scale(array_ops(s), s, QuantSpec(bits=8, grid="q8_0")).item()  # float16's nearest
@@ -191,28 +193,33 @@ def stored_scale(ops, scale, spec):
     if dtype is None:
         return scale
     narrow = ops.to_named(scale, dtype)
-    if not is_tracer(narrow) and not ops.all_finite(narrow):
+    advice = (f"which grid={spec.grid!r} stores its scales in: the weights are too large for this file "
+              f"format; rescale them or use another grid")
+    if not ops.readable(narrow):
+        ops.assert_finite(narrow, f"a block scale does not fit {dtype} (or is NaN), {advice}")
+    elif not ops.all_finite(narrow):
         raise ScaleOverflowError(
-            f"a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), which grid="
-            f"{spec.grid!r} stores its scales in: the weights are too large for this file format; "
-            f"rescale them or use another grid"
-        )
+            f"a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), {advice}")
     return ops.to_dtype(narrow, scale)
 
 
 def _round_half_away(ops, scaled, lo, hi):
     # floor(|x|) + floor(2 (|x| - floor|x|)) is exact in floating point (|x| + 0.5 is not);
-    # adding 0 turns a -0.0 code into 0.0, as an integer code dequantizes.
+    # adding 0 turns a -0.0 code into 0.0, as an integer code dequantizes. ``scaled`` is
+    # round_codes' own temporary: the in-place steps may overwrite it.
     magnitude = abs(scaled)
     whole = ops.floor(magnitude)
-    codes = ops.sign(scaled) * (whole + ops.floor((magnitude - whole) * 2))
-    return ops.clip(codes, lo, hi) + ops.scalar(0.0, codes)
+    halves = ops.floor_(ops.mul_(ops.sub_(magnitude, whole), 2))
+    codes = ops.mul_(ops.sign_(scaled), ops.add_(whole, halves))
+    return ops.add_(ops.clip_(codes, lo, hi), 0.0)
 
 
 def _round_offset_trunc(ops, scaled, lo, hi):
+    # trunc, as ggml's (int) cast; floor gives the same codes once clipped to >= 0 (values in
+    # (-1, 0) truncate to -0 and floor to -1, both clip to 0), and floor is a vector op on CPU.
     offset = -lo
-    codes = ops.clip(ops.trunc(scaled + ops.scalar(offset + 0.5, scaled)), 0, 2 * offset - 1)
-    return codes - ops.scalar(offset, codes)
+    codes = ops.clip_(ops.floor_(ops.add_(scaled, offset + 0.5)), 0, 2 * offset - 1)
+    return ops.add_(codes, -offset)
 
 
 # Rounding rules (see mixle.core.grids) of the grids that multiply by the scale's reciprocal.
@@ -283,34 +290,48 @@ def _quantize_blocks(x, spec, batch_ndim, out_ndim):
 
 
 # The stored-array record (codes, scales, offsets, second-level scales) lives with its validation.
-from mixle.core.stored import QuantizedArray  # noqa: E402
+from mixle.core.stored import QuantizedArray, block_quantized_array, check_dequantized_range  # noqa: E402
 
 
-def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
+def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", **spec_fields):
     """Quantize an array to integer codes and per-block scales.
+
+    A grid with block numerics (llama.cpp's ``q4_1`` ... ``q6_k``, ``mxfp4``; ``nf4``) is quantized
+    by ``mixle.core.ggml_quants``, bit for bit as ggml's reference quantizer, and the record holds
+    that block type's fields (``mixle.core.stored.block_quantized_array``).
 
     Args:
         x: float numpy array, torch tensor or jax array, laid out ``batch + out + in``.
         spec: a QuantSpec; or pass its fields as keywords (``bits=4, group_size=32``).
         batch_ndim: leading axes with their own scales.
         out_ndim: output axes (default: 1 for 2-D and larger arrays, else 0).
+        name: what errors call x (e.g. ``"layer 'fc'"``).
 
     Returns:
         QuantizedArray with int8 codes in ``[spec.code_min, spec.code_max]``.
+
+    Raises:
+        ScaleOverflowError: a scale does not fit the grid's scale dtype, or its largest code times
+            the scale overflows (a finite weight would dequantize to infinity).
 
     >>> q = quantize_array(np.array([[0.7, -0.35], [0.0, 0.0]], np.float32), bits=4)
     >>> q.codes.tolist(), q.scale.ravel().tolist()
     ([[7, -4], [0, 0]], [0.10000000149011612, 1.0])
     """
     spec = resolve_spec(spec, spec_fields)
-    check_array(x)
+    check_array(x, name)
+    if spec.grid_record.numerics is not None:
+        return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
     ops, blocks, codes, scale, _ = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+    if not is_tracer(scale):
+        check_dequantized_range(scale, spec, name)
     return QuantizedArray(ops.to_int8(codes).reshape(x.shape), scale, spec, batch_ndim, out_ndim)
 
 
 def dequantize_array(q):
     """Float array from a QuantizedArray: ``codes * scale`` per block (``QuantizedArray.dequantize``,
-    which also applies a grid's offsets and second-level scales).
+    which also applies a grid's offsets, second-level scales and lookup table; on block-numerics
+    grids it equals ggml's ``dequantize_row_*`` bit for bit).
 
     >>> q = quantize_array(np.array([1.0, -0.5], np.float32), bits=8)
     >>> dequantize_array(q).tolist()

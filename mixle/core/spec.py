@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mixle.core.grids import GRIDS, grid_named
 
 GRANULARITIES = ("tensor", "channel", "group")
+# The widths of the plain grids (symmetric, qwix); a grid's own widths are its ``codes`` keys.
 SUPPORTED_BITS = (4, 8)
 WEIGHT_FORMATS = ("int", "float8_e4m3fn")
 # fp8 variants that only AMD (and some TPU) hardware implements: no export path, so refused.
@@ -36,11 +37,13 @@ class QuantSpec:
     """What to quantize and how; validated on construction, immutable, hashable.
 
     Args:
-        bits: integer width of the codes, 4 or 8.
+        bits: integer width of the codes, one the grid has (4 or 8 on the plain grids). Left as
+            None it is the grid's only width (``grid="q8_0"`` is 8-bit, ``"q6_k"`` 6-bit), else 4.
         grid: a name from ``mixle.core.grids.GRIDS``: ``"symmetric"`` (codes -qmax..qmax,
             scale = absmax / qmax; mixle's default), ``"qwix"`` (codes -2^(b-1)..2^(b-1)-1,
-            scale = absmax / (qmax + 0.5); Qwix's grid), or llama.cpp's ``"q4_0"`` / ``"q8_0"``
-            (which fix bits and blocks of 32).
+            scale = absmax / (qmax + 0.5); Qwix's grid), llama.cpp's ``"q4_0"`` / ``"q8_0"``,
+            ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"mxfp4"``, or
+            QLoRA's ``"nf4"`` (each fixes its bits and its blocks).
         granularity: ``"tensor"`` (one scale), ``"channel"`` (one scale per output row; the
             default) or ``"group"`` (one scale per ``group_size`` consecutive inputs of a row).
             Left as ``None`` it is ``"group"`` when ``group_size`` is given, else ``"channel"``.
@@ -78,7 +81,7 @@ class QuantSpec:
     QuantSpec(bits=4, grid='symmetric', granularity='group', group_size=32, clip_percentile=None, clip_gradient=False)
     """
 
-    bits: int = 4
+    bits: int | None = None
     grid: str = "symmetric"
     granularity: str | None = None
     group_size: int | None = None
@@ -104,20 +107,22 @@ class QuantSpec:
         self._check_clipping()
         self._check_qwix_options(calibration)
         self._check_act_symmetric()
+        self._check_activation_grid(grid)
         self._check_scale(grid)
 
     def _check_bits(self):
-        """Validate ``bits`` against the supported widths and the grid's codes; returns the grid."""
+        """Validate ``bits`` against the grid's codes (None: its only width, else 4); returns the grid."""
+        grid = grid_named(self.grid)
+        if self.bits is None:
+            object.__setattr__(self, "bits", next(iter(grid.codes)) if len(grid.codes) == 1 else 4)
         if not _is_int(self.bits):
             raise TypeError(f"bits must be an int (4 or 8), got {self.bits!r} of type {type(self.bits).__name__}")
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={self.bits!r} is not supported: use bits=4 or bits=8")
         object.__setattr__(self, "bits", int(self.bits))
-        grid = grid_named(self.grid)
         if self.bits not in grid.codes:
+            widths = " or ".join(f"bits={b}" for b in grid.codes)
             raise ValueError(
-                f"grid={self.grid!r} has no bits={self.bits} codes ({grid.summary}): use bits="
-                f"{' or '.join(map(str, grid.codes))}, or another grid"
+                f"grid={self.grid!r} has no bits={self.bits} codes ({grid.summary}): use {widths} (or leave bits "
+                f"unset), or another grid"
             )
         return grid
 
@@ -166,6 +171,16 @@ class QuantSpec:
                 "but clip_percentile is None: set clip_percentile (e.g. 99.9) or clip_gradient=False"
             )
 
+    def _check_activation_grid(self, grid):
+        """Refuse ``act_bits`` on block-numerics grids that name no activation grid."""
+        if self.act_bits is None or grid.numerics is None or grid.activation_grid is not None:
+            return
+        raise ValueError(
+            f"act_bits={self.act_bits!r} with grid={grid.name!r}: the grid names no activation grid "
+            f"(Grid.activation_grid), and llama.cpp's CPU path quantizes the inputs of these products to "
+            f"blocks mixle does not emulate yet (Q8_K for the K-quants, Q8_1 for Q4_1 / Q5_1); leave act_bits=None"
+        )
+
     def _check_act_symmetric(self):
         """Validate ``act_symmetric``, which only means something with ``act_bits``."""
         if not isinstance(self.act_symmetric, bool):
@@ -199,7 +214,7 @@ class QuantSpec:
                 f"grid={grid.name!r} stores blocks of {grid.block} ({grid.summary}), which conflicts with "
                 f"granularity={self.granularity!r}, group_size={self.group_size!r}: leave both unset"
             )
-        if grid.scale_rule != "absmax" and self.clip_percentile is not None:
+        if (grid.scale_rule != "absmax" or grid.numerics is not None) and self.clip_percentile is not None:
             raise ValueError(
                 f"clip_percentile={self.clip_percentile!r} sets the scale from a percentile, but grid="
                 f"{grid.name!r} fixes its scale rule ({grid.summary}): drop clip_percentile"
@@ -482,13 +497,21 @@ def block_shape(shape, spec, batch_ndim=0, out_ndim=None):
     if spec.granularity == "channel":
         return batch, rows, cols
     if cols % spec.group_size:
-        divisors = [d for d in range(1, cols + 1) if cols % d == 0]
-        near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
-        raise ValueError(
-            f"group_size={spec.group_size} does not divide the input size {cols} of an array of "
-            f"shape {tuple(shape)}: use a divisor of {cols}, e.g. {sorted(near)}, or "
-            f"granularity='channel'"
-        )
+        raise ValueError(_block_misfit(shape, cols, spec))
     return batch, rows * cols // spec.group_size, spec.group_size
+
+
+def _block_misfit(shape, cols, spec):
+    """The message for a group size (or a grid's block) that does not divide the input size."""
+    start = f"group_size={spec.group_size} does not divide the input size {cols} of an array of shape {tuple(shape)}"
+    grid = spec.grid_record
+    if grid.block is not None:
+        fits = sorted(g.name for g in GRIDS.values() if g.block is not None and cols % g.block == 0)
+        return (f"{start}: grid={grid.name!r} stores blocks of {grid.block} along each row, so rows of {cols} values "
+                f"cannot be stored on it; use a grid whose block divides {cols} ({fits or 'none does'}), as "
+                f"llama.cpp's mixes do per tensor (mixle.core.mixes.tensor_types)")
+    divisors = [d for d in range(1, cols + 1) if cols % d == 0]
+    near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
+    return f"{start}: use a divisor of {cols}, e.g. {sorted(near)}, or granularity='channel'"
 
 

@@ -16,10 +16,19 @@ Shapes, for an array viewed as ``(B, S, K)`` blocks (``mixle.core.numerics.block
 (``mixle.core.packing``), other codes stored as int8 (uint8 for unsigned 8-bit grids), sub-scales
 as int8 / uint8.
 
+On a lookup grid (``Grid.table``: MXFP4, NF4) a code indexes the table: ``w = table[code] *
+scale``. A grid with block numerics (``Grid.numerics``: llama.cpp's Q4_1 ... Q6_K, MXFP4, NF4) is
+quantized by ``mixle.core.ggml_quants`` (``block_quantized_array``); its record holds that block
+type's fields (``BlockType.parts``): the codes (shifted to the grid's range), the float16 (or E8M0,
+or float32) scales and mins as float32 values, the integer sub-block scales and mins; and
+``dequantize`` equals ggml's ``dequantize_row_*`` bit for bit. ``block_fields`` gives them back in
+ggml's dtypes, as the block type packs them.
+
 ``check_stored`` is the one validation every loader and exporter of both backends calls: shapes
 and dtypes, codes on the grid, pad nibbles of packed int4, finite scales with the sign and zero
-rules of the grid and representable in its scale dtype, offsets and sub-scale ranges. It reads
-numpy, jax and torch arrays and imports neither torch nor jax.
+rules of the grid and representable in its scale dtype, no scale whose largest level dequantizes
+to infinity, offsets and sub-scale ranges. It reads numpy, jax and torch arrays and imports
+neither torch nor jax.
 """
 
 import math
@@ -29,10 +38,13 @@ from dataclasses import KW_ONLY, dataclass
 import numpy as np
 
 from mixle.core.array_ops import array_ops
+from mixle.core.checks import ScaleOverflowError
+from mixle.core.ggml_quants import BLOCK_TYPES, as_numpy, c_ops, e8m0_half
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec, block_shape
 
-__all__ = ["QuantizedArray", "block_shape", "check_stored", "stored_layout", "STORED_PARTS"]
+__all__ = ["QuantizedArray", "block_shape", "check_stored", "stored_layout", "STORED_PARTS", "block_type_of",
+           "block_quantized_array", "check_dequantized_range"]
 
 # Every part a stored array may have, in the order files list them.
 STORED_PARTS = ("codes", "scale", "offset", "sub_scales", "sub_offsets")
@@ -48,7 +60,8 @@ class QuantizedArray:
         codes: integer codes with the original shape, one per element (int4 codes are held one
             per int8 here; see ``stored`` for two per byte).
         scale: scales with shape ``(B, S, 1)`` in the array's float dtype (see ``block_shape``);
-            on a two-level grid the super-block scales.
+            on a two-level grid the super-block scales; float32 on block-numerics grids (ggml
+            computes in float32), holding float16 (or E8M0) values where the grid stores those.
         spec: the QuantSpec used.
         batch_ndim: leading batch axes of the original array.
         out_ndim: output axes after the batch axes.
@@ -96,7 +109,11 @@ class QuantizedArray:
             raise ValueError(f"grid {grid.name!r} dequantizes with {missing} too: pass them to QuantizedArray")
         ops = array_ops(self.codes)
         batch, count, size = block_shape(self.codes.shape, self.spec, self.batch_ndim, self.out_ndim)
-        codes = ops.to_dtype(self.codes.reshape((batch, count, size)), self.scale)
+        codes = self.codes.reshape((batch, count, size))
+        if grid.table is not None:  # a lookup grid: the code indexes the table's float32 values
+            o = c_ops(codes)
+            codes = o.const(grid.table, "float32")[o.to_named(codes, "int64")]
+        codes = ops.to_dtype(codes, self.scale)
         if not grid.two_level:
             if grid.offset == "zero_point":
                 codes = codes - ops.to_dtype(self.offset, self.scale)
@@ -111,6 +128,30 @@ class QuantizedArray:
         if grid.offset == "min":
             values = values - (self.offset * ops.to_dtype(self.sub_offsets, self.scale)).reshape(scale.shape)
         return values.reshape(self.codes.shape)
+
+    def block_fields(self):
+        """The fields of the grid's block type (``mixle.core.ggml_quants``), numpy, in ggml's dtypes,
+        shaped ``(B, S, ...)`` as ``BLOCK_TYPES[...].pack`` takes them.
+
+        >>> q = block_quantized_array(np.linspace(-1, 2, 32, dtype=np.float32), QuantSpec(grid="q5_0"))
+        >>> f = q.block_fields()
+        >>> f.codes[0, 0, [0, -1]].tolist(), f.d.dtype.name
+        ([24, 0], 'float16')
+        """
+        grid = self.spec.grid_record
+        block_type = block_type_of(grid)
+        batch, count, size = block_shape(self.codes.shape, self.spec, self.batch_ndim, self.out_ndim)
+        values = {}
+        for part, field in block_type.parts:
+            value = as_numpy(getattr(self, part))
+            if part == "codes":
+                value = (value.astype(np.int16) - block_type.code_shift).astype(np.uint8).reshape(batch, count, size)
+            elif part in ("scale", "offset"):
+                value = _SCALE_CODECS[grid.scale_dtype][1](value.reshape(batch, count))
+            else:
+                value = value.reshape(batch, count, -1).astype(np.int8 if grid.sub_scale_signed else np.uint8)
+            values[field] = value
+        return block_type.fields(**values)
 
     def check(self, name="array"):
         """Validate the record as ``check_stored`` does (codes one per element).
@@ -168,6 +209,117 @@ def _grid_parts(grid):
     return parts
 
 
+def block_type_of(grid):
+    """The ``mixle.core.ggml_quants.BLOCK_TYPES`` entry a grid's block numerics are (the one place
+    ``Grid.numerics`` is read); ValueError for a grid without block numerics.
+
+    >>> block_type_of(QuantSpec(grid="q4_k").grid_record).bytes_per_block
+    144
+    """
+    if grid.numerics is None:
+        raise ValueError(f"grid {grid.name!r} has no block numerics (Grid.numerics): it is quantized by "
+                         f"mixle.core.numerics' own block rules")
+    return BLOCK_TYPES[grid.numerics]
+
+
+def _e8m0_from(scale):
+    """E8M0 exponent bytes of powers of two 2**(e - 128) (``check_stored`` has checked them)."""
+    mantissa, exponent = np.frexp(np.asarray(scale, np.float32))
+    return (exponent.astype(np.int32) + 127).astype(np.uint8)
+
+
+# Scale dtype -> (the block field as float32 values, given the C-emulation ops; float32 values as
+# the block field, numpy).
+_SCALE_CODECS = {
+    None: (lambda o, v: o.to_named(v, "float32"), lambda v: np.asarray(v, np.float32)),
+    "float16": (lambda o, v: o.to_named(v, "float32"), lambda v: np.asarray(v, np.float32).astype(np.float16)),
+    "e8m0": (lambda o, v: e8m0_half(o, v), _e8m0_from),
+}
+
+
+def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, name="x"):
+    """The QuantizedArray of x on a grid with block numerics, bit for bit as ggml quantizes it.
+
+    Args:
+        x: float numpy array or torch tensor (computed in float32, as ggml does), ``batch + out + in``.
+        spec: a QuantSpec whose grid has ``numerics`` (e.g. ``QuantSpec(grid="q4_k")``).
+        batch_ndim, out_ndim: the layout (``block_shape``); the blocks run along each row.
+        check: refuse a float16 scale or min that overflows (huge weights); callers that check
+            ``scale`` and ``offset`` asynchronously themselves pass False.
+        name: what the error calls x.
+
+    Returns:
+        QuantizedArray in x's library with float32 scales (see the module docstring).
+
+    Raises:
+        ValueError: rows whose length the block does not divide.
+        ScaleOverflowError: a scale or min does not fit float16.
+
+    >>> q = block_quantized_array(np.linspace(-1, 1, 256, dtype=np.float32), QuantSpec(grid="q4_k"))
+    >>> q.sub_scales.shape, q.sub_scales[0, 0].tolist()
+    ((1, 1, 8), [15, 15, 15, 15, 15, 31, 48, 63])
+    """
+    grid = spec.grid_record
+    block_type = block_type_of(grid)
+    batch, count, size = block_shape(tuple(x.shape), spec, batch_ndim, out_ndim)
+    fields = block_type.quantize(x.reshape((batch, count * size)))
+    o = c_ops(fields.codes)
+    parts = {}
+    for part, field in block_type.parts:
+        value = getattr(fields, field)
+        if part == "codes":
+            value = o.to_named(o.to_named(value, "int32") + block_type.code_shift, "int8").reshape(tuple(x.shape))
+        elif part in ("scale", "offset"):
+            value = _SCALE_CODECS[grid.scale_dtype][0](o, value)[..., None]
+        parts[part] = value
+    if check:
+        for part in ("scale", "offset"):
+            if part in parts and not array_ops(parts[part]).all_finite(parts[part]):
+                raise ScaleOverflowError(
+                    f"{name}: a block {_WORDS[part][:-1]} does not fit {grid.scale_dtype}, which grid={grid.name!r} "
+                    f"stores it in (the weights reach {float(abs(x).max()):.6g}): the weights are too large for this "
+                    f"file format; rescale them or use another grid")
+    codes, scale = parts.pop("codes"), parts.pop("scale")
+    return QuantizedArray(codes, scale, spec, batch_ndim, out_ndim, **parts)
+
+
+def check_dequantized_range(scale, spec, name="x"):
+    """Refuse scales whose largest level dequantizes to infinity (``Grid.largest_level`` times the
+    scale overflowing its dtype: e.g. code -8 of ``grid="qwix"`` near float32's maximum).
+
+    Grids that store scales as float16 or E8M0 cannot overflow float32 and are not checked.
+
+    Args:
+        scale: the scales (any shape; numpy, torch or jax).
+        spec: the QuantSpec.
+        name: what the error calls the array.
+
+    Raises:
+        ScaleOverflowError: a dequantized level would be infinite; names ``name`` and the fix.
+
+    >>> big = np.float32(3.3e38)
+    >>> check_dequantized_range(np.array([big / np.float32(7.5)]), QuantSpec(grid="qwix"), "w")
+    Traceback (most recent call last):
+    mixle.core.checks.ScaleOverflowError: w: on int4/channel/qwix the block scale 4.4e+37 times the grid's largest level 8 overflows float32 (the block's weights reach about 3.3e+38), so a finite weight would dequantize to infinity: rescale the weights (e.g. halve them and double what they feed), or use a grid whose largest code is its divisor (grid='symmetric' at bits=4)
+    """
+    grid = spec.grid_record
+    if grid.scale_dtype is not None:
+        return
+    largest = grid.largest_level(spec.bits)
+    array = _view(scale)[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = ~np.isfinite(np.abs(array) * array.dtype.type(largest))
+    if not bad.any():
+        return
+    worst = float(np.abs(array[bad]).max())
+    divisor = abs(spec.scale_divisor)
+    raise ScaleOverflowError(
+        f"{name}: on {spec.short()} the block scale {worst:.2g} times the grid's largest level {largest:g} overflows "
+        f"{array.dtype} (the block's weights reach about {worst * divisor:.2g}), so a finite weight would dequantize "
+        f"to infinity: rescale the weights (e.g. halve them and double what they feed), or use a grid whose largest "
+        f"code is its divisor (grid='symmetric' at bits=4)")
+
+
 def _int_dtype(low, high):
     return "int8" if -128 <= low and high <= 127 else "uint8"
 
@@ -217,12 +369,20 @@ def _view(x):
 
 def _narrow_is_exact(x, dtype):
     """Whether every value of ``x`` survives a round trip through ``dtype`` in x's own dtype."""
-    if type(x).__module__.startswith("torch"):
+    if dtype != "e8m0" and type(x).__module__.startswith("torch"):
         torch = sys.modules["torch"]
         return bool(torch.equal(x.to(getattr(torch, dtype)).to(x.dtype), x))
-    array = np.asarray(x)
+    return not _narrow_bad(_view(x)[0], dtype).any()
+
+
+def _narrow_bad(array, dtype):
+    """Where the values of a numpy ``array`` are not values of ``dtype`` (float16, or E8M0: the
+    powers of two 2**-128 .. 2**127)."""
+    if dtype == "e8m0":
+        mantissa, exponent = np.frexp(array.astype(np.float64))
+        return (mantissa != 0.5) | (exponent < -127) | (exponent > 128)
     with np.errstate(over="ignore"):
-        return bool(np.array_equal(array.astype(dtype).astype(array.dtype), array))
+        return array.astype(dtype).astype(array.dtype) != array
 
 
 def _first(bad, values, part):
@@ -259,10 +419,11 @@ def _check_codes(codes, want, spec, shape, packed, name):
         raise ValueError(f"{name}: the pad nibble after the last of {count} int4 codes is not zero: the data is corrupt")
 
 
-def _scale_problem(scale, array, grid):
+def _scale_problem(scale, array, spec):
     """What the grid requires of its scales that ``scale`` violates, as ``(requirement, where)``."""
     # A signed-max scale carries the sign of its block's extreme value; zero_scale=None keeps an
     # all-zero block's scale 0.
+    grid = spec.grid_record
     signed = grid.scale_rule == "signed_max"
     magnitude = abs(array) if signed else array
     if grid.zero_scale is None:
@@ -274,12 +435,18 @@ def _scale_problem(scale, array, grid):
         return wanted, _first(bad, array, "scale")
     dtype = grid.scale_dtype
     if dtype is not None and not _narrow_is_exact(scale, dtype):
-        with np.errstate(over="ignore"):
-            bad = array.astype(dtype).astype(array.dtype) != array
-        where = _first(bad, array, "scale")
-        if np.abs(array).max() > np.finfo(dtype).max:
+        where = _first(_narrow_bad(array, dtype), array, "scale")
+        if dtype != "e8m0" and np.abs(array).max() > np.finfo(dtype).max:
             where += f", above {dtype}'s largest {np.finfo(dtype).max:g}"
         return f"{wanted} {dtype} values (the grid stores them in {dtype})", where
+    try:
+        check_dequantized_range(array, spec)
+    except ScaleOverflowError:
+        largest = grid.largest_level(spec.bits)
+        with np.errstate(over="ignore"):
+            bad = ~np.isfinite(np.abs(array) * array.dtype.type(largest))
+        return (f"{wanted} and small enough that the largest level ({largest:g}) times them is finite (else a "
+                f"weight dequantizes to infinity)", _first(bad, array, "scale"))
     return None
 
 
@@ -288,14 +455,12 @@ def _check_float_part(part, value, want, spec, shape, name):
     _check_dtype_shape(array, label, prefix, want, part, spec, shape, name)
     grid = spec.grid_record
     if part == "scale":
-        problem = _scale_problem(value, array, grid)
+        problem = _scale_problem(value, array, spec)
     elif not np.isfinite(array).all():
         problem = "finite", _first(~np.isfinite(array), array, part)
     elif grid.scale_dtype is not None and not _narrow_is_exact(value, grid.scale_dtype):
-        with np.errstate(over="ignore"):
-            bad = array.astype(grid.scale_dtype).astype(array.dtype) != array
         problem = f"finite {grid.scale_dtype} values (the grid stores them in {grid.scale_dtype})", \
-            _first(bad, array, part)
+            _first(_narrow_bad(array, grid.scale_dtype), array, part)
     else:
         problem = None
     if problem:

@@ -1,4 +1,4 @@
-"""GGUF export: a model as the file llama.cpp runs, with the Q4_0/Q8_0 blocks QAT trained on.
+"""GGUF export: a model as the file llama.cpp runs, with the ggml blocks QAT trained on.
 
 ``save_gguf`` writes, through gguf-py's ``GGUFWriter`` (architectures in
 ``mixle.exports.gguf_layouts``):
@@ -12,14 +12,19 @@
 
 The model may be float, QAT-wrapped (``apply_qat``) or converted (``convert``):
 
-* A layer fake-quantized (or converted) on ``grid="q4_0"`` / ``"q8_0"`` is written as the
-  Q4_0 / Q8_0 blocks of exactly its codes and float16 scales: no re-quantization, so the weights
-  llama.cpp multiplies with are the fake-quantized weights QAT trained with, bit for bit.
+* A layer fake-quantized (or converted) on a llama.cpp grid (``"q4_0"``, ``"q8_0"``; the
+  ``QuantizedArray`` of any grid with a ``ggml_type``: ``"q4_k"``, ``"q6_k"``, ...) is written as
+  the ggml blocks of exactly its codes and scales: no re-quantization, so the weights llama.cpp
+  multiplies with are the fake-quantized weights QAT trained with, bit for bit. ``quantized=``
+  gives such an array for any layer (by its model path) directly.
 * Layers on another grid (e.g. mixle's symmetric int4) have no GGUF block type and are refused,
   naming the layer, before any file is created.
 * Float matrices (layers left out of QAT, and the token embedding when the tied head is not
   quantized) follow ``float_matrices``: ``"q8_0"`` (the default: gguf's own quantizer, llama.cpp's
-  QAT convention for embedding and output), ``"f16"`` or ``"f32"``.
+  QAT convention for embedding and output), ``"f16"`` or ``"f32"``; or, with ``gguf_mix="Q4_K_M"``
+  (any of ``mixle.core.mixes.GGUF_MIXES``), the block type llama.cpp's quantizer gives that
+  tensor in that mix, quantized bit for bit as it does: the file then equals what
+  ``llama-quantize`` makes of the float model (and QAT layers must be on the mix's type).
 * Position embeddings, norm weights and all biases are F32.
 * A tied head is stored once, as ``token_embd`` (no ``output.weight``: llama.cpp then uses the
   token embedding as its output matrix); an untied head is written as ``output.weight``.
@@ -35,6 +40,9 @@ q4_0/q8_0 grids to fake-quantize them the same way).
 """
 
 import copy
+import math
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,14 +52,18 @@ from torch import nn
 
 from mixle._optional import require
 from mixle.core.fileformat import replace_atomically
-from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_blocks
+from mixle.core.mixes import grid_of_type, mix_named, tensor_types
+from mixle.core.numerics import quantize_array
+from mixle.core.spec import QuantSpec
+from mixle.core.stored import QuantizedArray
+from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, block_scale_problem, pack_array
 from mixle.exports.gguf_layouts import layout_of
 from mixle.exports.gguf_vocab import vocabulary
 from mixle.torch_backend.convert import check_convertible
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
 
-__all__ = ["save_gguf", "load_gguf_weights", "FLOAT_MATRICES"]
+__all__ = ["save_gguf", "load_gguf_weights", "gguf_mix_types", "gguf_mix_specs", "FLOAT_MATRICES"]
 
 FLOAT_MATRICES = ("q8_0", "f16", "f32")
 
@@ -65,18 +77,35 @@ class _Tensor:
     ggml_type: str
 
 
-def _plan_matrix(module, path, gguf_name, float_matrices, gguf):
-    """The tensor for a 2-D weight of ``module`` (float, QAT or converted), or ValueError naming ``path``."""
+def _module_array(module, path):
+    """The QuantizedArray a QAT or converted layer writes (the fake-quant forward's codes), or None (float)."""
     spec = getattr(module, "spec", None)
     if isinstance(module, QuantizedWeight):
-        quantized = module.quantized_array()
-    elif spec is not None and kind_of_qat(module) is not None:
+        return module.quantized_array()
+    if spec is not None and kind_of_qat(module) is not None:
         try:  # the codes convert would store: the fake-quant forward's, bit for bit
-            quantized = kind_of_qat(module).quantize(module.weight.detach(), spec)
+            return kind_of_qat(module).quantize(module.weight.detach(), spec)
         except ValueError as err:
             raise ValueError(f"layer {path!r}: {err}") from None
-    else:
-        return _float_matrix(module.weight.detach(), path, gguf_name, float_matrices, gguf)
+    return None
+
+
+def _weight_shape(module):
+    return tuple(int(d) for d in (getattr(module, "weight_shape", None) or module.weight.shape))
+
+
+def _plan_matrix(part, float_matrices, gguf, mix_type, given):
+    """The tensor for a 2-D weight (float, QAT, converted, or ``given``), or ValueError naming the layer.
+
+    ``mix_type``: the type ``gguf_mix`` gives the tensor (``_FLOAT_MATRICES``: no mix).
+    """
+    module, path, gguf_name = part.module, part.path, part.name
+    quantized = given if given is not None else _module_array(module, path)
+    if quantized is None:
+        if mix_type is _FLOAT_MATRICES:
+            return _float_matrix(module.weight.detach(), path, gguf_name, float_matrices, gguf)
+        return _mix_matrix(module.weight.detach(), path, gguf_name, mix_type)
+    spec = quantized.spec
     if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
             f"layer {path!r} is quantized on {spec.short()}, which GGUF has no block type for: train it on "
@@ -84,13 +113,31 @@ def _plan_matrix(module, path, gguf_name, float_matrices, gguf):
             f"{' / '.join(GGML_TYPE_OF_GRID.values())}), or leave it out of apply_qat so it is "
             f"written as float_matrices={float_matrices!r}"
         )
-    codes = quantized.codes.detach().cpu().numpy()
-    scale = quantized.scale.detach().cpu().to(torch.float32).numpy().ravel()
+    if tuple(quantized.shape) != _weight_shape(module):
+        raise ValueError(f"quantized[{path!r}] has shape {list(quantized.shape)}, but the layer's weight is "
+                         f"{list(_weight_shape(module))}: quantize the layer's own weight")
+    if mix_type is not _FLOAT_MATRICES and spec.grid_record.ggml_type != mix_type:
+        raise ValueError(
+            f"layer {path!r} is quantized on {spec.short()} ({spec.grid_record.ggml_type}), but llama.cpp's "
+            f"quantizer gives {gguf_name!r} {mix_type} in this gguf_mix: train it on grid={grid_of_type(mix_type)!r} "
+            f"(gguf_mix_specs gives every layer's spec), or leave gguf_mix unset")
     try:
-        blocks = pack_blocks(spec.grid_record, codes, scale)
+        blocks = pack_array(quantized, f"layer {path!r}")
     except ValueError as err:
-        raise ValueError(f"layer {path!r}: {err}") from None
+        message = str(err)
+        raise ValueError(message if message.startswith("layer ") else f"layer {path!r}: {message}") from None
     return _Tensor(gguf_name, blocks, spec.grid_record.ggml_type)
+
+
+def _mix_matrix(weight, path, gguf_name, ggml_type):
+    """A float weight as llama.cpp's quantizer writes it on ``ggml_type`` (None: kept as F32)."""
+    array = weight.cpu().to(torch.float32).numpy()
+    if ggml_type in (None, "F32"):
+        return _Tensor(gguf_name, array, "F32")
+    if ggml_type == "F16":
+        return _Tensor(gguf_name, array.astype(np.float16), "F16")
+    quantized = quantize_array(array, grid=grid_of_type(ggml_type), name=f"layer {path!r}")
+    return _Tensor(gguf_name, pack_array(quantized, f"layer {path!r}"), ggml_type)
 
 
 def _float_matrix(weight, path, gguf_name, float_matrices, gguf):
@@ -111,12 +158,23 @@ def _vector(tensor, gguf_name):
     return _Tensor(gguf_name, tensor.detach().cpu().to(torch.float32).numpy(), "F32")
 
 
-def _plan(layout, float_matrices, gguf):
+# gguf_mix unset: float matrices follow float_matrices.
+_FLOAT_MATRICES = object()
+
+
+def _plan(layout, float_matrices, gguf, mix, quantized):
     """Every tensor of ``layout`` as bytes to write (all refusals happen here, before any file)."""
+    types = None if mix is None else _mix_types(layout, mix)
+    matrices = [part.path for part in layout.parts if part.module is not None]
+    unknown = sorted(set(quantized) - set(matrices))
+    if unknown:
+        raise ValueError(f"quantized names {unknown}, which are not weight matrices save_gguf writes: use the "
+                         f"layers' model paths, e.g. {matrices[:3]}")
     tensors = []
     for part in layout.parts:
         if part.module is not None:
-            tensor = _plan_matrix(part.module, part.path, part.name, float_matrices, gguf)
+            mix_type = _FLOAT_MATRICES if types is None else types[part.name]
+            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path))
         else:
             tensor = _vector(part.tensor, part.name)
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
@@ -125,26 +183,77 @@ def _plan(layout, float_matrices, gguf):
     return tensors
 
 
+def _mix_types(layout, mix):
+    """``{gguf name: ggml type or None}`` llama.cpp's quantizer gives the layout's tensors under ``mix``."""
+    shapes = {part.name: _weight_shape(part.module) if part.module is not None else tuple(part.tensor.shape)
+              for part in layout.parts}
+    hparams = dict(layout.hparams)
+    return tensor_types(mix, shapes, layout.arch, hparams["add_block_count"], n_head=hparams.get("add_head_count"),
+                        n_head_kv=hparams.get("add_head_count_kv"))
+
+
+def gguf_mix_types(model, gguf_mix):
+    """``{gguf tensor name: ggml type or None}``: what llama.cpp's quantizer gives each tensor of
+    ``save_gguf(model, ...)``'s file under ``gguf_mix`` (None: kept float, e.g. norms and biases).
+
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> types = gguf_mix_types(build_causal_lm(vocab=40, d_model=256, n_layer=1, n_head=2, block=8), "Q4_K_M")
+    >>> types["blk.0.attn_qkv.weight"], types["blk.0.ffn_down.weight"], types["token_embd.weight"], types["blk.0.ffn_up.bias"]
+    ('Q6_K', 'Q6_K', 'Q6_K', None)
+    """
+    gguf = require("gguf", extra="gguf", purpose="gguf_mix_types")
+    return _mix_types(layout_of(model, gguf), mix_named(gguf_mix))
+
+
+def gguf_mix_specs(model, gguf_mix):
+    """``{layer path: QuantSpec or None}``: the grid to train each weight matrix on so that
+    ``save_gguf(..., gguf_mix=...)`` writes the file llama.cpp's quantizer would (None: the mix
+    keeps it float, F16/F32). A head tied to the token embedding gets the embedding's spec.
+
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> specs = gguf_mix_specs(build_causal_lm(vocab=40, d_model=64, n_layer=4, n_head=2, block=8), "Q4_K_M")
+    >>> specs["blocks.0.qkv"].grid, specs["blocks.2.qkv"].grid, specs["tok"].grid, specs["head"].grid
+    ('q5_0', 'q8_0', 'q8_0', 'q8_0')
+    """
+    gguf = require("gguf", extra="gguf", purpose="gguf_mix_specs")
+    layout = layout_of(model, gguf)
+    types = _mix_types(layout, mix_named(gguf_mix))
+    specs = {}
+    for part in layout.parts:
+        if part.module is not None:
+            grid = grid_of_type(types[part.name]) if types[part.name] else None
+            specs[part.path] = None if grid is None else QuantSpec(grid=grid)
+    if layout.tied and layout.head_path is not None:
+        specs[layout.head_path] = specs[layout.parts[0].path]
+    return specs
+
+
 # ----------------------------------------------------------------------------------------------
 
+# ggml type -> the file type a file mostly of it is (general.file_type), in order of precedence.
+_FILE_TYPES = (("Q4_0", "MOSTLY_Q4_0"), ("Q4_1", "MOSTLY_Q4_1"), ("Q4_K", "MOSTLY_Q4_K_M"), ("Q5_0", "MOSTLY_Q5_0"),
+               ("Q5_1", "MOSTLY_Q5_1"), ("Q5_K", "MOSTLY_Q5_K_M"), ("Q6_K", "MOSTLY_Q6_K"), ("Q8_0", "MOSTLY_Q8_0"),
+               ("MXFP4", "MOSTLY_MXFP4_MOE"), ("F16", "MOSTLY_F16"))
 
-def _file_type(tensors, gguf):
+
+def _file_type(tensors, gguf, mix):
+    if mix is not None:
+        return gguf.LlamaFileType(mix.ftype)
     types = {t.ggml_type for t in tensors}
-    for ggml_type, file_type in (("Q4_0", "MOSTLY_Q4_0"), ("Q8_0", "MOSTLY_Q8_0"), ("F16", "MOSTLY_F16")):
+    for ggml_type, file_type in _FILE_TYPES:
         if ggml_type in types:
             return getattr(gguf.LlamaFileType, file_type)
     return gguf.LlamaFileType.ALL_F32
 
 
-def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0", name=None,
-              allow_activation_mismatch=False):
+def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,
+              name=None, allow_activation_mismatch=False):
     """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama`` or ``qwen2``).
 
-    Layers QAT-trained (or converted) on ``grid="q4_0"`` / ``"q8_0"`` are written as the Q4_0 /
-    Q8_0 blocks of their own codes and float16 scales, so llama.cpp multiplies with exactly the
-    weights QAT trained with. See the module docstring for the other tensors and the layout.
-    Everything is checked before the file is created; it is written to a temporary file in the
-    same directory and renamed into place, so a failed call leaves no file behind.
+    Layers QAT-trained (or converted) on a llama.cpp grid are written as the ggml blocks of their
+    own codes and scales, so llama.cpp multiplies with exactly the weights QAT trained with; see
+    the module docstring for the other tensors and the layout. Everything is checked before the
+    file is created, written to a temporary file and renamed into place: a failed call leaves none.
 
     Args:
         model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` /
@@ -152,66 +261,78 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices="q8_0",
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
         tokenizer: instead of ``vocab``: a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a
-            Hugging Face fast tokenizer with a byte-level BPE model (GPT-2, Llama 3, Qwen2);
-            see ``mixle.exports.gguf_vocab``.
-        float_matrices: how float weight matrices are stored: ``"q8_0"``, ``"f16"`` or ``"f32"``.
+            Hugging Face fast byte-level BPE tokenizer (see ``mixle.exports.gguf_vocab``).
+        float_matrices: how float weight matrices are stored: ``"q8_0"`` (default), ``"f16"``, ``"f32"``.
+        gguf_mix: instead, a llama.cpp ftype (``"Q4_K_M"``, ...: ``mixle.core.mixes.GGUF_MIXES``):
+            float matrices become what llama.cpp's quantizer makes of them, QAT layers must be on
+            the type it picks (``gguf_mix_specs``), and ``general.file_type`` is the mix's.
+        quantized: ``{layer path: QuantizedArray}`` written instead of that layer's weight (its
+            grid's ggml blocks, packed from its fields, e.g. ``quantize_array(w, grid="q4_k")``).
         name: ``general.name`` (default: the file's stem).
         allow_activation_mismatch: write a model whose activation llama.cpp's graph does not
-            compute (a ``build_causal_lm`` with erf GELU, where the file computes tanh GELU);
-            refused by default, because llama.cpp's outputs would then differ from the model's.
+            compute (a ``build_causal_lm`` with erf GELU); refused by default.
 
     Returns:
         ``{gguf tensor name: ggml type name}`` of what was written.
 
     Raises:
-        ValueError: an unsupported architecture, a layer on a grid GGUF has no type for, a
-            float16-overflowing scale, an activation llama.cpp does not compute, or a vocabulary
-            that does not fit; the message names the layer or argument and the fix.
+        ValueError: an unsupported architecture, a layer on a grid GGUF has no type for (or not the
+            mix's), a float16-overflowing scale, an activation llama.cpp does not compute, or a
+            vocabulary that does not fit; the message names the layer or argument and the fix.
 
     >>> import os, tempfile, torch
     >>> from mixle.models.transformer import build_causal_lm
     >>> from mixle.models.qat import apply_qat
     >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8, activation="gelu_tanh")
-    >>> lm = apply_qat(lm, grid="q4_0")
-    >>> types = save_gguf(lm, os.path.join(tempfile.mkdtemp(), "lm.gguf"))
+    >>> types = save_gguf(apply_qat(lm, grid="q4_0"), os.path.join(tempfile.mkdtemp(), "lm.gguf"))
     >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
     ('Q4_0', 'Q4_0', 'F32')
     """
     gguf = require("gguf", extra="gguf", purpose="save_gguf")
-    _check_save_arguments(model, float_matrices, allow_activation_mismatch)
+    mix, float_matrices, quantized = _check_save_arguments(model, float_matrices, gguf_mix, quantized,
+                                                           allow_activation_mismatch)
     layout = layout_of(model, gguf)
     if layout.notes and not allow_activation_mismatch:
         what, fix = layout.notes[0]
         raise ValueError(f"save_gguf: {what}; {fix}")
     with torch.no_grad():
-        tensors = _plan(layout, float_matrices, gguf)
+        tensors = _plan(layout, float_matrices, gguf, mix, quantized)
     words = vocabulary(layout.vocab_size, vocab, tokenizer)
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    title = name or path.stem
-    replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, title, gguf))
+    title, file_type = name or path.stem, _file_type(tensors, gguf, mix)
+    replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, title, file_type, gguf))
     return {t.name: t.ggml_type for t in tensors}
 
 
-def _check_save_arguments(model, float_matrices, allow_activation_mismatch):
+def _check_save_arguments(model, float_matrices, gguf_mix, quantized, allow_activation_mismatch):
+    """``(mix or None, float_matrices, quantized dict)`` after checking save_gguf's arguments."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
-    if float_matrices not in FLOAT_MATRICES:
+    if float_matrices is not None and float_matrices not in FLOAT_MATRICES:
         raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
+    if float_matrices is not None and gguf_mix is not None:
+        raise ValueError(f"float_matrices={float_matrices!r} and gguf_mix={gguf_mix!r} both say how float matrices "
+                         f"are stored (gguf_mix: as llama.cpp's quantizer does): pass one")
     if not isinstance(allow_activation_mismatch, bool):
         raise TypeError(f"allow_activation_mismatch must be True or False, got {allow_activation_mismatch!r}")
+    quantized = {} if quantized is None else quantized
+    if not isinstance(quantized, dict) or not all(isinstance(q, QuantizedArray) for q in quantized.values()):
+        raise TypeError("quantized must be {layer path: QuantizedArray}, e.g. {'blocks.0.fc': quantize_array(w, "
+                        "grid='q4_k')}")
     check_convertible(model)  # e.g. LoRA layers: fold them in first
+    return (None if gguf_mix is None else mix_named(gguf_mix)), float_matrices or "q8_0", quantized
 
 
-def _write(path, layout, tensors, words, name, gguf):
+def _write(path, layout, tensors, words, name, file_type, gguf):
     """Write the GGUF file at ``path`` (the temporary file ``replace_atomically`` moves into place)."""
     writer = gguf.GGUFWriter(path, arch=layout.arch)
     try:
         writer.add_name(name)
         for method, value in layout.hparams:
             getattr(writer, method)(value)
-        writer.add_file_type(_file_type(tensors, gguf))
+        writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(words.tokens)
@@ -247,8 +368,10 @@ def load_gguf_weights(model, path):
         The float copy.
 
     Raises:
-        ValueError: the file's architecture, tensor names or shapes do not match ``model``'s
-            layout, or ``model`` has quantized layers (pass its float original).
+        ValueError: the file is truncated or corrupt (a tensor cut short, a NaN/inf float16 block
+            scale, NaN/inf values), its architecture, tensor names or shapes do not match
+            ``model``'s layout, or ``model`` has quantized layers (pass its float original); the
+            message names the tensor and the file.
 
     >>> import os, tempfile, torch
     >>> from mixle.models.transformer import build_causal_lm
@@ -279,8 +402,11 @@ def load_gguf_weights(model, path):
 
 def _read_tensors(path, layout, gguf):
     """``{gguf tensor name: ReaderTensor}`` of the file, after checking it holds ``layout``'s tensors."""
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:  # gguf-py fails deep inside numpy on a truncated or corrupt file
+        raise ValueError(_unreadable(path, err, gguf)) from None
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch != layout.arch:
         raise ValueError(f"{str(path)!r} holds llama.cpp's {arch!r}, but the model is written as {layout.arch!r}")
     stored = {tensor.name: tensor for tensor in reader.tensors}
@@ -292,15 +418,100 @@ def _read_tensors(path, layout, gguf):
 
 
 def _part_values(tensor, part, target, path, gguf):
-    """One file tensor dequantized by gguf-py, in the model's shape and row order."""
-    values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    """One file tensor dequantized by gguf-py, in the model's shape and row order, after checking it."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    if values.size != target.numel() or shape[-1] != target.shape[-1]:
-        raise ValueError(f"tensor {part.name!r} of {str(path)!r} has shape {list(shape)}, but {part.path!r} "
-                         f"has {list(target.shape)}")
-    values = values.reshape(target.shape)
+    where = f"tensor {part.name!r} of {str(path)!r}"
+    if shape != tuple(target.shape):
+        raise ValueError(f"{where} has shape {list(shape)}, but {part.path!r} has {list(target.shape)}: the file was "
+                         f"written for another configuration of this architecture; pass the model it was saved from")
+    problem = block_scale_problem(tensor.data, tensor.tensor_type.name)
+    if problem:
+        raise ValueError(f"{where} holds a NaN or infinite float16 block scale ({problem}): the file is corrupt; "
+                         f"write it again")
+    values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    if not np.isfinite(values).all():
+        index = [int(i) for i in np.argwhere(~np.isfinite(values))[0]]
+        raise ValueError(f"{where} holds NaN or infinity ({tensor.tensor_type.name} value {values[tuple(index)]} at "
+                         f"{index}): the file is corrupt; write it again")
     if part.rows is not None:  # file row r holds model row rows[r]
         unpermuted = np.empty_like(values)
         unpermuted[part.rows] = values
         values = unpermuted
     return values
+
+
+# GGUF metadata value types (gguf's GGUFValueType) -> struct format; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _tensor_infos(path):
+    """``([(name, ggml type id, ne), offset], data start)`` of a GGUF file's header, read by hand;
+    EOFError where the header itself ends early."""
+    with open(path, "rb") as file:
+        def take(fmt):
+            raw = file.read(struct.calcsize("<" + fmt))
+            if len(raw) < struct.calcsize("<" + fmt):
+                raise EOFError
+            return struct.unpack("<" + fmt, raw)
+
+        def text():
+            size = take("Q")[0]
+            raw = file.read(size)
+            if len(raw) < size:
+                raise EOFError
+            return raw.decode("utf-8", "replace")
+
+        def skip(kind):
+            if kind == 8:
+                text()
+            elif kind == 9:
+                sub, count = take("IQ")
+                for _ in range(count):
+                    skip(sub)
+            else:
+                take(_GGUF_SCALARS[kind])
+
+        magic, _, n_tensors, n_kv = take("4sIQQ")
+        if magic != b"GGUF":
+            raise ValueError(f"its first bytes are {magic!r}, not GGUF's magic b'GGUF'")
+        alignment = 32
+        for _ in range(n_kv):
+            key, kind = text(), take("I")[0]
+            if key == "general.alignment" and kind == 4:
+                alignment = take("I")[0]
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            tensor, dims = text(), take("I")[0]
+            ne = take("Q" * dims)
+            ggml_type, offset = take("IQ")
+            infos.append(((tensor, ggml_type, ne), offset))
+        start = file.tell()
+    return infos, start + (-start % alignment)
+
+
+def _unreadable(path, err, gguf):
+    """Why gguf-py could not read ``path``: the tensor cut short (or misshapen) and the file, if found."""
+    where = f"{str(path)!r} cannot be read as a GGUF file"
+    try:
+        infos, start = _tensor_infos(path)
+    except ValueError as problem:
+        return f"{where}: {problem}"
+    except (EOFError, KeyError, OverflowError, MemoryError):
+        return f"{where}: its header is cut short or corrupt ({err}); copy or write the file again"
+    size = os.path.getsize(path)
+    for (tensor, type_id, ne), offset in infos:
+        try:
+            ggml_type = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            return f"{where}: tensor {tensor!r} has the unknown ggml type {type_id}"
+        block, nbytes = gguf.GGML_QUANT_SIZES[ggml_type]
+        if ne and ne[0] % block:
+            return (f"{where}: tensor {tensor!r} has rows of {ne[0]} values, which {ggml_type.name} blocks of {block} "
+                    f"do not divide; the file is corrupt")
+        end = start + offset + math.prod(ne) // block * nbytes
+        if end > size:
+            return (f"{where}: tensor {tensor!r} needs bytes {start + offset}..{end}, but the file ends at {size}: it "
+                    f"is truncated; copy or write it again")
+    return f"{where} ({type(err).__name__}: {err}); copy or write the file again"

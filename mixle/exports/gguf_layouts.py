@@ -46,6 +46,7 @@ class Layout:
 
     ``notes`` lists what llama.cpp's graph would compute differently from the model (e.g. another
     activation), each as ``(what, fix)``; ``save_gguf`` refuses them unless told to accept them.
+    ``head_path`` is the model path of the output head (written as ``token_embd`` when tied).
     """
 
     arch: str
@@ -54,6 +55,7 @@ class Layout:
     vocab_size: int
     tied: bool
     notes: list = field(default_factory=list)
+    head_path: str | None = None
 
 
 def rotary_pair_rows(heads, head_dim):
@@ -155,7 +157,7 @@ def gpt2_layout(model, names, kinds):
                ("add_block_count", len(model.blocks)), ("add_feed_forward_length", ffn),
                ("add_head_count", heads.pop() if heads else 1), ("add_layer_norm_eps", eps)]
     vocab = tok.num_embeddings if hasattr(tok, "num_embeddings") else tok.weight_shape[0]
-    return Layout("gpt2", hparams, parts, vocab, tied, notes)
+    return Layout("gpt2", hparams, parts, vocab, tied, notes, head_path="head")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def hf_decoder_layout(model, names, kinds):
                ("add_vocab_size", config.vocab_size)]
     if head_dim * heads != hidden:
         hparams += [("add_key_length", head_dim), ("add_value_length", head_dim)]
-    return Layout(arch, hparams, parts, config.vocab_size, tied)
+    return Layout(arch, hparams, parts, config.vocab_size, tied, head_path="lm_head")
 
 
 LAYOUTS = (gpt2_layout, hf_decoder_layout)

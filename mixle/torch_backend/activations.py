@@ -18,7 +18,10 @@ other grids:
   ``scale = max((hi - lo) / (qmax - qmin), eps32)``, ``zero = clip(qmin - round(lo / scale), qmin,
   qmax)``, ``q = clip(round(x / scale) + zero, qmin, qmax)``, value ``(q - zero) * scale``.
 
-A token of zeros keeps scale 1 (symmetric) or eps (asymmetric) and comes back as zeros. The
+A token of zeros keeps scale 1 (symmetric) or eps (asymmetric) and comes back as zeros.
+bfloat16/float16 activations (a bf16 model, autocast) are quantized in float32, as the weights
+are, and the result is cast back to their dtype; nothing waits for a device (a float16-overflowing
+Q8_0 scale on an accelerator is an asynchronous device assert). The
 backward is the straight-through estimator (identity): the range follows the data, so nothing
 is clipped except by rounding. The same function runs in the QAT layer and in the converted
 ``QuantizedLinear``, so ``convert`` computes exactly what training saw.
@@ -26,8 +29,6 @@ is clipped except by rounding. The same function runs in the QAT layer and in th
 No fused CPU kernel: the per-token pass is three elementwise ops and two row reductions over
 the activations, which torch runs vectorised; ``benchmarks/overhead.py`` measures its cost.
 """
-
-import functools
 
 import torch
 
@@ -68,7 +69,9 @@ def check_activation_spec(spec):
 def _symmetric(x, bits, grid):
     lo, hi = grid.code_range(bits)
     absmax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(absmax > 0, absmax / grid.divisor[bits], torch.ones_like(absmax))
+    # A divisor on the device: CUDA divides by a host scalar as a product with its reciprocal.
+    divisor = torch.full((), grid.divisor[bits], dtype=absmax.dtype, device=absmax.device)
+    scale = torch.where(absmax > 0, absmax / divisor, torch.ones_like(absmax))
     return torch.clamp(torch.round(x / scale), lo, hi) * scale
 
 
@@ -82,9 +85,14 @@ def _asymmetric(x, bits):
     return (codes - zero) * scale
 
 
-@functools.lru_cache(maxsize=None)
+_BLOCK_SPECS = {}  # (grid, bits) -> QuantSpec; a plain dict, which torch.compile reads as a constant
+
+
 def _block_spec(grid, bits):
-    return QuantSpec(bits=bits, grid=grid)
+    spec = _BLOCK_SPECS.get((grid, bits))
+    if spec is None:
+        spec = _BLOCK_SPECS[grid, bits] = QuantSpec(bits=bits, grid=grid)
+    return spec
 
 
 def _blocks(x, bits, grid):
@@ -121,11 +129,14 @@ def quantize_dequantize_activations(x, spec):
     (-0.999939, -0.968445)
     """
     act = spec.grid_record.activation_record()
+    work = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     if act.block is not None:
-        return _blocks(x, spec.act_bits, act)
-    if spec.act_symmetric:
-        return _symmetric(x, spec.act_bits, spec.grid_record)
-    return _asymmetric(x, spec.act_bits)
+        out = _blocks(work, spec.act_bits, act)
+    elif spec.act_symmetric:
+        out = _symmetric(work, spec.act_bits, spec.grid_record)
+    else:
+        out = _asymmetric(work, spec.act_bits)
+    return out.to(x.dtype)
 
 
 class _STE(torch.autograd.Function):

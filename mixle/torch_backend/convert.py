@@ -12,6 +12,7 @@ from torch import nn
 from mixle.core.spec import resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
+from mixle.torch_backend.fake_quant import held_scale, numerics_input
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat
 from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import to_storage
@@ -57,7 +58,7 @@ def _convert_in_place(model):
                 if learned_scale.is_learned(layer.spec):  # exactly the trained scales
                     storage[key] = to_storage(learned_scale.quantized_array(layer))
                 else:
-                    storage[key] = to_storage(kind.quantize(weight.detach(), layer.spec))
+                    storage[key] = _stored(kind, weight.detach(), layer.spec)
             new = kind.to_quantized(layer, *storage[key])
         except ValueError as err:
             raise ValueError(f"layer {path!r}: {err}") from None
@@ -68,6 +69,13 @@ def _convert_in_place(model):
         root = change.swap(model, replacements)
         change.delete(model, qat.REPORT_ATTRIBUTE)  # the QAT report no longer describes this model
     return root
+
+
+def _stored(kind, weight, spec):
+    """``(codes, scale)`` of ``weight`` as the QAT forward made them: bfloat16/float16 weights run
+    the numerics in float32 and hold the scale in their own dtype (``fake_quant.held_scale``)."""
+    codes, scale = to_storage(kind.quantize(numerics_input(weight), spec))
+    return codes, held_scale(scale, weight.dtype)
 
 
 def check_convertible(model):

@@ -2,12 +2,17 @@
 
 The numerics are ``mixle.core.numerics``'s (block view, scales, rounding, dequantize); this
 module only decides when they run, and on contiguous float32/float64 CPU weights runs them as
-``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). A weight
-is quantized once per version: the entry is keyed on the Parameter's in-place version counter,
-its storage, dtype, shape, the spec and a generation counter bumped by every optimizer step and
-every ``load_state_dict`` into a QAT layer, so gradient-accumulation micro-batches, eval
+``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). The
+numerics of a bfloat16/float16 weight run in float32 (it gets exactly the codes of its float32
+copy); the scale its codes are multiplied by is held in the weight's dtype, as a converted layer
+stores it, and the product is cast to that dtype. On a CPU weight a version is quantized once:
+the entry is keyed on the Parameter's in-place version counter, its storage, dtype, shape, the
+spec and a generation counter bumped by every optimizer step and every ``load_state_dict`` into
+a QAT layer, so gradient-accumulation micro-batches, eval
 forwards and a tied embedding reuse it, while any optimizer step or checkpoint load makes the
-next forward quantize afresh.
+next forward quantize afresh. On an accelerator every forward quantizes afresh (proving a reuse
+would read a fingerprint back to the host, a synchronisation); nothing there reads a value on
+the host: a NaN weight is refused by an asynchronous device assert.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
 then its int8 codes (a quarter of a float32 weight). Grids that store their scale in float16
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixle.torch_backend import fused_cpu as _fused_cpu
-from mixle.core.array_ops import array_ops
+from mixle.core.array_ops import TorchOps, array_ops
 from mixle.core.checks import check_array, check_block_max, not_finite_error
 from mixle.core.numerics import (
     QuantizedArray,
@@ -70,13 +75,27 @@ def invalidate_caches(*_):
 
 register_optimizer_step_post_hook(invalidate_caches)
 
+_OPS = TorchOps()
+# Weights whose grid numerics run in float32 (see numerics_input).
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-def _check_finite(block_max, x):
-    if torch.compiler.is_compiling():
-        # A compiled graph cannot raise ValueError: the same test runs as an op, same words.
-        torch._assert_async(torch.isfinite(block_max).all(), str(not_finite_error(x, "weight")))
-    else:
-        check_block_max(block_max, x, "weight")
+
+def numerics_input(x):
+    """``x`` as the grid numerics see it: bfloat16/float16 in float32, other dtypes as they are.
+
+    >>> numerics_input(torch.ones(2, dtype=torch.bfloat16)).dtype
+    torch.float32
+    """
+    return x.float() if x.dtype in _LOW_PRECISION else x
+
+
+def held_scale(scale, dtype):
+    """The scale codes are multiplied by, held in the weight's ``dtype`` (what convert stores).
+
+    >>> held_scale(torch.tensor([0.1]), torch.bfloat16).dtype
+    torch.bfloat16
+    """
+    return scale if scale.dtype == dtype else scale.to(dtype)
 
 
 def _check_no_bad_blocks(nonfinite, x):
@@ -129,30 +148,41 @@ def _blocks(x, spec):
     return array_ops(x), x.reshape(block_shape(x.shape, spec))
 
 
+# Grids with their own block numerics (offsets, second-level scales: llama.cpp's K-quants):
+# grid name -> fn(x in float32 or float64, spec) -> the round trip of x, same shape and dtype.
+# Their entries keep no scales: a rebuild runs fn again.
+BLOCK_NUMERICS = {}
+
+
 def _quantize(x, spec, key=None, keep_codes=False, out=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
+    own = BLOCK_NUMERICS.get(spec.grid)
+    if own is not None:
+        return own(numerics_input(x), spec).to(x.dtype), _Entry(key, spec, None, None, None)
     if _fused_cpu.applies_to(x, spec):
         deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
             x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
         _check_no_bad_blocks(nonfinite, x)
         return deq, _Entry(key, spec, scale, threshold, codes)
-    ops, blocks = _blocks(x, spec)
+    ops, blocks = _blocks(numerics_input(x), spec)
     scale, threshold, block_max = block_stats(ops, blocks, spec, with_max=True)
-    _check_finite(block_max, x)
+    check_block_max(block_max, x, "weight")  # a device assert on accelerators and under torch.compile
     codes = round_codes(ops, blocks, scale, spec)
-    stored = stored_scale(ops, scale, spec)
+    stored = held_scale(stored_scale(ops, scale, spec), x.dtype)
     codes_kept = ops.to_int8(codes).reshape(x.shape) if keep_codes else None
     entry = _Entry(key, spec, stored, threshold if spec.clip_gradient else None, codes_kept,
                    None if stored is scale else scale)
-    return codes.mul_(stored).reshape(x.shape), entry
+    return codes.mul_(stored).reshape(x.shape).to(x.dtype), entry
 
 
 def _rebuild(entry, x, keep_codes=False, out=None):
     """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
     written into ``out`` (shaped like x) when given."""
     fused = _fused_cpu.applies_to(x, entry.spec)
-    if entry.codes is not None:
+    if entry.scale is None:  # a grid of BLOCK_NUMERICS
+        deq = _quantize(x, entry.spec)[0]
+    elif entry.codes is not None:
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)
         deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
@@ -161,12 +191,12 @@ def _rebuild(entry, x, keep_codes=False, out=None):
                                                      want_codes=keep_codes, out=out)
         return deq
     else:
-        ops, blocks = _blocks(x, entry.spec)
+        ops, blocks = _blocks(numerics_input(x), entry.spec)
         code_scale = entry.scale if entry.code_scale is None else entry.code_scale
         codes = round_codes(ops, blocks, code_scale, entry.spec)
         if keep_codes:
             entry.codes = ops.to_int8(codes).reshape(x.shape)
-        deq = codes.mul_(entry.scale).reshape(x.shape)
+        deq = codes.mul_(entry.scale).reshape(x.shape).to(x.dtype)
     return deq if out is None else out.copy_(deq)
 
 
@@ -195,8 +225,13 @@ class _WeightCache:
 
         The int8 codes are kept only once a version is used twice (or the weight is ``shared``
         by several layers, or the previous version was reused), so a plain training loop, which
-        uses each version once, holds nothing but the scales.
+        uses each version once, holds nothing but the scales. A weight the host cannot read
+        (on an accelerator) is quantized afresh every time: no fingerprint is read back.
         """
+        if not _OPS.readable(x):
+            self.entry, self.uses = None, 0
+            deq, self.entry = _quantize(x, spec)
+            return deq, self.entry
         key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride(), spec)
         entry = self.entry
         if entry is not None and entry.key == key:
@@ -273,13 +308,13 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
     ``output_axis=1`` (a weight stored ``(in, out)``, e.g. transformers' Conv1D) quantizes and
     returns the ``(out, in)`` transpose. Under ``torch.compile`` the cache is bypassed (the
     compiled graph recomputes and fuses it), and for inference tensors, which have no version
-    counter.
+    counter, and for weights on an accelerator (see ``_WeightCache.lookup``).
     """
     if param.is_meta:  # no values to quantize: shapes only, as the float layer gives
         return param, None
     check_array(param, "weight", finite=False)
     x = param.t() if output_axis == 1 else param
-    if torch.compiler.is_compiling() or param.is_inference():  # no version counter to key on
+    if not _OPS.readable(param) or param.is_inference():  # not readable also while compiling
         return _FakeQuantSTE.apply(x, spec), None
     cache = _cache_of(param)
     return _FakeQuantSTE.apply(x, spec, cache, shared), cache.entry
@@ -342,26 +377,30 @@ class _QATLinear(torch.autograd.Function):
 
     ``F.linear`` on a fake-quantized weight would save that weight for backward, a second copy
     of every weight alive from forward to backward; here backward rebuilds it, just for the
-    input gradient, inside the buffer that then receives the weight gradient.
+    input gradient, inside the buffer that then receives the weight gradient. Under autocast
+    the products run in ``dtype`` (autocast's): the forward's ``F.linear`` casts as autocast
+    does, and the backward casts x and the rebuilt weight the same way.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec, cache):
+    def forward(ctx, x, weight, bias, spec, cache, dtype):
         fused = _fused_cpu.applies_to(weight, spec)
         out = _spare.take(weight)[0] if fused else None
         deq, entry = cache.lookup(weight, spec, False, out)
-        y = F.linear(x, deq, bias)
+        x_dtype, x = x.dtype, x.to(dtype)  # autocast's cast of x, saved below as autocast saves it
+        y = F.linear(x, deq, bias)  # under autocast: the bf16 cast of the fake-quantized weight
         if fused:
             _spare.give(deq, holds=entry)  # dead now: nothing saved it
         del deq
         ctx.weight, ctx.version, ctx.entry, ctx.fused = weight, weight._version, entry, fused
+        ctx.dtype, ctx.x_dtype, ctx.bias_dtype = dtype, x_dtype, None if bias is None else bias.dtype
         if ctx.needs_input_grad[1]:
             ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        weight, entry = ctx.weight, ctx.entry
+        weight, entry, dtype = ctx.weight, ctx.entry, ctx.dtype
         if weight._version != ctx.version:
             raise RuntimeError(
                 "a QAT layer's weight was modified in place between its forward and backward "
@@ -373,41 +412,72 @@ class _QATLinear(torch.autograd.Function):
         if need_w:
             (x,) = ctx.saved_tensors
             x = x.reshape(-1, x.shape[-1])
-        grad_x = grad_w = grad_b = None
         if torch.is_grad_enabled():  # backward(create_graph=True): differentiable torch ops
-            if need_x:
-                grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec))
-            if need_w:
-                grad_w = flat.t().mm(x)
+            grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec).to(dtype)) if need_x else None
+            grad_w = flat.t().mm(x).to(weight.dtype) if need_w else None
         else:
-            # The weight gradient's buffer first holds the fake-quantized weight: one weight-sized
-            # allocation (and its first-touch page faults) less per layer and step, and no
-            # rebuild at all for a recycled buffer that still holds it.
-            buffer = None
-            if need_x:
-                buffer, holds = _spare.take(weight, holding=entry) if ctx.fused else (None, False)
-                if not holds:
-                    buffer = _rebuild(entry, weight.detach(), out=buffer)
-                grad_x = grad.matmul(buffer)
-            if need_w:
-                grad_w = flat.t().mm(x) if buffer is None else torch.mm(flat.t(), x, out=buffer)
+            grad_x, grad_w = _backward_products(ctx, grad, flat, x if need_w else None, need_x)
         if grad_w is not None and entry.spec.clip_gradient:  # grad_w is ours: masked in place
             grad_w = _clip_mask_grad(grad_w, weight.detach(), entry.spec, entry.threshold, out=grad_w)
-        if need_b:
-            grad_b = flat.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
+        grad_b = flat.sum(0).to(ctx.bias_dtype) if need_b else None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _backward_products(ctx, grad, flat, x, need_x):
+    """``(input gradient, weight gradient)`` of ``_QATLinear``, either None where not needed.
+
+    The weight gradient's buffer first holds the fake-quantized weight: one weight-sized
+    allocation (and its first-touch page faults) less per layer and step, and no rebuild at all
+    for a recycled buffer that still holds it.
+    """
+    weight, entry, dtype = ctx.weight, ctx.entry, ctx.dtype
+    buffer = grad_x = grad_w = None
+    if need_x:
+        buffer, holds = _spare.take(weight, holding=entry) if ctx.fused else (None, False)
+        if not holds:
+            buffer = _rebuild(entry, weight.detach(), out=buffer)
+        grad_x = grad.matmul(buffer.to(dtype))
+    if x is not None:
+        if buffer is None:
+            grad_w = flat.t().mm(x).to(weight.dtype)
+        elif dtype == weight.dtype:
+            grad_w = torch.mm(flat.t(), x, out=buffer)
+        else:  # autocast: the product in its dtype, as F.linear's backward computes it
+            grad_w = buffer.copy_(flat.t().mm(x))
+    return grad_x, grad_w
+
+
+def _matmul_dtype(x, weight, bias):
+    """The dtype ``F.linear(x, weight, bias)`` multiplies in, for the mixes ``_QATLinear`` takes:
+    one dtype without autocast; autocast's from float32 or its own dtype under it. Else None."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        allowed = (torch.float32, dtype)
+    else:
+        dtype, allowed = x.dtype, (x.dtype,)
+    if x.dtype in allowed and weight.dtype in allowed and (bias is None or bias.dtype in allowed):
+        return dtype
+    return None
 
 
 def linear(x, weight, bias, spec):
     """``F.linear`` with a fake-quantized ``weight``, keeping no float copy of it for backward.
 
     The quantized weight comes from the per-version cache; training runs as one autograd node
-    (``_QATLinear``). Under autocast, torch.compile, no-grad or mixed dtypes the stock
+    (``_QATLinear``), under autocast too (the products see autocast's cast of the fake-quantized
+    weight, as ``F.linear`` would). Under torch.compile, no-grad or mixed dtypes the stock
     ``F.linear`` runs on the same fake-quantized weight (on meta tensors, which have no values,
     it gives the float layer's shapes).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> w = torch.nn.Parameter(torch.tensor([[0.7, -0.35]]))
+    >>> linear(torch.ones(1, 2), w, None, QuantSpec(bits=4)).tolist()
+    [[0.29999998211860657]]
     """
     if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled() or weight.is_meta
-            or x.is_meta or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type)):
+            or x.is_meta or (dtype := _matmul_dtype(x, weight, bias)) is None):
         return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
     check_array(weight, "weight", finite=False)
-    return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight))
+    return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight), dtype)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from mixle.core.array_ops import TorchOps
 from mixle.core.numerics import block_shape, percentile_positions
 from mixle.torch_backend import kernel_cache
 
@@ -25,6 +26,7 @@ SWITCH = kernel_cache.SWITCH
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 _loaded = {}  # "kernels" -> _Kernels or None, once decided
+_OPS = TorchOps()
 
 
 _cache_dir = kernel_cache.cache_dir
@@ -128,21 +130,25 @@ def available():
 def applies_to(x, spec=None):
     """Whether the fused kernels can take tensor x (quantized with ``spec``, when given): a
     contiguous float32/float64 CPU tensor on a plain grid (``Grid.is_plain``: the only grids the
-    kernels implement).
+    kernels implement). Tensors on other devices (and fake ones) take the torch ops, and never
+    make the kernels build.
 
     The kernels are torch custom operators (``torch.ops.mixle.*``) with fake implementations,
     so torch.compile traces them like any other op.
+
+    >>> applies_to(torch.ones(2, dtype=torch.bfloat16))
+    False
     """
     if spec is not None and not spec.grid_record.is_plain():
+        return False
+    if x.dtype not in _DTYPES or x.device.type != "cpu":
         return False
     if torch.compiler.is_compiling():
         # Traced code cannot build or lock: it uses the kernels if they were decided before (QAT
         # layers decide when they are created). Nor may it read layout (dynamo's compiled
         # backward refuses that attribute); traced tensors are strided.
-        ready = _loaded.get("kernels") is not None
-    else:
-        ready = x.layout == torch.strided and _kernels() is not None
-    return ready and x.dtype in _DTYPES and x.device.type == "cpu" and x.is_contiguous()
+        return _loaded.get("kernels") is not None and x.is_contiguous()
+    return x.layout == torch.strided and x.is_contiguous() and _OPS.readable(x) and _kernels() is not None
 
 
 def _ptr(t):

@@ -52,8 +52,11 @@ def check_supported(spec):
     check_activation_spec(spec)
 
 
-def _decide_kernels():
-    fused_cpu.available()  # build or find the fused kernels now, outside any torch.compile trace
+def _decide_kernels(weight):
+    # Build or find the fused kernels now, outside any torch.compile trace; a weight on another
+    # device never uses them (nor builds them).
+    if weight.device.type == "cpu":
+        fused_cpu.available()
 
 
 def adopt(dst, src, names=()):
@@ -86,6 +89,13 @@ class QATLayerMixin:
     def _load_from_state_dict(self, *args, **kwargs):
         invalidate_caches()  # loaded weights must be quantized afresh, even where FSDP2 hides the change
         super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(torch.bfloat16) casts every float Parameter; a learned log2 scale stays float32.
+        keep = learned_scale.precise_scales(self)
+        result = super()._apply(fn, *args, **kwargs)
+        learned_scale.restore_precision(self, keep)
+        return result
 
     def qat_state(self, detail=""):
         """``qat=<spec> (on|off<detail>)`` for reprs."""
@@ -128,7 +138,7 @@ class QATWrapper(QATLayerMixin, nn.Linear):
         self.enabled = enabled
         if learned_scale.is_learned(spec):
             learned_scale.attach(self)
-        _decide_kernels()
+        _decide_kernels(self.weight)
 
     def quantized_weight(self):
         """The fake-quantized weight (with STE gradient) this layer uses while enabled.
@@ -171,7 +181,7 @@ class QATEmbedding(QATLayerMixin, nn.Embedding):
         self.enabled = enabled
         if learned_scale.is_learned(spec):
             learned_scale.attach(self)  # the same scale Parameter as the tied head
-        _decide_kernels()
+        _decide_kernels(self.weight)
 
     def forward(self, x):
         # shared: the tied head uses this weight too, so its codes are kept for that second use.

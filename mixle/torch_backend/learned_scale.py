@@ -18,6 +18,10 @@ gradient scale ``g = 1/sqrt(N qmax)`` approximates for SGD; with Adam ``g`` woul
 is not applied. Optimise these parameters without weight decay (decay would pull log2 s, not s,
 toward 0): ``param_groups`` splits them out.
 
+The scales are float32 Parameters whatever the weight's dtype (a bfloat16 log2 scale near -6
+would lose a 1e-3 step), kept so by ``Module.to``; a bfloat16/float16 weight's codes are computed
+in float32 and multiplied by ``s`` held in the weight's dtype, as ``convert`` stores it.
+
 A weight tied to another layer (the LM head and its embedding) has one scale Parameter shared by
 both layers. ``convert`` stores ``codes`` and ``s`` computed by ``quantized_array`` here, the same
 float ops as the forward, so the converted model equals the fake-quant model bit for bit, and
@@ -31,8 +35,10 @@ import torch
 from torch import nn
 
 from mixle.core.numerics import QuantizedArray, block_shape
+from mixle.torch_backend.fake_quant import held_scale, numerics_input
 
-__all__ = ["SCALE_PARAMETER", "attach", "learned_weight", "quantized_array", "param_groups", "is_learned"]
+__all__ = ["SCALE_PARAMETER", "attach", "learned_weight", "quantized_array", "param_groups", "is_learned",
+           "precise_scales", "restore_precision"]
 
 SCALE_PARAMETER = "weight_log2_scale"
 # id(weight Parameter) -> (weak reference to it, its scale Parameter), so tied layers share one scale
@@ -56,9 +62,38 @@ def initial_log2_scale(weight, spec):
     >>> initial_log2_scale(torch.tensor([[7.0, -1.0], [0.0, 0.0]]), QuantSpec(bits=4, scale="learned")).ravel().tolist()
     [0.0, 0.0]
     """
-    blocks = weight.detach().reshape(_blocks_shape(weight, spec))
+    blocks = numerics_input(weight.detach()).reshape(_blocks_shape(weight, spec))
     scale = blocks.abs().amax(dim=-1, keepdim=True) / spec.scale_divisor
     return torch.log2(torch.where(scale > 0, scale, torch.ones_like(scale)))
+
+
+def precise_scales(layer):
+    """``layer``'s learned log2 scale Parameter and its data, to restore after a cast (or None).
+
+    >>> precise_scales(nn.Linear(2, 2)) is None
+    True
+    """
+    scale = layer._parameters.get(SCALE_PARAMETER)
+    return None if scale is None else (scale, scale.data)
+
+
+def restore_precision(layer, kept):
+    """Undo a cast of the log2 scale to a 16-bit float (``Module.to(torch.bfloat16)``), keeping
+    its device; ``kept`` is what ``precise_scales`` returned before the cast.
+
+    >>> from mixle.models.qat import apply_qat
+    >>> layer = apply_qat(nn.Linear(4, 2), bits=4, scale="learned").to(torch.bfloat16)  # calls it
+    >>> layer.weight.dtype, layer.weight_log2_scale.dtype
+    (torch.bfloat16, torch.float32)
+    """
+    if kept is None:
+        return
+    scale, before = kept
+    scale = layer._parameters.get(SCALE_PARAMETER, scale)
+    if scale.dtype in (torch.bfloat16, torch.float16):
+        scale.data = before.to(device=scale.device, dtype=torch.float32)
+        if scale.grad is not None:
+            scale.grad = scale.grad.to(torch.float32)
 
 
 def attach(layer):
@@ -92,23 +127,23 @@ class _LearnedFakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, log2_scale, spec):
         scale = torch.exp2(log2_scale)
-        _, codes = _codes(weight.reshape(_blocks_shape(weight, spec)), scale, spec)
+        _, codes = _codes(numerics_input(weight).reshape(_blocks_shape(weight, spec)), scale, spec)
         ctx.save_for_backward(weight, log2_scale)
         ctx.spec = spec
-        return (codes * scale).reshape(weight.shape)
+        return (codes * held_scale(scale, weight.dtype)).reshape(weight.shape).to(weight.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         weight, log2_scale = ctx.saved_tensors
         spec = ctx.spec
         scale = torch.exp2(log2_scale)
-        scaled, codes = _codes(weight.reshape(_blocks_shape(weight, spec)), scale, spec)
+        scaled, codes = _codes(numerics_input(weight).reshape(_blocks_shape(weight, spec)), scale, spec)
         inside = (scaled >= spec.code_min) & (scaled <= spec.code_max)
         g = grad.reshape(scaled.shape)
-        grad_weight = torch.where(inside, g, torch.zeros_like(g)).reshape(weight.shape)
+        grad_weight = torch.where(inside, g, torch.zeros_like(g)).reshape(weight.shape).to(weight.dtype)
         step = torch.where(inside, codes - scaled, codes)  # LSQ: d(codes * s)/ds
         grad_scale = (g * step).sum(dim=-1, keepdim=True)
-        return grad_weight, grad_scale * scale * math.log(2.0), None
+        return grad_weight, (grad_scale * scale * math.log(2.0)).to(log2_scale.dtype), None
 
 
 def learned_weight(layer):
@@ -126,8 +161,8 @@ def quantized_array(layer):
     """Codes and scales of ``layer``'s weight with its trained scales (what ``convert`` stores)."""
     weight, spec = layer.weight.detach(), layer.spec
     scale = torch.exp2(_scale_of(layer).detach())
-    _, codes = _codes(weight.reshape(_blocks_shape(weight, spec)), scale, spec)
-    return QuantizedArray(codes.to(torch.int8).reshape(weight.shape), scale, spec, 0, 1)
+    _, codes = _codes(numerics_input(weight).reshape(_blocks_shape(weight, spec)), scale, spec)
+    return QuantizedArray(codes.to(torch.int8).reshape(weight.shape), held_scale(scale, weight.dtype), spec, 0, 1)
 
 
 def param_groups(model, params, lr, scale_lr=None, weight_decay=0.01):

@@ -5,11 +5,15 @@ MHA reads its weights directly (``F.multi_head_attention_forward`` or, in infere
 fast path), so wrapping ``out_proj`` alone would never run. The QAT and the quantized layer both
 run ``nn.MultiheadAttention.forward`` itself on a stand-in holding the (fake-)quantized weights:
 the stock code chooses between the fast and the slow path exactly as for a float MHA, and the
-converted layer computes the same ops on the same dequantized weights, bit for bit.
+converted layer computes the same ops on the same dequantized weights, bit for bit. Under
+torch.compile, which cannot trace the stand-in's construction, both run the stock slow path
+(``F.multi_head_attention_forward``, what a float MHA runs in training) directly.
 """
 
 from types import SimpleNamespace
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixle.core.numerics import block_shape
@@ -32,6 +36,8 @@ def unsupported_reason(mha):
 def _run(attrs, training, in_weight, in_bias, out_weight, out_bias, args, kwargs):
     """``nn.MultiheadAttention.forward`` on a stand-in holding these weights (no hooks run twice:
     the caller's own ``__call__`` ran them)."""
+    if torch.compiler.is_compiling():
+        return _slow_path(attrs, training, (in_weight, in_bias, out_weight, out_bias), *args, **kwargs)
     shadow = nn.MultiheadAttention.__new__(nn.MultiheadAttention)
     embed_dim = attrs["embed_dim"]
     shadow.__dict__.update(
@@ -41,6 +47,28 @@ def _run(attrs, training, in_weight, in_bias, out_weight, out_bias, args, kwargs
                      "v_proj_weight": None, "in_proj_bias": in_bias},
         _modules={"out_proj": SimpleNamespace(weight=out_weight, bias=out_bias)})
     return nn.MultiheadAttention.forward(shadow, *args, **kwargs)
+
+
+def _slow_path(attrs, training, weights, query, key, value, key_padding_mask=None, need_weights=True,
+               attn_mask=None, average_attn_weights=True, is_causal=False):
+    """The slow path of ``nn.MultiheadAttention.forward`` (its batch-first transposes and
+    ``F.multi_head_attention_forward``, same arguments) on ``weights``, for traced code."""
+    batched = attrs["batch_first"] and query.dim() == 3
+    if batched:  # as the stock forward, keeping which of query, key and value are one tensor
+        if key is value and query is key:
+            query = key = value = query.transpose(1, 0)
+        elif key is value:
+            query, key = query.transpose(1, 0), key.transpose(1, 0)
+            value = key
+        else:
+            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+    in_weight, in_bias, out_weight, out_bias = weights
+    output, attention = F.multi_head_attention_forward(
+        query, key, value, attrs["embed_dim"], attrs["num_heads"], in_weight, in_bias, None, None,
+        attrs["add_zero_attn"], attrs["dropout"], out_weight, out_bias, training=training,
+        key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights, is_causal=is_causal)
+    return (output.transpose(1, 0) if batched else output), attention
 
 
 class QATMultiheadAttention(QATLayerMixin, nn.MultiheadAttention):

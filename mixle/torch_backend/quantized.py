@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mixle.core.array_ops import TorchOps
 from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
 from mixle.core.packing import pack_int4, unpack_int4
 from mixle.core.spec import QuantSpec
@@ -21,6 +22,8 @@ from mixle.torch_backend.layers import check_supported, named_error
 
 __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage",
            "file_scale_dtype", "scale_nbytes"]
+
+_OPS = TorchOps()
 
 
 def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
@@ -219,13 +222,15 @@ class QuantizedEmbedding(QuantizedWeight):
         self.scale_grad_by_freq = scale_grad_by_freq
 
     def forward(self, x):
-        if self.max_norm is not None:
-            # max_norm renormalises the looked-up rows of the table in place: do it on the
-            # distinct rows only, each once, as F.embedding does on the whole table.
-            rows, where = torch.unique(x, return_inverse=True)
-            return F.embedding(where, self.dequantized_rows(rows), None, self.max_norm, self.norm_type,
-                               self.scale_grad_by_freq, False)
-        return self.dequantized_rows(x)
+        if self.max_norm is None:
+            return self.dequantized_rows(x)
+        if not _OPS.readable(x):  # torch.unique would wait for the device: renormalise each row looked up
+            return _renormed(self.dequantized_rows(x), self.max_norm, self.norm_type)
+        # max_norm renormalises the looked-up rows of the table in place: do it on the
+        # distinct rows only, each once, as F.embedding does on the whole table.
+        rows, where = torch.unique(x, return_inverse=True)
+        return F.embedding(where, self.dequantized_rows(rows), None, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, False)
 
     def dequantized_rows(self, indices):
         """Rows ``indices`` of the dequantized table, each ``code * scale`` like ``dequantized_weight()``.
@@ -258,6 +263,9 @@ class QuantizedEmbedding(QuantizedWeight):
         if torch.compiler.is_compiling():
             if odd_int4:  # its gather below does not check the indices: keep F.embedding's check
                 return F.embedding(indices, self.dequantized_weight())
+        elif not _OPS.readable(flat):  # on a device: an asynchronous assert, no read back
+            torch._assert_async(((flat >= 0) & (flat < rows)).all(),
+                                f"{type(self).__name__}: an index lies outside the table's [0, {rows - 1}]")
         elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
             raise IndexError(f"{type(self).__name__}: indices span [{int(flat.min())}, {int(flat.max())}], "
                              f"outside the table's [0, {rows - 1}]")
@@ -280,6 +288,13 @@ class QuantizedEmbedding(QuantizedWeight):
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self._storage_repr()}"
+
+
+def _renormed(rows, max_norm, norm_type):
+    """``rows`` scaled as ``embedding_renorm_`` scales a table's rows: by ``max_norm / (norm + 1e-7)``
+    where a row's norm exceeds ``max_norm`` (a repeated row gets the same scale, so once each)."""
+    norm = torch.linalg.vector_norm(rows, norm_type, dim=-1, keepdim=True)
+    return torch.where(norm > max_norm, rows * (max_norm / (norm + 1e-7)), rows)
 
 
 def _sign_extend(nibbles):

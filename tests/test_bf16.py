@@ -1,0 +1,157 @@
+"""bfloat16 done right: float32 grid numerics for bf16 weights, autocast on the memory-light path.
+
+A bf16 model gets exactly the codes a float32 copy of its weights gets; its fake-quantized weight
+is those codes times the scale held in bf16 (what convert stores), so convert equals the QAT
+forward. Under autocast the QAT linear keeps its one autograd node (x saved, nothing else) and
+computes exactly what ``F.linear`` computes on the fake-quantized weight under autocast.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixle.api import apply_qat, convert
+from mixle.core.spec import QuantSpec
+from mixle.torch_backend import packed_linear
+from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches
+
+SPECS = {
+    "int4 g32": QuantSpec(bits=4, group_size=32),
+    "qwix int8 channel": QuantSpec(bits=8, grid="qwix"),
+    "int8 g32 p99": QuantSpec(bits=8, group_size=32, clip_percentile=99.0, clip_gradient=True),
+    "q4_0": QuantSpec(bits=4, grid="q4_0"),
+    "q8_0": QuantSpec(bits=8, grid="q8_0"),
+}
+
+
+def codes_of(weight, spec):
+    invalidate_caches()
+    fake_quantized_weight(weight, spec)
+    deq, entry = fake_quantized_weight(weight, spec)  # a reused version keeps its codes
+    return deq, entry
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_bf16_weight_gets_the_codes_of_its_float32_copy(name, fake_quant_path):
+    spec = SPECS[name]
+    torch.manual_seed(0)
+    bf16 = nn.Parameter((torch.randn(96, 256) * 0.02).bfloat16())
+    deq, entry = codes_of(bf16, spec)
+    deq32, entry32 = codes_of(nn.Parameter(bf16.detach().float()), spec)
+    assert torch.equal(entry.codes, entry32.codes)
+    assert entry.scale.dtype == torch.bfloat16 and torch.equal(entry.scale, entry32.scale.bfloat16())
+    # The value: the codes times the bf16-held scale, rounded once to bf16.
+    blocks = entry.codes.float().reshape(entry.scale.shape[0], entry.scale.shape[1], -1)
+    assert deq.dtype == torch.bfloat16
+    assert torch.equal(deq, (blocks * entry.scale.float()).reshape(deq.shape).bfloat16())
+
+
+def test_a_bf16_model_converts_to_exactly_its_qat_forward(exact_converted_layers):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 40)).bfloat16()
+    model[3].weight = model[0].weight
+    for spec in SPECS.values():
+        qat = apply_qat(model, spec=spec, reconfigure=True)
+        ids = torch.randint(0, 40, (3, 7))
+        with torch.no_grad():
+            expected = qat(ids)
+            converted = convert(qat)
+            assert converted[1].scale.dtype == torch.bfloat16
+            assert torch.equal(converted(ids), expected), spec.short()
+
+
+def test_fake_quantize_of_bf16_runs_the_float32_numerics():
+    torch.manual_seed(3)
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    out = fake_quantize(x, QuantSpec(bits=4))
+    w = x.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 7.0
+    expected = (torch.round(w / scale).clamp(-7, 7) * scale.bfloat16().float()).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), expected)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["int4 g32", "int8 g32 p99", "q4_0"])
+def test_autocast_keeps_the_memory_light_linear_and_equals_f_linear_under_autocast(name, fake_quant_path):
+    spec = SPECS[name]
+    torch.manual_seed(0)
+    layer, reference = nn.Linear(64, 48), nn.Linear(64, 48)
+    reference.load_state_dict(layer.state_dict())
+    qat = apply_qat(nn.Sequential(layer), spec=spec)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = qat(x)
+    assert [tuple(t.shape) for t in saved] == [(2, 5, 64)]  # x only: no bf16 copy of the weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = F.linear(x_ref, fake_quantize(reference.weight, spec), reference.bias)
+    grad = torch.randn_like(y_ref)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert layer.weight.grad.dtype == torch.float32 and torch.equal(layer.weight.grad, reference.weight.grad)
+    assert torch.equal(layer.bias.grad, reference.bias.grad)
+
+
+def test_a_bf16_model_trains_on_the_memory_light_linear():
+    torch.manual_seed(0)
+    qat = apply_qat(nn.Sequential(nn.Linear(64, 32)).bfloat16(), bits=4, group_size=32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = qat(torch.randn(4, 64).bfloat16())
+    y.float().square().sum().backward()
+    assert [tuple(t.shape) for t in saved] == [(4, 64)]
+    assert qat[0].weight.grad.dtype == torch.bfloat16
+
+
+def test_learned_log2_scales_stay_float32_and_keep_small_steps():
+    torch.manual_seed(0)
+    qat = apply_qat(nn.Sequential(nn.Linear(64, 32)).bfloat16(), bits=4, scale="learned")
+    scale = qat[0].weight_log2_scale
+    assert scale.dtype == torch.float32
+    qat.to(torch.bfloat16)
+    assert qat[0].weight_log2_scale is scale and scale.dtype == torch.float32
+    before = scale.detach().clone()
+    with torch.no_grad():
+        scale.add_(1e-3)
+    assert torch.all(scale != before)  # in bf16 a 1e-3 step near -6 is lost
+    y = qat(torch.randn(4, 64).bfloat16())
+    y.float().sum().backward()
+    assert scale.grad.dtype == torch.float32 and qat[0].weight.grad.dtype == torch.bfloat16
+    with torch.no_grad(), packed_linear.switched_off():
+        x = torch.randn(3, 64).bfloat16()
+        assert torch.equal(convert(qat)(x), qat(x))
+
+
+def test_float32_autocast_model_with_act_bits_quantizes_bf16_activations_in_float32():
+    torch.manual_seed(0)
+    qat = apply_qat(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), bits=4, group_size=32, act_bits=8)
+    x = torch.randn(4, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = qat(x)
+        hidden = qat[0](x)
+    assert y.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_linear.switched_off():
+        assert torch.equal(convert(qat)(x), y.detach())
+
+
+def test_the_prepared_gpu_check_runs_on_cpu_in_quick_mode(capsys):
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    rows = {name: (value, ratio) for name, value, ratio in gpu_check.main(["--device", "cpu", "--quick"])}
+    assert all(rows[f"exact {mode}: {grid}"][0] == 100.0 for mode in ("eager", "compiled")
+               for grid in gpu_check.QUICK_GRIDS)
+    trained = [ratio for name, (_, ratio) in rows.items() if name.startswith("train eager: mixle")]
+    assert len(trained) == len(gpu_check.QUICK_GRIDS) and all(ratio > 0 for ratio in trained)
+    assert "matmul 4 tok: q4_0 compiled" in rows and "row (values" in capsys.readouterr().out
