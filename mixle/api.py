@@ -11,6 +11,7 @@ from mixle.core.lora_spec import LoRASpec
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.selection import LayerSelector
 from mixle.core.spec import QuantSpec, resolve_spec
+from mixle.exports.mix_selection import mix_selection
 
 __all__ = [
     "QuantSpec",
@@ -37,7 +38,7 @@ __all__ = [
 
 
 def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reconfigure=False,
-              example_inputs=None, **spec_fields):
+              example_inputs=None, gguf_mix=None, **spec_fields):
     """Make a model's selected layers fake-quantize their weights for quantization-aware training.
 
     PyTorch: every selected Linear-like layer (``nn.Linear``, transformers' ``Conv1D``,
@@ -65,6 +66,8 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             kernels Qwix quantizes; the report lists every kernel as quantized or skipped and why.
             Flax NNX models are changed in place (same object, same Params, class swapped to a
             Qwix subclass of theirs); Linen modules come back as a new module using the same params.
+        gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
+            the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``.
 
     Returns:
         The model (for torch, the replacement if the root itself is an ``nn.Linear``). Its report
@@ -80,6 +83,8 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
     >>> get_qat_report(net).wrapped
     ['0', '2']
     """
+    if gguf_mix is not None:
+        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
     spec = resolve_spec(spec, spec_fields)
     if not isinstance(reconfigure, bool):
         raise TypeError(f"reconfigure must be True or False, got {reconfigure!r}")
@@ -199,15 +204,17 @@ def convert(model):
 
 
 def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), example_inputs=None,
-                   **spec_fields):
+                   gguf_mix=None, **spec_fields):
     """Post-training quantization: ``convert(apply_qat(copy of model, ...))``, same grid as QAT.
 
-    ``opt_in`` and ``example_inputs`` are as for ``apply_qat`` (the latter Flax only).
+    ``opt_in``, ``example_inputs`` (Flax only) and ``gguf_mix`` are as for ``apply_qat``.
 
     >>> import torch
     >>> type(quantize_model(torch.nn.Linear(8, 4), bits=8)).__name__
     'QuantizedLinear'
     """
+    if gguf_mix is not None:
+        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
     return backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, example_inputs=example_inputs, **spec_fields)
 

@@ -27,7 +27,7 @@ def test_dir_lists_the_user_api():
     expected = {"apply_qat", "set_fake_quant_enabled", "get_qat_report", "QuantSpec", "fake_quantize", "convert",
                 "quantize_model", "save_quantized", "load_quantized", "save_gguf", "load_gguf_weights",
                 "save_pretrained_compressed", "load_pretrained_compressed", "apply_lora", "merge_lora",
-                "model_nbytes", "LoRASpec", "QATWrapper"}
+                "model_nbytes", "LoRASpec", "QATWrapper", "GGUF_MIXES", "gguf_mix_types", "gguf_mix_specs"}
     assert expected <= set(dir(mixle))
     assert set(mixle.__all__) == set(dir(mixle))
     with pytest.raises(AttributeError, match="no attribute 'apply_qta'"):

@@ -251,7 +251,7 @@ def embedding_storage(bits, granularity, grid, vocab, dim, group):
         codes, scale, spec, stored, scale_t = make_storage(bits, granularity, vocab, dim, group or dim, seed=vocab)
         return codes, scale, QuantizedEmbedding(stored, scale_t, spec, (vocab, dim))
     spec = QuantSpec(bits=bits, grid=grid)
-    stored, scale_t = to_storage(quantize_embedding_weight(torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3)), spec))
+    stored, scale_t, _ = to_storage(quantize_embedding_weight(torch.randn(vocab, dim, generator=torch.Generator().manual_seed(3)), spec))
     if bits == 4:  # unpacked by hand: low nibble first, two's complement
         raw = stored.numpy()
         nibbles = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(-1)[:vocab * dim]

@@ -263,13 +263,14 @@ class Grid:
 def _block_grid(name, codes, divisor, **fields):
     """A grid whose numerics are ``BLOCK_TYPES[name]`` (blocks, ggml type and packing from there)."""
     block_type = BLOCK_TYPES[name]
-    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type", backends=())
+    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type", backends=("torch",))
     return Grid(name=name, codes=codes, divisor=divisor, block=block_type.block, ggml_type=block_type.ggml_type,
                 numerics=name, **{**common, **fields})
 
 
-# llama.cpp's other block types and NF4: their numerics are mixle.core.ggml_quants' (no backend
-# trains on them yet: the torch layers are wired next).
+# llama.cpp's other block types and NF4: their numerics are mixle.core.ggml_quants' (numpy and
+# torch; the torch layers train on them through fake_quant.BLOCK_NUMERICS; Flax refuses them: the
+# block search is written for numpy and torch only).
 _BLOCK_GRIDS = (
     _block_grid("q4_1", {4: (0, 15)}, {4: 15.0}, scale_rule="min_max", rounding="half_up", offset="min",
                 summary="llama.cpp's Q4_1: blocks of 32, w = d * code + m with d = (max - min) / 15 and the "

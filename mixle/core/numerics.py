@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from mixle.core.array_ops import array_kind, array_ops, is_tracer  # noqa: F401
-from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error  # noqa: F401
+from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error, require_finite  # noqa: F401,E501
 from mixle.core.spec import QuantSpec, block_shape, resolve_spec  # noqa: F401
 
 __all__ = [
@@ -363,11 +363,45 @@ def fake_quant_forward(x, spec, *, with_mask=False, batch_ndim=0, out_ndim=None)
     >>> fake_quant_forward(np.array([4.0, 1.0, 0.5], np.float32), QuantSpec(clip_percentile=50), with_mask=True)[1].tolist()
     [False, True, True]
     """
-    _, blocks, codes, scale, threshold = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+    if spec.grid_record.numerics is not None:
+        return _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim)
+    ops, blocks, codes, scale, threshold = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+    _check_range(ops, scale, spec)
     deq = (codes * scale).reshape(x.shape)
     if not with_mask:
         return deq, None
     return deq, (abs(blocks) <= threshold).reshape(x.shape)
+
+
+def _check_range(ops, scale, spec, name="x"):
+    """``check_dequantized_range`` where the host can read the scales; an asynchronous device
+    assert where it cannot (no host synchronisation); nothing on jax tracers."""
+    if is_tracer(scale) or spec.grid_record.scale_dtype is not None:
+        return
+    if ops.readable(scale):
+        check_dequantized_range(scale, spec, name)
+        return
+    largest = spec.grid_record.largest_level(spec.bits)
+    ops.assert_finite(abs(scale) * largest, f"{name}: on {spec.short()} a block scale times the grid's largest level "
+                                            f"{largest:g} overflows, so a finite weight would dequantize to infinity: "
+                                            f"rescale the weights (e.g. halve them and double what they feed)")
+
+
+def _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim, name="x"):
+    """``fake_quant_forward`` on a grid with block numerics: ggml's quantize -> dequantize bit for
+    bit, in x's dtype; the mask is all True (the block search clips nothing the STE should stop)."""
+    ops = array_ops(x)
+    readable = ops.readable(x)
+    q = block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, check=readable, name=name)
+    if not readable:  # the float16 scale / min overflow check, as a device assert
+        for part in (q.scale, q.offset):
+            if part is not None:
+                require_finite(part, ScaleOverflowError(
+                    f"{name}: a block scale or min does not fit {spec.grid_record.scale_dtype}, which "
+                    f"grid={spec.grid_record.name!r} stores it in: the weights are too large for this file "
+                    f"format; rescale them or use another grid"))
+    deq = ops.to_dtype(q.dequantize(), x).reshape(x.shape)
+    return deq, ((abs(x) >= 0) | True) if with_mask else None  # all True (x is finite)
 
 
 def fake_quant_blocks(blocks, spec, *, axis=-1):

@@ -100,7 +100,7 @@ class QuantizedConv(QuantizedWeight):
     >>> import torch
     >>> from mixle.core.spec import QuantSpec
     >>> from mixle.torch_backend.quantized import to_storage
-    >>> codes, scale = to_storage(quantize_conv_matrix(torch.randn(4, 3, 2, 2), QuantSpec(bits=8)))
+    >>> codes, scale, _ = to_storage(quantize_conv_matrix(torch.randn(4, 3, 2, 2), QuantSpec(bits=8)))
     >>> layer = QuantizedConv(codes, scale, QuantSpec(bits=8), (4, 12), conv_shape=(4, 3, 2, 2))
     >>> tuple(layer(torch.ones(1, 3, 5, 5)).shape)
     (1, 4, 4, 4)

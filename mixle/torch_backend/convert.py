@@ -45,7 +45,7 @@ def _has_sharded_parameters(model):
 
 def _convert_in_place(model):
     """Swap every QAT layer of ``model`` (already a private copy) for its quantized module."""
-    storage = {}  # (id(weight), spec) -> (codes, scale): a tied weight is quantized and stored once
+    storage = {}  # (id(weight), spec) -> (codes, scale, parts): a tied weight is quantized and stored once
     replacements = {}
     paths = {id(module): path for path, module in model.named_modules()}
     for layer in qat.qat_layers(model):
@@ -72,10 +72,12 @@ def _convert_in_place(model):
 
 
 def _stored(kind, weight, spec):
-    """``(codes, scale)`` of ``weight`` as the QAT forward made them: bfloat16/float16 weights run
+    """``(codes, scale, parts)`` of ``weight`` as the QAT forward made them: bfloat16/float16 weights run
     the numerics in float32 and hold the scale in their own dtype (``fake_quant.held_scale``)."""
-    codes, scale = to_storage(kind.quantize(numerics_input(weight), spec))
-    return codes, held_scale(scale, weight.dtype)
+    codes, scale, parts = to_storage(kind.quantize(numerics_input(weight), spec))
+    if spec.grid_record.numerics is not None:  # block numerics dequantize in float32, as the QAT forward
+        return codes, scale, parts
+    return codes, held_scale(scale, weight.dtype), parts
 
 
 def check_convertible(model):

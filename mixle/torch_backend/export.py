@@ -17,7 +17,7 @@ from mixle.core.fileformat import ModelBytes, manifest_from, open_tensors, repla
 from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
 from mixle.core.stored import check_stored
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
-from mixle.torch_backend.quantized import QuantizedWeight, file_scale_dtype, scale_nbytes
+from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight, file_scale_dtype, scale_nbytes
 from mixle.torch_backend.swap import Change
 
 __all__ = ["model_nbytes", "save_quantized", "load_quantized"]
@@ -51,8 +51,10 @@ def model_nbytes(model):
             size = tensor.numel() * tensor.element_size()
             if isinstance(module, QuantizedWeight) and name == "codes":
                 kind = "int4_code_bytes" if module.spec.bits == 4 else "int8_code_bytes"
-            elif isinstance(module, QuantizedWeight) and name == "scale":
+            elif isinstance(module, QuantizedWeight) and name in ("scale", "offset") and tensor.is_floating_point():
                 kind, size = "scale_bytes", scale_nbytes(module.spec, tensor)  # float16 on llama.cpp's grids
+            elif isinstance(module, QuantizedWeight) and name in GRID_PARTS:
+                kind = "scale_bytes"  # second-level scales and mins (K-quants)
             elif tensor.is_floating_point():
                 kind = "float_bytes"
             else:
@@ -89,7 +91,8 @@ def _describe(tensor, name):
 
 def _layer_entry(path, module, names):
     kind = kind_named(module.KIND)
-    check_stored(module.codes, module.scale, module.spec, module.weight_shape, name=f"layer {path!r}")
+    check_stored(module.codes, module.scale, module.spec, module.weight_shape, name=f"layer {path!r}",
+                 **module.grid_parts())
     options = {"bias": names.get("bias")} if kind.has_bias else {}
     options.update(kind.options_of(module))
     nbytes = (module.codes.numel() * module.codes.element_size(), scale_nbytes(module.spec, module.scale))
@@ -146,8 +149,9 @@ def save_quantized(model, path):
 def _stored_state(model, state):
     """``({name: tensor as written}, {alias: stored name})``: each shared tensor stored once."""
     # Scales of float16 grids (llama.cpp's) are written as the float16 values they hold.
-    narrow = {id(m.scale): file_scale_dtype(m.spec) for m in model.modules()
-              if isinstance(m, QuantizedWeight) and file_scale_dtype(m.spec) is not None}
+    narrow = {id(t): file_scale_dtype(m.spec) for m in model.modules()
+              if isinstance(m, QuantizedWeight) and file_scale_dtype(m.spec) is not None
+              for t in (m.scale, m.offset) if t is not None and t.is_floating_point()}
     first_name, aliases, stored, storages = {}, {}, {}, set()
     for name, tensor in state.items():
         if id(tensor) in first_name:
@@ -189,6 +193,7 @@ def _build_layer(entry, tensors, module, source, widened):
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
     codes, scale = stored.parts["codes"], stored.parts["scale"]
+    parts = {part: stored.parts[part] for part in GRID_PARTS if part in stored.parts}
     stored_dtype = file_scale_dtype(spec)
     if stored_dtype is not None:
         if scale.dtype != stored_dtype:
@@ -196,7 +201,10 @@ def _build_layer(entry, tensors, module, source, widened):
                              f"{scale.dtype}: the data is corrupt or was written by another tool")
         own_weight = kind.weight_of(module) if isinstance(module, kind.float_types) else None
         if isinstance(own_weight, torch.Tensor) and own_weight.is_floating_point():
-            scale = widened.setdefault(id(scale), scale.to(own_weight.dtype))
+            held = torch.float32 if spec.grid_record.numerics is not None else own_weight.dtype  # as convert holds it
+            scale = widened.setdefault(id(scale), scale.to(held))
+            if parts.get("offset") is not None and parts["offset"].is_floating_point():  # float16 mins too
+                parts["offset"] = widened.setdefault(id(parts["offset"]), parts["offset"].to(held))
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
             entry.get("scale_nbytes") != scale_nbytes(spec, scale):
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
@@ -205,7 +213,7 @@ def _build_layer(entry, tensors, module, source, widened):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")
     weight, own_bias = kind.weight_of(module), kind.bias_of(module)
-    if scale.dtype != weight.dtype:
+    if scale.dtype != weight.dtype and spec.grid_record.numerics is None:
         raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {weight.dtype}: "
                          f"pass a model built like the saved one (in {scale.dtype})")
     if bias is not None and bias.dtype != own_bias.dtype:
@@ -219,7 +227,7 @@ def _build_layer(entry, tensors, module, source, widened):
     extra.update({name: getattr(module, name) for name in kind.linear_children})
     if kind.has_bias:
         extra["bias"] = bias
-    return kind.quantized_type(codes, scale, spec, shape, **extra).train(module.training)  # MHA's path depends on it
+    return kind.quantized_type(codes, scale, spec, shape, **extra, **parts).train(module.training)  # MHA's path depends on it
 
 
 def load_quantized(path, model):

@@ -40,11 +40,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mixle.torch_backend import fused_cpu as _fused_cpu
 from mixle.core.array_ops import TorchOps, array_ops
 from mixle.core.checks import check_array, check_block_max, not_finite_error
+from mixle.core.grids import GRIDS
 from mixle.core.numerics import (
     QuantizedArray,
     block_shape,
     block_stats,
     dequantize_array,
+    fake_quant_forward,
     round_codes,
     stored_scale,
 )
@@ -151,7 +153,8 @@ def _blocks(x, spec):
 # Grids with their own block numerics (offsets, second-level scales: llama.cpp's K-quants):
 # grid name -> fn(x in float32 or float64, spec) -> the round trip of x, same shape and dtype.
 # Their entries keep no scales: a rebuild runs fn again.
-BLOCK_NUMERICS = {}
+BLOCK_NUMERICS = {name: (lambda x, spec: fake_quant_forward(x, spec)[0])
+                  for name, grid in GRIDS.items() if grid.numerics is not None}
 
 
 def _quantize(x, spec, key=None, keep_codes=False, out=None):

@@ -116,7 +116,7 @@ class QuantizedConv1D(QuantizedWeight):
     >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> from mixle.core.spec import QuantSpec
     >>> from mixle.torch_backend.quantized import to_storage
-    >>> codes, scale = to_storage(quantize_linear_weight(torch.randn(3, 4), bits=8))
+    >>> codes, scale, _ = to_storage(quantize_linear_weight(torch.randn(3, 4), bits=8))
     >>> tuple(QuantizedConv1D(codes, scale, QuantSpec(bits=8), (3, 4), torch.zeros(3))(torch.ones(2, 5, 4)).shape)
     (2, 5, 3)
     """

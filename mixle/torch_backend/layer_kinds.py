@@ -97,17 +97,23 @@ class LayerKind:
                 values[name] = getattr(module, name)
         return values
 
-    def to_quantized(self, layer, codes, scale):
-        """The quantized layer replacing QAT ``layer``, holding ``codes`` and ``scale``."""
+    def to_quantized(self, layer, codes, scale, parts):
+        """The quantized layer replacing QAT ``layer``, holding ``codes``, ``scale`` and the grid's
+        other ``parts`` (``to_storage``)."""
         extra = self.options_of(layer)
+        if parts and self.quantized_type not in (QuantizedLinear, QuantizedEmbedding):
+            raise ValueError(f"grid={layer.spec.grid!r} stores {sorted(parts)} too, which a "
+                             f"{self.quantized_type.__name__} cannot hold yet: use one of the grids without them "
+                             f"(e.g. grid='q4_0') for this layer")
+        extra.update(parts)
         if self.has_bias:
             bias = self.bias_of(layer)
             extra["bias"] = None if bias is None else bias.detach()
         for name in self.linear_children:
             child = getattr(layer, name)
-            child_codes, child_scale = to_storage(quantize_linear_weight(child.weight.detach(), layer.spec))
+            child_codes, child_scale, child_parts = to_storage(quantize_linear_weight(child.weight.detach(), layer.spec))
             extra[name] = QuantizedLinear(child_codes, child_scale, layer.spec, tuple(child.weight.shape),
-                                          bias=None if child.bias is None else child.bias.detach())
+                                          bias=None if child.bias is None else child.bias.detach(), **child_parts)
         return self.quantized_type(codes, scale, layer.spec, self.stored_shape(self.weight_of(layer).shape), **extra)
 
 

@@ -158,6 +158,8 @@ def applies(x, layer):
     """
     if _state["off"] or not isinstance(x, torch.Tensor):
         return False
+    if layer.spec.grid_record.numerics is not None:  # the kernel computes codes * scale only
+        return False
     bias = layer.bias
     if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] != layer.in_features
             or layer.scale.dtype != torch.float32 or layer.codes.device.type != "cpu"

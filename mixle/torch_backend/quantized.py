@@ -26,7 +26,10 @@ __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_qu
 _OPS = TorchOps()
 
 
-def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
+GRID_PARTS = ("offset", "sub_scales", "sub_offsets")  # a grid's parts besides codes and scale
+
+
+def check_quantized_storage(codes, scale, spec, weight_shape, name="layer", **parts):
     """Validate codes and scales of one quantized weight before they are used.
 
     The torch backend's checks (a spec it trains, torch tensors, a 2-D weight), then
@@ -35,7 +38,8 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
     (``[code_min, code_max]``; for int4 also that an odd count's pad nibble is zero), and scales
     of the block shape, a floating dtype and the values the grid allows: finite and positive;
     zero too on grids with ``zero_scale=None`` and any sign on signed-max grids (llama.cpp's),
-    whose scales must also be exact float16 values.
+    whose scales must also be exact float16 values; ``parts`` are the grid's other parts
+    (``offset``, ``sub_scales``, ``sub_offsets``, e.g. of ``grid="q4_k"``).
 
     Raises:
         TypeError: spec is not a QuantSpec, or codes/scale are not torch tensors.
@@ -60,7 +64,7 @@ def check_quantized_storage(codes, scale, spec, weight_shape, name="layer"):
     weight_shape = tuple(int(d) for d in weight_shape)
     if len(weight_shape) != 2 or min(weight_shape) < 1:
         raise ValueError(f"{name}: weight_shape must be (rows, cols) with positive sizes, got {weight_shape}")
-    check_stored(codes, scale, spec, weight_shape, name=name)
+    check_stored(codes, scale, spec, weight_shape, name=name, **parts)
 
 
 def file_scale_dtype(spec):
@@ -75,7 +79,12 @@ def file_scale_dtype(spec):
     (torch.float16, None)
     """
     name = spec.grid_record.scale_dtype
+    name = _TORCH_DTYPE_NAMES.get(name, name)
     return None if name is None else getattr(torch, name)
+
+
+# E8M0 scales (mxfp4) stay float32 in mixle's files: save_quantized's safetensors has no E8M0 dtype.
+_TORCH_DTYPE_NAMES = {"e8m0": None}
 
 
 def scale_nbytes(spec, scale):
@@ -95,17 +104,26 @@ class QuantizedWeight(nn.Module):
     ``KIND`` names the layer kind (``mixle.torch_backend.layer_kinds``) it is saved as.
     """
 
-    def _set_storage(self, codes, scale, spec, weight_shape):
-        check_quantized_storage(codes, scale, spec, weight_shape, name=type(self).__name__)
+    def _set_storage(self, codes, scale, spec, weight_shape, **parts):
+        """Store the buffers ``codes``, ``scale`` and the grid's ``parts`` (``GRID_PARTS``; None
+        where the grid has none: such buffers are not in the state dict)."""
+        check_quantized_storage(codes, scale, spec, weight_shape, name=type(self).__name__, **parts)
         self.spec = spec
         self.weight_shape = tuple(int(d) for d in weight_shape)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
+        for part in GRID_PARTS:
+            self.register_buffer(part, parts.get(part))
+
+    def grid_parts(self):
+        """``{part: buffer}`` of the grid's parts besides codes and scale (``GRID_PARTS``) it has."""
+        return {part: getattr(self, part) for part in GRID_PARTS if getattr(self, part, None) is not None}
 
     def quantized_array(self):
-        """The weight as a QuantizedArray of int8 codes (int4 codes unpacked) and scales."""
-        codes = unpack_int4(self.codes, self.weight_shape) if self.spec.bits == 4 else self.codes
-        return QuantizedArray(codes, self.scale, self.spec, 0, 1)
+        """The weight as a QuantizedArray of int8 codes (int4 codes unpacked), scales and parts."""
+        signed = self.spec.code_min < 0
+        codes = unpack_int4(self.codes, self.weight_shape, signed=signed) if self.spec.bits == 4 else self.codes
+        return QuantizedArray(codes, self.scale, self.spec, 0, 1, **self.grid_parts())
 
     def dequantized_weight(self):
         """The float weight ``codes * scale`` through the shared numerics (``dequantize_array``)."""
@@ -138,9 +156,11 @@ def _refuse_transformers_save_pretrained(prefix):
 
 
 def to_storage(q):
-    """Codes to store (int4 packed two per byte, int8 as is) and scales of a QuantizedArray."""
-    codes = pack_int4(q.codes) if q.spec.bits == 4 else q.codes
-    return codes, q.scale
+    """``(codes, scale, parts)`` to store of a QuantizedArray: 4-bit codes packed two per byte
+    (unsigned nibbles on grids with codes 0..15), others as int8; ``parts`` the grid's other
+    parts (``{"offset": ..., "sub_scales": ..., "sub_offsets": ...}`` where it has them)."""
+    codes = pack_int4(q.codes, signed=q.spec.code_min < 0) if q.spec.bits == 4 else q.codes
+    return codes, q.scale, {part: getattr(q, part) for part in GRID_PARTS if getattr(q, part) is not None}
 
 
 class QuantizedLinear(QuantizedWeight):
@@ -160,9 +180,10 @@ class QuantizedLinear(QuantizedWeight):
         spec: the QuantSpec the codes were made with.
         weight_shape: ``(out_features, in_features)``.
         bias: float bias of shape ``(out_features,)`` or None.
+        parts: the grid's other parts (``GRID_PARTS``), as ``to_storage`` returns them.
 
     >>> from mixle.core.layer_weights import quantize_linear_weight
-    >>> codes, scale = to_storage(quantize_linear_weight(torch.randn(2, 4), bits=4))
+    >>> codes, scale, _ = to_storage(quantize_linear_weight(torch.randn(2, 4), bits=4))
     >>> layer = QuantizedLinear(codes, scale, QuantSpec(bits=4), (2, 4))
     >>> layer.codes.dtype, tuple(layer.codes.shape), tuple(layer(torch.ones(3, 4)).shape)
     (torch.uint8, (4,), (3, 2))
@@ -170,9 +191,9 @@ class QuantizedLinear(QuantizedWeight):
 
     KIND = "linear"
 
-    def __init__(self, codes, scale, spec, weight_shape, bias=None):
+    def __init__(self, codes, scale, spec, weight_shape, bias=None, **parts):
         super().__init__()
-        self._set_storage(codes, scale, spec, weight_shape)
+        self._set_storage(codes, scale, spec, weight_shape, **parts)
         self.out_features, self.in_features = self.weight_shape
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (self.out_features,):
@@ -188,7 +209,10 @@ class QuantizedLinear(QuantizedWeight):
             raise named_error(self, err) from None
         if _packed_linear.applies(x, self):
             return _packed_linear.linear(x, self)  # same weights, float sums in another order
-        return F.linear(x, self.dequantized_weight(), self.bias)
+        weight = self.dequantized_weight()
+        if self.spec.grid_record.numerics is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)  # float32 blocks, cast as the QAT forward casts them (bfloat16 models)
+        return F.linear(x, weight, self.bias)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -207,14 +231,15 @@ class QuantizedEmbedding(QuantizedWeight):
         codes, scale, spec: as for ``QuantizedLinear``; codes describe ``(num_embeddings, dim)``.
         weight_shape: ``(num_embeddings, embedding_dim)``.
         padding_idx, max_norm, norm_type, scale_grad_by_freq: as for ``nn.Embedding``.
+        parts: the grid's other parts (``GRID_PARTS``), as ``to_storage`` returns them.
     """
 
     KIND = "embedding"
 
     def __init__(self, codes, scale, spec, weight_shape, padding_idx=None, max_norm=None, norm_type=2.0,
-                 scale_grad_by_freq=False):
+                 scale_grad_by_freq=False, **parts):
         super().__init__()
-        self._set_storage(codes, scale, spec, weight_shape)
+        self._set_storage(codes, scale, spec, weight_shape, **parts)
         self.num_embeddings, self.embedding_dim = self.weight_shape
         self.padding_idx = padding_idx
         self.max_norm = max_norm
@@ -249,7 +274,7 @@ class QuantizedEmbedding(QuantizedWeight):
             IndexError: an index lies outside ``[0, num_embeddings)``.
 
         >>> from mixle.core.layer_weights import quantize_embedding_weight
-        >>> codes, scale = to_storage(quantize_embedding_weight(torch.randn(5, 4), bits=4))
+        >>> codes, scale, _ = to_storage(quantize_embedding_weight(torch.randn(5, 4), bits=4))
         >>> table = QuantizedEmbedding(codes, scale, QuantSpec(bits=4), (5, 4))
         >>> torch.equal(table.dequantized_rows(torch.tensor([3, 0, 3])), table.dequantized_weight()[[3, 0, 3]])
         True
@@ -257,6 +282,8 @@ class QuantizedEmbedding(QuantizedWeight):
         if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(self).__name__}: indices must be an int64 or int32 tensor, got "
                             f"{getattr(indices, 'dtype', type(indices).__name__)}")
+        if self.spec.grid_record.numerics is not None:  # offsets, sub-scales, tables: the whole table's numerics
+            return F.embedding(indices, self.dequantized_weight())
         rows, dim = self.weight_shape
         flat = indices.reshape(-1).to(device=self.codes.device, dtype=torch.int64)
         odd_int4 = self.spec.bits == 4 and dim % 2
