@@ -16,7 +16,7 @@ IDS = [5, 17, 3, 3, 40, 12, 0, 29, 8, 33, 2, 1]
 FIXTURE = "tests/fixtures/llama_cpp_parity.npz"
 
 
-def _gpt2(activation, grid=None):
+def gpt2_model(activation, grid=None):
     import mixle
 
     torch.manual_seed(0)
@@ -27,7 +27,7 @@ def _gpt2(activation, grid=None):
     return lm.eval()
 
 
-def _hf(family):
+def hf_model(family):
     import transformers
 
     torch.manual_seed(0)
@@ -54,11 +54,11 @@ def hf_logits(model):
 
 # name -> (build the model, its save_gguf keywords, mixle's logits of IDS, packages it needs)
 CASES = {
-    "gpt2_f32": (lambda: _gpt2("gelu_tanh"), {"float_matrices": "f32"}, gpt2_logits, ()),
-    "gpt2_q4_0_act8": (lambda: _gpt2("gelu_tanh_f16", "q4_0"), {}, gpt2_logits, ()),
-    "gpt2_q8_0_act8": (lambda: _gpt2("gelu_tanh_f16", "q8_0"), {}, gpt2_logits, ()),
-    "llama_f32": (lambda: _hf("llama"), {"float_matrices": "f32"}, hf_logits, ("transformers",)),
-    "qwen2_f32": (lambda: _hf("qwen2"), {"float_matrices": "f32"}, hf_logits, ("transformers",)),
+    "gpt2_f32": (lambda: gpt2_model("gelu_tanh"), {"float_matrices": "f32"}, gpt2_logits, ()),
+    "gpt2_q4_0_act8": (lambda: gpt2_model("gelu_tanh_f16", "q4_0"), {}, gpt2_logits, ()),
+    "gpt2_q8_0_act8": (lambda: gpt2_model("gelu_tanh_f16", "q8_0"), {}, gpt2_logits, ()),
+    "llama_f32": (lambda: hf_model("llama"), {"float_matrices": "f32"}, hf_logits, ("transformers",)),
+    "qwen2_f32": (lambda: hf_model("qwen2"), {"float_matrices": "f32"}, hf_logits, ("transformers",)),
 }
 
 

@@ -10,6 +10,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from mixle.models.qat import apply_qat  # noqa: E402
 from mixle.models.transformer import build_causal_lm  # noqa: E402
 from mixle.task.quantize import save_gguf  # noqa: E402
+from tests.gguf_parity_cases import hf_logits, hf_model  # noqa: E402
 
 IDS = [5, 17, 3, 3, 40, 12, 0, 29, 8, 33, 2, 1]
 
@@ -62,18 +63,8 @@ def test_cpu_numerics_are_reproduced_with_the_float16_gelu_table(grid, tmp_path)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_hf_file_reproduces_the_hf_forward(family, tmp_path):
     """llama.cpp's rotary layout: Llama's q/k rows reordered, Qwen2's not."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    fields = dict(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-5)
-    config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config)(**fields)
-    model = (transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM)(config).eval()
-    with torch.no_grad():  # sharp attention, so a wrong rotary layout shows in the logits
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
+    pytest.importorskip("transformers")
+    model = hf_model(family)
     save_gguf(model, tmp_path / "m.gguf", float_matrices="f32")
-    with torch.no_grad():
-        want = model(torch.tensor([IDS])).logits[0].numpy()
     # All-F32 weights and KV cache: float rounding and ggml's SiLU/rope kernels only.
-    np.testing.assert_allclose(_llama_logits(tmp_path / "m.gguf"), want, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(_llama_logits(tmp_path / "m.gguf"), hf_logits(model), rtol=0, atol=1e-3)
