@@ -141,3 +141,17 @@ def test_multihead_attention_in_and_out_proj_fake_quantized_toggle_convert_save_
         assert torch.equal(got, want) and got.abs().sum() > 0, name
     with pytest.raises(ValueError, match="exclude both or neither"):
         apply_qat(attention(batch_first), exclude=(r"attn\.out_proj",))
+
+
+@pytest.mark.parametrize("build, fields, refused", [
+    (lambda: nn.Sequential(nn.Conv1d(4, 8, 3)), dict(act_bits=8, opt_in=("conv",)), "a conv QAT layer.*act_bits=8"),
+    (lambda: nn.Sequential(nn.Conv2d(4, 8, 3)), dict(scale="learned", opt_in=("conv",)), "conv.*scale='learned'"),
+    (lambda: nn.MultiheadAttention(16, 2), dict(act_bits=8), "a multihead_attention QAT layer.*act_bits=8"),
+])
+def test_options_a_layer_kind_does_not_honour_are_refused_not_ignored(build, fields, refused):
+    model = build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=refused):
+        apply_qat(model, bits=4, **fields)
+    assert [type(m) for m in model.modules()] == [type(m) for m in build().modules()]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

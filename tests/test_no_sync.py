@@ -89,12 +89,22 @@ KINDS = {
 }
 
 
-def options(grid):
-    """Every option on this grid: plain, act_bits, learned scales, percentile clipping."""
+# The kinds whose QAT layer honours act_bits and learned scales (the others refuse them).
+ACTIVATION_KINDS = ("linear", "embedding_tied")
+
+
+def act8(kind):
+    return dict(act_bits=8) if kind in ACTIVATION_KINDS else {}
+
+
+def options(grid, kind):
+    """Every option on this grid that the kind honours: plain, act_bits, learned scales, clipping."""
     yield {}
-    yield dict(act_bits=8)
+    if kind in ACTIVATION_KINDS:
+        yield dict(act_bits=8)
     if grid in ("symmetric", "qwix"):
-        yield dict(scale="learned")
+        if kind in ACTIVATION_KINDS:
+            yield dict(scale="learned")
         yield dict(clip_percentile=99.0, clip_gradient=True)
 
 
@@ -122,7 +132,7 @@ def test_unreadable_tensors_train_without_a_sync(kind, grid):
     build, make_inputs = KINDS[kind]
     found = {}
     with FakeTensorMode():
-        for extra in options(grid):
+        for extra in options(grid, kind):
             torch.manual_seed(0)
             model = apply_qat(build(), **GRIDS[grid], **extra)
             with counting_syncs() as counts:
@@ -139,7 +149,7 @@ def test_cuda_fake_tensors_run_the_qat_forward(grid):
     models = {}
     for kind, (build, make_inputs) in KINDS.items():
         torch.manual_seed(0)
-        models[kind] = (apply_qat(build(), **GRIDS[grid], act_bits=8), make_inputs())
+        models[kind] = (apply_qat(build(), **GRIDS[grid], **act8(kind)), make_inputs())
     with FakeTensorMode(allow_non_fake_inputs=True), counting_syncs() as counts, torch.no_grad():
         for kind, (model, inputs) in models.items():
             inputs = [torch.empty_like(t, device="cuda") for t in inputs]
@@ -151,7 +161,7 @@ def test_converted_layers_run_without_a_sync_on_the_device_route(monkeypatch):
     converted = {}
     for kind, (build, make_inputs) in KINDS.items():
         torch.manual_seed(0)
-        converted[kind] = (convert(apply_qat(build(), grid="q4_0", act_bits=8)), make_inputs())
+        converted[kind] = (convert(apply_qat(build(), grid="q4_0", **act8(kind))), make_inputs())
     monkeypatch.setattr(TorchOps, "readable", lambda self, x: False)
     with counting_syncs() as counts, torch.no_grad():
         for kind, (model, inputs) in converted.items():
@@ -182,7 +192,7 @@ def run_both_routes(monkeypatch, build, make_inputs, fields):
 def test_the_device_route_computes_the_cpu_route_values(monkeypatch, grid):
     for kind in ("linear", "embedding_tied", "mha"):
         build, make_inputs = KINDS[kind]
-        for extra in options(grid):
+        for extra in options(grid, kind):
             (host, _), (device, counts) = run_both_routes(monkeypatch, build, make_inputs, {**GRIDS[grid], **extra})
             monkeypatch.undo()
             assert not counts, (kind, extra, counts)

@@ -124,11 +124,17 @@ GRID_SPECS = {  # every grid with act_bits; learned scales and percentile clippi
 }
 
 
+def qat_every_kind(model, **fields):
+    """QAT with ``fields``; Conv1D and MHA (which fake-quantize their weights only) get the weight fields."""
+    weight_fields = {k: v for k, v in fields.items() if k not in ("act_bits", "act_symmetric", "scale")}
+    return apply_qat(model, patterns=[("proj|attn", QuantSpec(**weight_fields)), (".*", QuantSpec(**fields))])
+
+
 @pytest.mark.parametrize("name", GRID_SPECS)
 def test_every_grid_and_option_compiles_to_one_graph(name):
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = apply_qat(TiedLM(), **GRID_SPECS[name])
+    model = qat_every_kind(TiedLM(), **GRID_SPECS[name])
     explained = torch._dynamo.explain(model)(torch.randint(0, 50, (2, 8)))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
@@ -136,7 +142,7 @@ def test_every_grid_and_option_compiles_to_one_graph(name):
 def test_q4_0_with_activations_compiles_forward_and_backward_to_eager_values():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, tokens = apply_qat(TiedLM(), grid="q4_0", act_bits=8), torch.randint(0, 50, (2, 8))
+    model, tokens = qat_every_kind(TiedLM(), grid="q4_0", act_bits=8), torch.randint(0, 50, (2, 8))
     eager_out, eager_grads = step(model, tokens)
     out, grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"), tokens)
     assert torch.equal(out, eager_out)

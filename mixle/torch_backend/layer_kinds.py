@@ -47,6 +47,8 @@ class LayerKind:
         weight_name, bias_name: the attributes holding its weight and bias.
         linear_children: child Linear layers whose weights the layer itself reads (and so
             fake-quantizes with its spec): convert makes each a ``QuantizedLinear``.
+        spec_options: the non-weight QuantSpec options its QAT layer honours (``act_bits``,
+            ``scale``); any other set away from its default is refused, not ignored.
     """
 
     name: str
@@ -64,6 +66,25 @@ class LayerKind:
     weight_name: str = "weight"
     bias_name: str = "bias"
     linear_children: tuple = ()
+    spec_options: tuple = ("act_bits", "scale")
+
+    def check_spec(self, spec):
+        """Refuse the options of ``spec`` this kind's QAT layer would not honour.
+
+        >>> from mixle.core.spec import QuantSpec
+        >>> kind_named("conv").check_spec(QuantSpec(act_bits=8))
+        Traceback (most recent call last):
+        ...
+        ValueError: a conv QAT layer fake-quantizes its weight only, so it cannot honour act_bits=8: leave it at its default for this layer (give it its own spec with patterns=[(path, QuantSpec(...))]) or exclude it
+        """
+        defaults = {"act_bits": None, "scale": "absmax"}
+        unhonoured = [f"{name}={getattr(spec, name)!r}" for name, default in defaults.items()
+                      if name not in self.spec_options and getattr(spec, name) != default]
+        if unhonoured:
+            raise ValueError(f"a {self.name} QAT layer fake-quantizes its weight only, so it cannot honour "
+                             f"{', '.join(unhonoured)}: leave {'it' if len(unhonoured) == 1 else 'them'} at "
+                             f"{'its default' if len(unhonoured) == 1 else 'their defaults'} for this layer (give "
+                             f"it its own spec with patterns=[(path, QuantSpec(...))]) or exclude it")
 
     def weight_of(self, module):
         """The module's weight Parameter (``in_proj_weight`` for MHA)."""
@@ -133,13 +154,14 @@ KINDS = (
               wrap=lambda module, spec, enabled: QATWrapper(module, spec, enabled=enabled),
               quantize=quantize_linear_weight, quantized_type=QuantizedLinear, has_bias=True),
     LayerKind(name="conv1d", float_types=(Conv1DType,), qat_type=QATConv1DMixin, wrap=wrap_conv1d,
-              quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True),
+              quantize=_quantize_transposed, output_axis=1, quantized_type=QuantizedConv1D, has_bias=True,
+              spec_options=()),
     LayerKind(name="multihead_attention", float_types=(nn.MultiheadAttention,), qat_type=QATMultiheadAttention,
               wrap=wrap_mha, quantize=quantize_linear_weight, quantized_type=QuantizedMultiheadAttention,
               has_bias=True, weight_name="in_proj_weight", bias_name="in_proj_bias", linear_children=("out_proj",),
-              options=MHA_OPTIONS),
+              options=MHA_OPTIONS, spec_options=()),
     LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=QATConvMixin, wrap=wrap_conv,
-              quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True,
+              quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True, spec_options=(),
               options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
               wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),

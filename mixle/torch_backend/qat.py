@@ -247,6 +247,7 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
     try:
         check_supported(spec)
         kind = kind_of_qat(module)
+        (kind or kind_of_float(module)).check_spec(spec)
         if _weight(module).numel() == 0:
             raise ValueError(f"its weight is empty (shape {list(_weight(module).shape)}): there is nothing to "
                              f"quantize; leave it out with exclude=[{path!r}] or drop the layer")
