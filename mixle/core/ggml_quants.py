@@ -282,9 +282,7 @@ def quantize_mxfp4(x):
     ([15, 0, 7], 127)
     """
     o, xb = float_blocks(x, QK)
-    amax = o.zeros(xb[..., 0])
-    for i in range(QK):  # if (amax < fabsf(v)) amax = fabsf(v);
-        amax = o.where(amax < abs(xb[..., i]), abs(xb[..., i]), amax)
+    amax, _ = first_absmax(o, xb)
     # (uint8_t)(floorf(log2f(amax)) - 2 + 127), or 0
     e = c_int(o, (o.floor(o.log2(amax)) - o.c(2.0)) + o.c(127.0)) & 0xFF
     e = o.where(amax > 0, e, o.zeros(e, "int32"))
