@@ -49,16 +49,9 @@ tokenizer = None
 """
 RECOVERY = TORCH_MLP + """
 model = make_float_model()
-class Windows(torch.nn.Module):  # what GradLeaf trains: next-token logits of windows of a token stream
-    def __init__(self, lm, ids):
-        super().__init__()
-        self.lm, self.ids, self.offsets = lm, ids, torch.arange(lm.block + 1)
-    def logits(self, starts):
-        tokens = self.ids[starts[:, None] + self.offsets]
-        return self.lm(tokens[:, :-1], all_positions=True), tokens[:, 1:]
-    def log_density(self, starts):
-        return self.lm.sequence_log_prob(self.ids[starts[:, None] + self.offsets])
-module = Windows(mixle.build_causal_lm(vocab=16, d_model=16, n_layer=1, n_head=2, block=8), torch.randint(0, 16, (64,)))
+from mixle.lm.training import window_density  # what GradLeaf trains: windows of a token stream
+module = window_density(mixle.build_causal_lm(vocab=16, d_model=16, n_layer=1, n_head=2, block=8),
+                        torch.randint(0, 16, (64,)))
 """
 
 # (a line that identifies the block, the packages it needs, its placeholders)
