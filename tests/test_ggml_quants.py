@@ -206,7 +206,7 @@ def test_layout_reads_back_with_gguf_py(name, rows):
 def reference():
     path = ROOT / FIXTURE
     if not path.exists():
-        pytest.skip(f"{FIXTURE} is missing: run `python benchmarks/make_ggml_fixtures.py` with llama-cpp-python")
+        pytest.fail(f"{FIXTURE} is missing: run `python benchmarks/make_ggml_fixtures.py` with llama-cpp-python")
     data = np.load(path)
     return {key: data[key] for key in data.files}
 

@@ -195,7 +195,7 @@ def mixle_types(case, tensors, mix):
 def reference():
     path = ROOT / FIXTURE
     if not path.exists():
-        pytest.skip(f"{FIXTURE} is missing: run `python benchmarks/make_llama_quantize_fixtures.py` with llama-cpp-python")
+        pytest.fail(f"{FIXTURE} is missing: run `python benchmarks/make_llama_quantize_fixtures.py` with llama-cpp-python")
     return json.loads(str(np.load(path)["meta"]))
 
 
