@@ -160,7 +160,7 @@ def test_a_pattern_naming_an_embedding_or_conv1d_selects_it():
     assert get_qat_report(model).wrapped == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
     with pytest.raises(ValueError, match="matches no nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"):
         apply_qat(build("gpt2"), patterns=(r".*c_atn",))
-    with pytest.raises(ValueError, match=r"opt_in=\('conv2d',\) names \['conv2d'\].*choose from \['conv', 'embedding'\]"):
+    with pytest.raises(ValueError, match=r"opt_in=\('conv2d',\) names \['conv2d'\].*choose from \['conv', 'embedding', 'router'\]"):
         apply_qat(build("gpt2"), opt_in=("conv2d",))
 
 

@@ -77,8 +77,25 @@ class LayerSelector:
                 return spec, f"matched {regex!r}"
         return None, "matched no pattern"
 
-    def check_all_used(self, layer_paths, all_paths, layer_kind):
-        """Raise ValueError naming any pattern that matches no layer or exclude matching nothing."""
+    def check_all_used(self, layer_paths, all_paths, layer_kind, parts=None):
+        """Raise ValueError naming any pattern that matches no layer or exclude matching nothing.
+
+        ``parts``: ``{path: why it cannot be selected}`` of paths a pattern may name that are no
+        layer of their own (one expert of a fused experts module): a pattern or exclude matching
+        one of them, and no layer, is refused with that reason.
+
+        >>> s = LayerSelector(patterns=["moe.experts.3"], exclude=(), default_spec=QuantSpec())
+        >>> s.check_all_used(["moe.experts"], ["moe", "moe.experts"], "layer", {"moe.experts.3": "it is fused"})
+        Traceback (most recent call last):
+        ValueError: patterns entry 'moe.experts.3' cannot be honoured: it is fused
+        """
+        parts = parts or {}
+        for argument, entries, paths in (("patterns", [(r, c) for r, c, _ in self.rules], layer_paths),
+                                         ("exclude", self.excludes, all_paths)):
+            for regex, compiled in entries:
+                named = [why for path, why in parts.items() if compiled.fullmatch(path)]
+                if named and not any(compiled.fullmatch(p) for p in paths):
+                    raise ValueError(f"{argument} entry {regex!r} cannot be honoured: {named[0]}")
         for regex, compiled, _ in self.rules:
             if not any(compiled.fullmatch(p) for p in layer_paths):
                 raise ValueError(

@@ -4,6 +4,7 @@ import torch
 
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
+from mixle.torch_backend.expert_layers import LORA_REASON, ExpertsType
 from mixle.torch_backend.layers import QATWrapper, check_supported, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.qat import decide_layers, plan_inputs, unblocked
@@ -55,13 +56,17 @@ def _check_layer(path, module, lora):
 
 def apply_lora(model, selector, train_base):
     """Torch half of ``apply_lora``: plan every decision, then swap, so failures change nothing."""
-    entries, parent_of, linears = plan_inputs(model, selector, lambda m: isinstance(m, torch.nn.Linear), "nn.Linear")
+    # Fused experts are listed too, to be reported (and refused when named) with the reason.
+    entries, parent_of, linears = plan_inputs(
+        model, selector, lambda m: isinstance(m, torch.nn.Linear) or ExpertsType.base_of(m) is not None, "nn.Linear")
     holders = _parameter_holders(entries)
 
     replacements = {}
 
     def choose(path, module, decided):
         kind = type(module).__name__
+        if not isinstance(module, torch.nn.Linear):
+            return LayerDecision(path=path, kind=kind, action="skipped", reason=LORA_REASON)
         lora, reason = unblocked(selector.decide(path), module, parent_of.get(id(module)))
         shared = _sharing_note(module, holders)
         if lora is not None and shared:

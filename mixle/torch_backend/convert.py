@@ -50,16 +50,21 @@ def _convert_in_place(model):
     paths = {id(module): path for path, module in model.named_modules()}
     for layer in qat.qat_layers(model):
         kind = kind_of_qat(layer)
-        weight = kind.weight_of(layer)
-        key = (id(weight), layer.spec)
         path = paths.get(id(layer), getattr(layer, PATH_ATTRIBUTE, None))
         try:  # e.g. a scale that does not fit float16 on llama.cpp's grids
-            if key not in storage:
-                if learned_scale.is_learned(layer.spec):  # exactly the trained scales
-                    storage[key] = to_storage(learned_scale.quantized_array(layer))
-                else:
-                    storage[key] = _stored(kind, weight.detach(), layer.spec)
-            new = kind.to_quantized(layer, *storage[key])
+            stored = {}
+            for name, weight in kind.weights_of(layer).items():
+                key = (id(weight), layer.spec)
+                if key not in storage:
+                    if learned_scale.is_learned(layer.spec):  # exactly the trained scales
+                        storage[key] = to_storage(learned_scale.quantized_array(layer))
+                    else:
+                        storage[key] = _stored(kind, weight.detach(), layer.spec)
+                stored[name] = storage[key]
+            if kind.assemble is not None:  # several weights (fused experts)
+                new = kind.assemble(layer, stored)
+            else:
+                new = kind.to_quantized(layer, *stored[kind.weight_name])
         except ValueError as err:
             raise ValueError(f"layer {path!r}: {err}") from None
         new.train(layer.training)
@@ -96,7 +101,8 @@ def check_convertible(model):
         if kind.quantized_type is None:
             raise ValueError(f"layer {path!r} is a {type(layer).__name__}: convert refuses it because "
                              f"{kind.not_convertible}")
-        own = {kind.weight_name, kind.bias_name} | {f"{c}.{n}" for c in kind.linear_children for n in ("weight", "bias")}
+        own = {*kind.names_of(layer), kind.bias_name} | {f"{c}.{n}" for c in kind.linear_children
+                                                         for n in ("weight", "bias")}
         own.add(learned_scale.SCALE_PARAMETER)
         extra = [name for name, _ in layer.named_parameters() if name not in own]
         if type(layer).forward is not kind.qat_type.forward or extra:

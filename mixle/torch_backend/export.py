@@ -16,6 +16,7 @@ import torch
 from mixle.core.fileformat import ModelBytes, manifest_from, open_tensors, replace_atomically
 from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
 from mixle.core.stored import check_stored
+from mixle.torch_backend.expert_layers import QuantizedFusedWeight, fused_weight_names, loaded_fused
 from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
 from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight, file_scale_dtype, scale_nbytes
 from mixle.torch_backend.swap import Change
@@ -180,18 +181,11 @@ def _skeleton_copy(model, replaced_paths):
     return copy.deepcopy(model, memo)
 
 
-def _build_layer(entry, tensors, module, source, widened):
-    """The quantized module for one manifest layer, checked against the skeleton's module.
-
-    Float16-stored scales come back in the skeleton weight's dtype, one copy per stored tensor
-    (``widened``: id of the file's tensor -> its copy), so tied layers still share it."""
-    where = f"{source}: layer {entry.get('path')!r}"
-    stored = read_layer(entry, tensors, source)  # the shared manifest and storage checks
-    spec, shape, bias = stored.spec, stored.shape, stored.bias
-    try:
-        kind = kind_named(stored.kind)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
+def _held_parts(entry, stored, own_weight, widened, where):
+    """``(codes, scale, parts)`` of a manifest layer, float16-stored scales (and mins) in the dtype
+    convert holds them in for ``own_weight`` (one copy per stored tensor: ``widened``), checked
+    against the entry's byte counts."""
+    spec = stored.spec
     codes, scale = stored.parts["codes"], stored.parts["scale"]
     parts = {part: stored.parts[part] for part in GRID_PARTS if part in stored.parts}
     stored_dtype = file_scale_dtype(spec)
@@ -199,7 +193,6 @@ def _build_layer(entry, tensors, module, source, widened):
         if scale.dtype != stored_dtype:
             raise ValueError(f"{where}: grid={spec.grid!r} stores {stored_dtype} scales, the file has "
                              f"{scale.dtype}: the data is corrupt or was written by another tool")
-        own_weight = kind.weight_of(module) if isinstance(module, kind.float_types) else None
         if isinstance(own_weight, torch.Tensor) and own_weight.is_floating_point():
             held = torch.float32 if spec.grid_record.numerics is not None else own_weight.dtype  # as convert holds it
             scale = widened.setdefault(id(scale), scale.to(held))
@@ -208,6 +201,30 @@ def _build_layer(entry, tensors, module, source, widened):
     if entry.get("codes_nbytes") != codes.numel() * codes.element_size() or \
             entry.get("scale_nbytes") != scale_nbytes(spec, scale):
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
+    return codes, scale, parts
+
+
+def _stored_kind(stored, where):
+    try:
+        return kind_named(stored.kind)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: the manifest entry is incomplete or invalid ({err!r})") from None
+
+
+def _build_layer(entry, tensors, module, source, widened):
+    """The quantized module for one manifest layer, checked against the skeleton's module.
+
+    Float16-stored scales come back in the skeleton weight's dtype, one copy per stored tensor
+    (``widened``: id of the file's tensor -> its copy), so tied layers still share it."""
+    where = f"{source}: layer {entry.get('path')!r}"
+    stored = read_layer(entry, tensors, source)  # the shared manifest and storage checks
+    spec, shape, bias = stored.spec, stored.shape, stored.bias
+    kind = _stored_kind(stored, where)
+    if kind.assemble is not None:
+        raise ValueError(f"{where}: a {kind.name} weight is saved under its module's path and weight name, "
+                         f"not a module's path: the file is corrupt or was written by another tool")
+    own_weight = kind.weight_of(module) if isinstance(module, kind.float_types) else None
+    codes, scale, parts = _held_parts(entry, stored, own_weight, widened, where)
     if not isinstance(module, kind.float_types) or kind.stored_shape(kind.weight_of(module).shape) != shape or \
             (kind.has_bias and (kind.bias_of(module) is None) != (bias is None)):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
@@ -230,6 +247,73 @@ def _build_layer(entry, tensors, module, source, widened):
     return kind.quantized_type(codes, scale, spec, shape, **extra, **parts).train(module.training)  # MHA's path depends on it
 
 
+def _fused_owner(path, modules):
+    """``(module path, weight name)`` when ``path`` names a weight of a fused module, else None."""
+    if not isinstance(path, str) or path in modules:
+        return None
+    owner, _, name = path.rpartition(".")
+    module = modules.get(owner)
+    return (owner, name) if module is not None and name in fused_weight_names(module) else None
+
+
+def _build_fused_weight(entry, tensors, module, name, source, widened):
+    """The ``QuantizedFusedWeight`` of one saved weight of fused ``module`` (the skeleton's)."""
+    where = f"{source}: layer {entry.get('path')!r}"
+    stored = read_layer(entry, tensors, source)
+    kind = _stored_kind(stored, where)
+    weight = module._parameters.get(name)
+    if kind.assemble is None or not isinstance(module, kind.float_types) or weight is None or \
+            kind.stored_shape(weight.shape) != stored.shape or entry.get("array_shape") != list(weight.shape):
+        raise ValueError(f"{where}: the file holds a {kind.name} weight {entry.get('array_shape')!r:.40}, the model "
+                         f"has {type(module).__name__}.{name} {list(getattr(weight, 'shape', []))}: pass a model "
+                         f"built like the saved one")
+    codes, scale, parts = _held_parts(entry, stored, weight, widened, where)
+    if scale.dtype != weight.dtype and stored.spec.grid_record.numerics is None:
+        raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {weight.dtype}: "
+                         f"pass a model built like the saved one (in {scale.dtype})")
+    return QuantizedFusedWeight(codes, scale, stored.spec, tuple(weight.shape), kind.name, **parts)
+
+
+def _fused_layers(found, modules, source):
+    """``{id(module): converted module}`` of the fused modules whose weights were loaded (``found``:
+    owner path -> {weight name: QuantizedFusedWeight}); each needs all its weights, with one spec."""
+    out = {}
+    for owner, children in found.items():
+        module = modules[owner]
+        missing = [n for n in fused_weight_names(module) if n not in children]
+        if missing or len({child.spec for child in children.values()}) != 1:
+            raise ValueError(f"{source}: the fused module {owner!r} needs all its weights {list(fused_weight_names(module))} "
+                             f"with one spec, the file has {sorted(children)}: the file is corrupt or incomplete")
+        out[id(module)] = loaded_fused(module, children).train(module.training)
+    return out
+
+
+def _owners(paths, modules, source):
+    """For each saved layer path: ``(module path, weight name)`` for a weight of a fused
+    experts/router module, else None; a path naming nothing in the model is refused."""
+    owners = []
+    for path_ in paths:
+        owners.append(_fused_owner(path_, modules))
+        if owners[-1] is None and (not isinstance(path_, str) or path_ not in modules):
+            raise ValueError(f"{source}: the model has no module {path_!r:.80} for a saved layer: "
+                             f"pass a model built like the saved one")
+    return owners
+
+
+def _replacements(entries, owners, tensors, modules, source):
+    """``{id(module of the skeleton): its quantized module}`` for every saved layer."""
+    replacements, widened, fused = {}, {}, {}
+    for entry, owner in zip(entries, owners):
+        if owner is not None:
+            fused.setdefault(owner[0], {})[owner[1]] = _build_fused_weight(entry, tensors, modules[owner[0]],
+                                                                           owner[1], source, widened)
+        else:
+            replacements[id(modules[entry["path"]])] = _build_layer(entry, tensors, modules[entry["path"]], source,
+                                                                    widened)
+    replacements.update(_fused_layers(fused, modules, source))
+    return replacements
+
+
 def load_quantized(path, model):
     """Load a file written by ``save_quantized`` into a copy of a float model of the same architecture.
 
@@ -244,7 +328,8 @@ def load_quantized(path, model):
         model: a float model built like the saved one (e.g. freshly constructed); not modified.
 
     Returns:
-        A new model whose saved layers are QuantizedLinear / QuantizedEmbedding, on the device
+        A new model whose saved layers are QuantizedLinear / QuantizedEmbedding (fused MoE experts:
+        their Quantized<class>, one saved entry per weight, at ``<module path>.<weight name>``), on the device
         of the model's first parameter.
 
     Raises:
@@ -270,17 +355,9 @@ def load_quantized(path, model):
     moved = {}
     tensors = {name: moved.setdefault(id(t), t.to(device)) for name, t in tensors.items()}  # ties survive
     paths = [entry.get("path") if isinstance(entry, dict) else None for entry in manifest["layers"]]
-    modules = dict(model.named_modules())
-    for path_ in paths:
-        if not isinstance(path_, str) or path_ not in modules:
-            raise ValueError(f"{source}: the model has no module {path_!r:.80} for a saved layer: "
-                             f"pass a model built like the saved one")
-    new = _skeleton_copy(model, set(paths))
-    modules = dict(new.named_modules())
-    replacements, widened = {}, {}
-    for entry in manifest["layers"]:
-        replacements[id(modules[entry["path"]])] = _build_layer(entry, tensors, modules[entry["path"]], source,
-                                                                widened)
+    owners = _owners(paths, dict(model.named_modules()), source)
+    new = _skeleton_copy(model, {owner[0] if owner else p for p, owner in zip(paths, owners)})
+    replacements = _replacements(manifest["layers"], owners, tensors, dict(new.named_modules()), source)
     with Change() as change:
         new = change.swap(new, replacements)
     _copy_float_state(new, tensors, source)

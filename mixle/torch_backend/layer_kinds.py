@@ -13,6 +13,9 @@ from typing import Callable
 from torch import nn
 
 from mixle.core.layer_weights import quantize_embedding_weight, quantize_linear_weight
+from mixle.torch_backend.expert_layers import (ExpertsType, QATExperts, QATRouter, QuantizedExperts, QuantizedRouter,
+                                               RouterType, assemble_fused, check_fused_spec, fused_weight_names,
+                                               quantize_experts, wrap_fused)
 from mixle.torch_backend.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
 from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
@@ -49,6 +52,12 @@ class LayerKind:
             fake-quantizes with its spec): convert makes each a ``QuantizedLinear``.
         spec_options: the non-weight QuantSpec options its QAT layer honours (``act_bits``,
             ``scale``); any other set away from its default is refused, not ignored.
+        weight_names: ``(module) -> attribute names`` for a kind holding several weights (fused
+            experts); None: the one ``weight_name``.
+        batch_axes: leading axes of its weights that each get their own scales (experts: 1).
+        assemble: ``(QAT layer, {weight name: (codes, scale, parts)}) -> quantized layer``, for
+            kinds with ``weight_names`` (``to_quantized`` takes one weight).
+        opt_in_reason: the report's reason for an opt-in layer not asked for (default: a generic one).
     """
 
     name: str
@@ -67,6 +76,10 @@ class LayerKind:
     bias_name: str = "bias"
     linear_children: tuple = ()
     spec_options: tuple = ("act_bits", "scale")
+    weight_names: Callable | None = None
+    batch_axes: int = 0
+    assemble: Callable | None = None
+    opt_in_reason: str = ""
 
     def check_spec(self, spec):
         """Refuse the options of ``spec`` this kind's QAT layer would not honour.
@@ -80,15 +93,34 @@ class LayerKind:
         defaults = {"act_bits": None, "scale": "absmax"}
         unhonoured = [f"{name}={getattr(spec, name)!r}" for name, default in defaults.items()
                       if name not in self.spec_options and getattr(spec, name) != default]
+        fused = check_fused_spec(spec, self.batch_axes)
+        if fused:
+            raise ValueError(fused)
         if unhonoured:
             raise ValueError(f"a {self.name} QAT layer fake-quantizes its weight only, so it cannot honour "
                              f"{', '.join(unhonoured)}: leave {'it' if len(unhonoured) == 1 else 'them'} at "
                              f"{'its default' if len(unhonoured) == 1 else 'their defaults'} for this layer (give "
                              f"it its own spec with patterns=[(path, QuantSpec(...))]) or exclude it")
 
+    def names_of(self, module):
+        """The attributes holding the module's weights (``("weight",)`` for a Linear).
+
+        >>> kind_named("linear").names_of(nn.Linear(2, 2))
+        ('weight',)
+        """
+        return tuple(self.weight_names(module)) if self.weight_names is not None else (self.weight_name,)
+
+    def weights_of(self, module):
+        """``{attribute: weight Parameter}`` of the module, in ``names_of`` order."""
+        return {name: getattr(module, name) for name in self.names_of(module)}
+
     def weight_of(self, module):
-        """The module's weight Parameter (``in_proj_weight`` for MHA)."""
-        return getattr(module, self.weight_name)
+        """The module's (first) weight Parameter (``in_proj_weight`` for MHA)."""
+        return getattr(module, self.names_of(module)[0])
+
+    def forward_types(self, module):
+        """The classes whose forward a module of this kind may have without changing its maths."""
+        return (self.qat_type,) + tuple(getattr(t, "base_of", lambda m, t=t: t)(module) or t for t in self.float_types)
 
     def bias_of(self, module):
         return getattr(module, self.bias_name, None)
@@ -101,6 +133,8 @@ class LayerKind:
         ((3, 4), (8, 12))
         """
         shape = tuple(int(d) for d in shape)
+        if self.batch_axes:  # stacked matrices: their rows one after another
+            return (math.prod(shape[:-1]), shape[-1])
         if self.output_axis == 1:
             shape = shape[::-1]
         return (shape[0], math.prod(shape[1:]))
@@ -168,6 +202,13 @@ KINDS = (
               quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,
               options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"), opt_in=True,
               follows_tie=True),
+    LayerKind(name="experts", float_types=(ExpertsType,), qat_type=QATExperts, wrap=wrap_fused,
+              quantize=quantize_experts, quantized_type=QuantizedExperts, weight_names=fused_weight_names,
+              batch_axes=1, assemble=assemble_fused, spec_options=(), options=("array_shape",)),
+    LayerKind(name="router", float_types=(RouterType,), qat_type=QATRouter, wrap=wrap_fused,
+              quantize=quantize_linear_weight, quantized_type=QuantizedRouter, weight_names=fused_weight_names,
+              assemble=assemble_fused, spec_options=(), opt_in=True, options=("array_shape",),
+              opt_in_reason="router stays float by default; opt in with opt_in=('router',)"),
 )
 OPT_IN = tuple(kind.name for kind in KINDS if kind.opt_in)
 

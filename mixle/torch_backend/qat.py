@@ -17,7 +17,7 @@ from mixle.torch_backend.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
 # What patterns must match, in error messages.
-SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d"
+SELECTABLE = "nn.Linear, Conv1D, nn.MultiheadAttention, nn.Embedding or nn.Conv1d/2d (or fused MoE experts/router)"
 ADAPTER_REASON = "adapter: trained in float beside the quantized base; merge it before convert"
 
 
@@ -32,9 +32,11 @@ def float_reason(module, parent):
     if isinstance(module, nn.MultiheadAttention):
         return unsupported_reason(module)
     kind = kind_of_qat(module) or kind_of_float(module)
-    if kind is not None and type(module) not in (kind.qat_type, *kind.float_types) and \
-            type(module).forward not in {t.forward for t in (kind.qat_type, *kind.float_types)}:
-        return f"{type(module).__name__} overrides {kind.float_types[0].__name__}.forward; wrapping would change its maths"
+    if kind is None:
+        return None
+    types = kind.forward_types(module)
+    if type(module) not in types and type(module).forward not in {t.forward for t in types}:
+        return f"{type(module).__name__} overrides {types[1].__name__}.forward; wrapping would change its maths"
     return None
 
 
@@ -44,6 +46,29 @@ def _kind(module):
 
 def _weight(module):
     return _kind(module).weight_of(module)
+
+
+def _weights(module):
+    return _kind(module).weights_of(module).values()
+
+
+def _part_paths(layers):
+    """``{path: why it cannot be selected}`` for the parts of a fused experts module a pattern may
+    name (an expert ``<path>.<i>``, a weight ``<path>.<name>``): they are slices of one Parameter."""
+    out = {}
+    for path, module in layers:
+        kind = _kind(module)
+        if not kind.batch_axes:
+            continue
+        weights = kind.weights_of(module)
+        shapes = ", ".join(f"{name} {list(w.shape)}" for name, w in weights.items())
+        why = (f"the experts of {path!r} are one fused Parameter per weight ({shapes}), quantized with one spec: "
+               f"select or exclude the whole module {path!r}")
+        count = int(next(iter(weights.values())).shape[0])
+        prefix = f"{path}." if path else ""
+        out.update({f"{prefix}{i}": f"it names expert {i}, but {why}" for i in range(count)})
+        out.update({f"{prefix}{name}": f"it names the weight {name!r}, but {why}" for name in weights})
+    return out
 
 
 def adapter_ids(model):
@@ -79,7 +104,8 @@ def plan_inputs(model, selector, selectable=None, label=SELECTABLE):
         adapters = adapter_ids(model)[0]
         selectable = lambda m: _kind(m) is not None and id(m) not in adapters  # noqa: E731
     layers = [(p, m) for p, m in entries if selectable(m)]
-    selector.check_all_used([p for p, _ in layers], [p for p, _ in entries], label)
+    fused = [(p, m) for p, m in entries if _kind(m) is not None and _kind(m).batch_axes]
+    selector.check_all_used([p for p, _ in layers], [p for p, _ in entries], label, _part_paths(fused))
     return entries, parent_of, layers
 
 
@@ -144,8 +170,8 @@ def _decide(path, module, selector, opt_in, naming):
         return spec, f"{reason}; already fake-quantized"
     if selector.rule_for(path) in naming:
         return spec, reason
-    return None, (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) or a "
-                  f"pattern matching only them)")
+    return None, kind.opt_in_reason or (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) "
+                                        f"or a pattern matching only them)")
 
 
 def apply(model, selector, reconfigure, example_inputs=None):
@@ -171,7 +197,7 @@ def apply(model, selector, reconfigure, example_inputs=None):
         if isinstance(parent, nn.MultiheadAttention) and module is parent.out_proj:
             return _out_proj_decision(path, module, decided.get(id(parent)), selector, counted)
         spec, reason = unblocked(_decide(path, module, selector, opt_in, naming), module, parent)
-        elements = _count(_weight(module), counted)
+        elements = sum(_count(w, counted) for w in _weights(module))
         if spec is None:
             if isinstance(module, QAT_TYPES):
                 raise ValueError(
@@ -262,7 +288,8 @@ def _plan_layer(path, module, spec, reconfigure, enabled, replacements, respecs)
                 f"it is already fake-quantized with {module.spec.short()}, not {spec.short()}: pass "
                 f"reconfigure=True to change the spec"
             )
-        block_shape(kind.stored_shape(_weight(module).shape), spec)  # raises if group_size does not divide the input size
+        for weight in _weights(module):  # raises if group_size does not divide the input size
+            block_shape(kind.stored_shape(weight.shape[kind.batch_axes:]), spec)
         respecs.append((module, spec))
         return "reconfigured"
     except ValueError as err:
