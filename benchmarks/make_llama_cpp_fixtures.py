@@ -9,6 +9,7 @@ writes the same tensors and that mixle's forward still matches llama.cpp's logit
 
     pip install llama-cpp-python==0.3.36    # the llama extra; builds llama.cpp from source
     python benchmarks/make_llama_cpp_fixtures.py
+    python benchmarks/make_llama_cpp_fixtures.py --only mixtral_q4_0_act8   # add or redo some cases
 """
 
 import argparse
@@ -23,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.gguf_parity_cases import CASES, FIXTURE, IDS, tensor_digests  # noqa: E402
+from tests.gguf_parity_cases import CASES, FIXTURE, IDS, save_options, tensor_digests  # noqa: E402
 
 
 def llama_cpp_logits(path):
@@ -50,16 +51,24 @@ def cpu_name():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=FIXTURE, help="the fixture file to write (default: %(default)s)")
+    parser.add_argument("--only", nargs="+", choices=sorted(CASES), help="run these cases only, keeping the "
+                        "others of the existing fixture as they are")
     args = parser.parse_args(argv)
     import mixle
 
     arrays, meta = {}, {"llama_cpp_python": metadata.version("llama-cpp-python"), "cpu": cpu_name(),
                         "torch": metadata.version("torch"), "cases": {}}
+    if args.only:
+        with np.load(args.out) as old:
+            arrays = {key: old[key] for key in old.files if key != "meta"}
+            meta["cases"] = json.loads(str(old["meta"]))["cases"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, (build, options, logits_of, _) in CASES.items():
+            if args.only and name not in args.only:
+                continue
             model = build()
             path = os.path.join(tmp, f"{name}.gguf")
-            mixle.save_gguf(model, path, **options)
+            mixle.save_gguf(model, path, **save_options(options, model))
             ours, theirs = logits_of(model), llama_cpp_logits(path)
             gap = float(np.abs(ours - theirs).max())
             arrays[f"{name}.llama_cpp"], arrays[f"{name}.mixle"] = theirs, ours

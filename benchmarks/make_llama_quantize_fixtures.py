@@ -5,7 +5,8 @@ CI cannot build llama-cpp-python (about 13 minutes on 2 cores), so this script r
 mix of ``mixle.core.mixes.GGUF_MIXES``, on:
 
 * the seeded models of ``tests/test_gguf_mixes.py`` (``MODEL_CASES``: gpt2, llama and qwen2 with
-  rows of 256 and of 32, 64, 96 and 40 values), written as F32 GGUF files by
+  rows of 256 and of 32, 64, 96 and 40 values; ``MOE_CASES``: a Qwen3-MoE of 4 experts and an
+  8-expert Mixtral, with 3-D expert tensors), written as F32 GGUF files by
   ``save_gguf(model, float_matrices="f32")``;
 * files of given shapes only (``SHAPE_CASES``: SmolLM2-135M's 30 layers, a 4096-wide 30-layer
   Llama, 80-layer Llamas and Qwen2), for the types of real models' shapes.
@@ -36,6 +37,7 @@ from tests.test_gguf_mixes import (  # noqa: E402
     FIXTURE,
     MIXES,
     MODEL_CASES,
+    MOE_CASES,
     SHAPE_CASES,
     llama_quantize,
     read_tensors,
@@ -65,7 +67,8 @@ def main(argv=None):
             "numpy": np.__version__, "torch": metadata.version("torch"),
             "transformers": metadata.version("transformers"), "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for case, (build, _) in MODEL_CASES.items():
+        builds = {case: record[0] for case, record in {**MODEL_CASES, **MOE_CASES}.items()}
+        for case, build in builds.items():
             source = os.path.join(tmp, f"{case}.gguf")
             tensors = write_float_file(build(0), source)
             meta["cases"][case] = {"float": {name: sha(data) for name, (_, _, data) in tensors.items()},

@@ -18,7 +18,7 @@ _NUMERICS = "mixle.core.numerics"
 _FACE = {
     **{name: (_API, None) for name in (
         "apply_qat", "set_fake_quant_enabled", "get_qat_report", "invalidate_fake_quant_caches",
-        "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "save_quantized",
+        "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "calibrate_importance", "save_quantized",
         "load_quantized", "model_nbytes", "apply_lora", "merge_lora", "get_lora_report",
         "lora_parameters", "QATReport", "LayerDecision")},
     **{name: (_NUMERICS, None) for name in (
@@ -34,6 +34,10 @@ _FACE = {
     "gguf_mix_types": ("mixle.exports.gguf", "torch"),
     "gguf_mix_specs": ("mixle.exports.gguf", "torch"),
     "GGUF_MIXES": ("mixle.core.mixes", None),
+    "save_imatrix": ("mixle.exports.imatrix_file", None),
+    "load_imatrix": ("mixle.exports.imatrix_file", None),
+    "read_imatrix": ("mixle.exports.imatrix_file", None),
+    "write_imatrix": ("mixle.exports.imatrix_file", None),
     "save_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
     "load_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
     "build_causal_lm": ("mixle.lm.transformer", "torch"),

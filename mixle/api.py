@@ -26,6 +26,7 @@ __all__ = [
     "invalidate_fake_quant_caches",
     "convert",
     "quantize_model",
+    "calibrate_importance",
     "save_quantized",
     "load_quantized",
     "model_nbytes",
@@ -204,19 +205,79 @@ def convert(model):
 
 
 def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), example_inputs=None,
-                   gguf_mix=None, **spec_fields):
+                   gguf_mix=None, importance=None, **spec_fields):
     """Post-training quantization: ``convert(apply_qat(copy of model, ...))``, same grid as QAT.
 
     ``opt_in``, ``example_inputs`` (Flax only) and ``gguf_mix`` are as for ``apply_qat``.
+
+    ``importance`` (torch models): llama.cpp's importance matrix, as a ``llama-imatrix`` file's
+    path, ``calibrate_importance``'s result or ``{layer path: per-input-column values}``. Each
+    linear layer it covers is then quantized by ggml's importance-weighted search, bit for bit as
+    ``llama-quantize --imatrix`` (``mixle.core.ggml_weighted``), and under ``gguf_mix`` the layers
+    get the types llama-quantize gives with an imatrix (Q4_0: the first eighth of ffn_down Q4_1).
+    Entries of layers the mix keeps float are unused, as in llama.cpp; layers without an entry get
+    the reference quantizer. ``save_gguf(result, gguf_mix=...)`` then writes llama-quantize's file;
+    where the imatrix changed a type (Q4_0 with 8 or more layers), write it without ``gguf_mix``.
 
     >>> import torch
     >>> type(quantize_model(torch.nn.Linear(8, 4), bits=8)).__name__
     'QuantizedLinear'
     """
+    if importance is not None:
+        return _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, importance, spec_fields)
     if gguf_mix is not None:
         patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
     return backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, example_inputs=example_inputs, **spec_fields)
+
+
+def _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, importance, spec_fields):
+    """``quantize_model`` with an importance matrix (torch): the converted copy, re-quantized layer by
+    layer by the weighted search."""
+    import re
+
+    from mixle.exports.imatrix_file import imatrix_mix_specs, importance_by_layer
+    from mixle.torch_backend.importance import with_importance  # torch models only
+
+    values = importance_by_layer(model, importance)
+    if gguf_mix is not None:
+        _, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
+        specs = imatrix_mix_specs(model, gguf_mix)
+        patterns = [(re.escape(path), layer_spec) for path, layer_spec in specs.items()]
+        values = {path: v for path, v in values.items() if specs.get(path) is not None}  # F16/F32: unused
+    converted = backends.for_model(model, "quantize_model").quantize_model(
+        model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
+    return with_importance(converted, model, values)
+
+
+def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrate_importance"):
+    """llama.cpp's importance matrix of a torch model: what ``llama-imatrix`` collects, per layer.
+
+    Runs ``batches`` (token-id tensors, or dicts of model keywords) through ``model`` and sums,
+    for every matrix ``save_gguf`` writes (or the given ``layers`` paths), the squared inputs of
+    each input column and the input rows seen (products of fewer than 16 rows are skipped, as
+    llama-imatrix skips them; its ``--process-output`` flag is needed for it to collect the head
+    too). Keep the calibration text apart from evaluation text. Fused expert layers are refused.
+    ``dataset`` names the calibration text in the file (``imatrix.datasets``).
+
+    Returns:
+        ``mixle.core.imatrix.Imatrix`` keyed by layer path: pass it to ``quantize_model(...,
+        importance=)``, or write it for ``llama-quantize --imatrix`` with ``mixle.save_imatrix``.
+
+    >>> import torch
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=16)
+    >>> m = calibrate_importance(lm, [torch.randint(0, 40, (2, 16))])
+    >>> m.counts["blocks.0.qkv"].tolist(), m.sums["blocks.0.qkv"].shape
+    ([32], (1, 32))
+    """
+    from mixle.torch_backend.importance import calibrate_importance as collect
+
+    if layers is None:
+        from mixle.exports.imatrix_file import model_imatrix_names
+
+        layers = list(model_imatrix_names(model))
+    return collect(model, batches, layers=list(layers), dataset=dataset)
 
 
 def save_quantized(model, path, *, names=None):

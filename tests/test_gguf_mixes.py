@@ -47,7 +47,7 @@ def seeded(model, seed):
             if param.dim() == 1:
                 values = (1.0 if name.endswith("weight") else 0.0) + 0.1 * rng.standard_normal(shape)
             else:
-                values = rng.standard_normal(shape) * 0.05 * rng.exponential(1.0, (shape[0], 1))
+                values = rng.standard_normal(shape) * 0.05 * rng.exponential(1.0, (*shape[:-1], 1))
                 if index % 4 == 0:
                     values[0] = 0.0
                 elif index % 4 == 1:
@@ -81,6 +81,20 @@ MODEL_CASES = {
                                    num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True), "qwen2"),
     "gpt2_h64": (lambda seed: _gpt2(seed, 64, 4), "gpt2"),
     "gpt2_h40": (lambda seed: _gpt2(seed, 40, 2), "gpt2"),
+}
+
+
+# Mixtures of experts: name -> (build(seed), architecture, experts). Qwen3-MoE's expert rows of 64
+# (fallbacks) and down rows of 256; an 8-expert Mixtral (llama.cpp's Mixtral-8x rules) of hidden 256.
+MOE_CASES = {
+    "qwen3moe_h64": (lambda seed: _hf("Qwen3Moe", seed, hidden_size=64, intermediate_size=96, moe_intermediate_size=256,
+                                      num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                      tie_word_embeddings=True), "qwen3moe", 4),
+    "mixtral8_h256": (lambda seed: _hf("Mixtral", seed, hidden_size=256, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                       num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+                      "llama", 8),
 }
 
 
@@ -185,10 +199,11 @@ def write_shape_file(case, path):
 
 
 def mixle_types(case, tensors, mix):
-    """tensor_types for a model case's F32 file (``tensors`` as ``read_tensors`` gives them)."""
+    """tensor_types for a model (or MoE) case's F32 file (``tensors`` as ``read_tensors`` gives them)."""
     shapes = {name: shape for name, (_, shape, _) in tensors.items()}
     n_layer = 1 + max(int(name.split(".")[1]) for name in shapes if name.startswith("blk."))
-    return tensor_types(mix, shapes, MODEL_CASES[case][1], n_layer, n_head=2, n_head_kv=1)
+    arch, n_expert = MOE_CASES[case][1:] if case in MOE_CASES else (MODEL_CASES[case][1], 0)
+    return tensor_types(mix, shapes, arch, n_layer, n_head=2, n_head_kv=1, n_expert=n_expert)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from tests.gguf_parity_cases import CASES, FIXTURE, tensor_digests  # noqa: E402
+from tests.gguf_parity_cases import CASES, FIXTURE, save_options, tensor_digests  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # mixle's own forward may sum in another order on another CPU (float32 eps x a reduction of ~100
@@ -43,7 +43,8 @@ def test_save_gguf_writes_the_file_llama_cpp_ran(name, fixture, tmp_path):
         pytest.importorskip(package)
     _, meta = fixture
     path = tmp_path / f"{name}.gguf"
-    mixle.save_gguf(build(), path, **options)
+    model = build()
+    mixle.save_gguf(model, path, **save_options(options, model))
     now = tensor_digests(path)
     then = meta["cases"][name]["tensors"]  # {name: [type, shape, sha256]}
     assert sorted(now) == sorted(then)

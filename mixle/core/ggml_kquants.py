@@ -71,6 +71,12 @@ class _NumpyC(NumpyOps):
     def sqrt(self, x):
         return np.sqrt(x)
 
+    def leading(self, x):  # the last axis first, contiguous
+        return np.ascontiguousarray(np.moveaxis(x, -1, 0))
+
+    def trailing(self, x):  # the first axis last
+        return np.moveaxis(x, 0, -1)
+
 
 
 class _TorchC(TorchOps):
@@ -101,6 +107,12 @@ class _TorchC(TorchOps):
     def sqrt(self, x):
         # torch's float32 sqrt is not always correctly rounded (sqrtf is); via float64 it is.
         return self.torch.sqrt(x.double()).float()
+
+    def leading(self, x):
+        return x.movedim(-1, 0).contiguous()
+
+    def trailing(self, x):
+        return x.movedim(0, -1)
 
 
 def ieee(func):
@@ -281,18 +293,19 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     >>> float(scale[0]), float(the_min[0]), L[0, [0, -1]].tolist()
     (0.19354838132858276, 0.9516129493713379, [0, 15])
     """
-    mn, mx, sum_w, sum_x = x[..., 0], x[..., 0], w[..., 0], w[..., 0] * x[..., 0]
-    for i in range(1, x.shape[-1]):
-        mn = o.where(x[..., i] < mn, x[..., i], mn)
-        mx = o.where(x[..., i] > mx, x[..., i], mx)
-        sum_w = sum_w + w[..., i]
-        sum_x = sum_x + w[..., i] * x[..., i]
+    x, w = o.leading(x), o.leading(w)  # element-major (n, S): C's running sums read contiguous rows
+    mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
+    for i in range(1, x.shape[0]):
+        mn = o.where(x[i] < mn, x[i], mn)
+        mx = o.where(x[i] > mx, x[i], mx)
+        sum_w = sum_w + w[i]
+        sum_x = sum_x + w[i] * x[i]
     zero = o.zeros(mn)
     mn = o.where(mn > 0, zero, mn)
     flat, flat_min = mx == mn, mn  # C returns early here: L = 0, scale 0
     iscale = o.c(float(nmax)) / (mx - mn)
     scale = o.c(1.0) / iscale
-    levels = o.clip(nearest_int(o, iscale[..., None] * (x - mn[..., None])), 0, nmax)
+    levels = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     best_error = _weighted_error(o, w, x, scale, mn, levels)
     for s in range(nstep + 1):
         step = (o.c(rmin) + o.c(rdelta) * o.c(float(s))) + o.c(float(nmax))
@@ -301,19 +314,20 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
         best_error = o.where(take, cur_error, best_error)
         scale = o.where(take, this_scale, scale)
         mn = o.where(take, this_min, mn)
-        levels = o.where(take[..., None], trial, levels)
-    levels = o.where(flat[..., None], o.zeros(levels, "int32"), levels)
-    return o.where(flat, zero, scale), -o.where(flat, flat_min, mn), levels
+        levels = o.where(take, trial, levels)
+    levels = o.where(flat, o.zeros(levels, "int32"), levels)
+    return o.where(flat, zero, scale), -o.where(flat, flat_min, mn), o.trailing(levels)
 
 
 def _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x):
-    """One trial of ``make_qkx2_quants``: iscale = step / (max - min), then the weighted least
-    squares scale and min of its codes. Returns ``(Laux, scale, min, error, D > 0)``."""
+    """One trial of ``make_qkx2_quants`` on element-major ``x``, ``w`` (n, S): iscale = step / (max -
+    min), then the weighted least squares scale and min of its codes. Returns ``(Laux, scale, min,
+    error, D > 0)``."""
     iscale = step / (mx - mn)
-    trial = o.clip(nearest_int(o, iscale[..., None] * (x - mn[..., None])), 0, nmax)
+    trial = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     lt = o.to_named(trial, "float32")
     wl = w * lt
-    sum_l, sum_l2, sum_xl = seq_sum(o, wl), seq_sum(o, wl * lt), seq_sum(o, wl * x)
+    sum_l, sum_l2, sum_xl = _lead_sum(o, wl), _lead_sum(o, wl * lt), _lead_sum(o, wl * x)
     big_d = sum_w * sum_l2 - sum_l * sum_l
     this_scale = (sum_w * sum_xl - sum_x * sum_l) / big_d
     this_min = (sum_l2 * sum_x - sum_l * sum_xl) / big_d
@@ -324,42 +338,55 @@ def _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x):
 
 
 def _weighted_error(o, w, x, scale, mn, levels):
-    """``sum w * diff * diff`` with ``diff = scale * L + min - x``, summed in order."""
-    diff = (scale[..., None] * o.to_named(levels, "float32") + mn[..., None]) - x
-    return seq_sum(o, w * (diff * diff))
+    """``sum w * diff * diff`` with ``diff = scale * L + min - x``, summed in order (element-major)."""
+    diff = (scale * o.to_named(levels, "float32") + mn) - x
+    return _lead_sum(o, w * (diff * diff))
 
 
-def make_qx_quants_rmse1(o, x, nmax):
-    """ggml's ``make_qx_quants`` with rmse_type 1 and no weights, on groups ``x`` (S, n).
+def make_qx_quants_rmse1(o, x, nmax, qw=None):
+    """ggml's ``make_qx_quants`` with rmse_type 1 on groups ``x`` (S, n): weights ``x * x``, or
+    ``qw`` (S, n) where given (the importance-weighted search).
 
     Returns ``(scale, L)``: float32 (S,) and int32 codes ``l + nmax`` (S, n). The 19 trial
-    scales (is = 0, then -9..9 without 0) are evaluated at once, then chosen in C's order.
+    scales (is = 0, then -9..9 without 0) run in C's order, on the groups laid out element-major
+    (``(n, S)``: each of C's running sums is then one pass over contiguous memory).
 
     >>> scale, L = make_qx_quants_rmse1(_NumpyC(), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
     >>> float(scale[0]), L[0, [0, -1]].tolist()
     (0.032094523310661316, [1, 63])
     """
     amax, vmax = first_absmax(o, x)
-    trials = [0.0] + [float(s) for s in range(-9, 10) if s]
-    offsets = o.c(0.1) * o.const(trials, "float32")
-    iscales = -(o.c(float(nmax)) + offsets) / vmax[..., None]  # (S, 19)
-    iscales = o.where(o.const([True] + [False] * 18, "bool"), o.c(float(-nmax)) / vmax[..., None], iscales)
-    levels = o.clip(nearest_int(o, iscales[..., None] * x[..., None, :]), -nmax, nmax - 1)
-    lf, xt = o.to_named(levels, "float32"), x[..., None, :]
-    w = xt * xt
-    sumlx, suml2 = seq_sum(o, (w * xt) * lf), seq_sum(o, (w * lf) * lf)
-    ratio = sumlx / suml2
-    scale = o.where(suml2[..., 0] != 0, ratio[..., 0], o.zeros(ratio[..., 0]))
-    best = scale * sumlx[..., 0]
-    chosen = levels[..., 0, :]
-    for s in range(1, len(trials)):
-        take = (suml2[..., s] > 0) & (sumlx[..., s] * sumlx[..., s] > best * suml2[..., s])
-        chosen = o.where(take[..., None], levels[..., s, :], chosen)
-        scale = o.where(take, ratio[..., s], scale)
-        best = o.where(take, scale * sumlx[..., s], best)
+    xl = o.leading(x)
+    wl = xl * xl if qw is None else o.leading(qw)
+    wx = wl * xl
+    scale = best = chosen = None
+    for s in [0] + [s for s in range(-9, 10) if s]:
+        if s == 0:
+            iscale = o.c(float(-nmax)) / vmax
+        else:
+            iscale = -(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) / vmax
+        levels = o.clip(nearest_int(o, iscale * xl), -nmax, nmax - 1)
+        lf = o.to_named(levels, "float32")
+        sumlx, suml2 = _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
+        if s == 0:
+            scale = o.where(suml2 != 0, sumlx / suml2, o.zeros(sumlx))
+            best, chosen = scale * sumlx, levels
+            continue
+        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        chosen = o.where(take, levels, chosen)
+        scale = o.where(take, sumlx / suml2, scale)
+        best = o.where(take, scale * sumlx, best)
     zero = amax < o.c(GROUP_MAX_EPS)
-    chosen = o.where(zero[..., None], o.zeros(chosen, "int32") - nmax, chosen)
-    return o.where(zero, o.zeros(scale), scale), chosen + nmax
+    chosen = o.where(zero, o.zeros(chosen, "int32") - nmax, chosen)
+    return o.where(zero, o.zeros(scale), scale), o.trailing(chosen) + nmax
+
+
+def _lead_sum(o, terms):
+    """``seq_sum`` over the first axis (element-major groups)."""
+    acc = o.c(0.0) + terms[0]
+    for i in range(1, terms.shape[0]):
+        acc = acc + terms[i]
+    return acc
 
 
 # ------------------------------------------------------------------------- Q4_K and Q5_K
@@ -400,6 +427,13 @@ def _quantize_k(x, nmax, rmin, nstep):
     lm = o.clip(nearest_int(o, inv_min[..., None] * mins) & 0xFF, 0, 63)
     d = to_half(o, max_scale / o.c(63.0))
     dmin = to_half(o, max_min / o.c(63.0))
+    return k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax)
+
+
+def k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax):
+    """The K-quants' last step, shared by the reference and the importance-weighted quantizers:
+    the codes requantized under the stored ``d * ls`` and ``dmin * lm`` (a sub-block whose scale
+    is zero keeps the search's ``levels``), as KFields."""
     sub_d = o.to_named(d, "float32")[..., None] * o.to_named(ls, "float32")
     sub_m = o.to_named(dmin, "float32")[..., None] * o.to_named(lm, "float32")
     requant = o.clip(nearest_int(o, (xs + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
@@ -588,6 +622,12 @@ def quantize_q6_k(x):
     o, xb = float_blocks(x, QK_K)
     xs = xb.reshape(tuple(xb.shape[:-1]) + (16, 16))
     scales, levels = make_qx_quants_rmse1(o, xs, 32)
+    return q6_k_fields(o, xb, xs, scales, levels)
+
+
+def q6_k_fields(o, xb, xs, scales, levels):
+    """Q6_K's super-block step from the 16 sub-block ``scales`` and codes ``levels`` of the search,
+    shared by the reference and the importance-weighted quantizers."""
     max_abs, max_scale = first_absmax(o, scales)
     zero = max_abs < o.c(GROUP_MAX_EPS)  # the whole block is stored as zero bytes
     iscale = o.c(-128.0) / max_scale

@@ -20,8 +20,19 @@ llama.cpp vendored by llama-cpp-python 0.3.36, no importance matrix, no override
   Q5_K -> Q5_1, Q6_K -> Q8_0 (``FALLBACKS``); a 32-block type stays; and F16 when even 32 does
   not divide the row.
 
+* Mixtures of experts (``n_expert``): a 3-D expert tensor (numpy ``(experts, rows, cols)``) is
+  quantized as its rows, and ffn_down's layer is read from its name; with exactly 8 experts
+  (llama.cpp's Mixtral-8x rules) attn_v and attn_k get Q8_0 and, under Q4_K_S / Q4_K_M,
+  attn_output Q5_K (``GGUFMix.eight_expert_attn_output``). ``MXFP4_MOE`` gives every expert
+  tensor of more than one expert MXFP4 and every other quantized tensor (output too) Q8_0
+  (``GGUFMix.expert_type``).
+
+* With an importance matrix (``llama-quantize --imatrix``; ``tensor_types(..., imatrix=True)``)
+  llama.cpp changes one rule of these mixes: under Q4_0, ffn_down of the first eighth of the
+  layers is Q4_1 (``GGUFMix.imatrix_ffn_down``); Q4_K_S/M, Q5_K_S/M, Q6_K and Q8_0 keep their types.
+
 The rows are a tensor's last axis (numpy order; ggml's ``ne[0]``). Not modeled (refused): the
-Falcon architecture and 8-expert models, whose rules differ.
+Falcon architecture, whose rules differ.
 """
 
 import re
@@ -110,6 +121,11 @@ class GGUFMix:
         attn_v: the rule for attn_v (and attn_qkv), or None.
         ffn_down: the rule for ffn_down, or None.
         summary: one line for errors and docs.
+        imatrix_ffn_down: the rule for ffn_down when the file is quantized with an importance
+            matrix (``llama-quantize --imatrix``; llama.cpp's guard for Q4_0 / Q5_0), or None.
+        expert_type: the type of every tensor of more than one expert (``MXFP4_MOE``), every other
+            quantized tensor getting ``default``; None: experts follow the rules as 2-D tensors do.
+        eight_expert_attn_output: attn_output's type in a model of exactly 8 experts, or None.
     """
 
     name: str
@@ -118,20 +134,28 @@ class GGUFMix:
     attn_v: LayerRule | None = None
     ffn_down: LayerRule | None = None
     summary: str = ""
+    imatrix_ffn_down: LayerRule | None = None
+    expert_type: str | None = None
+    eight_expert_attn_output: str | None = None
 
 
 _MORE_Q6 = LayerRule("more_bits", "Q6_K")
 GGUF_MIXES = {mix.name: mix for mix in (
-    GGUFMix("Q4_0", 2, "Q4_0", summary="Q4_0 everywhere, output (and a tied token_embd) Q6_K"),
+    GGUFMix("Q4_0", 2, "Q4_0", summary="Q4_0 everywhere, output (and a tied token_embd) Q6_K",
+            imatrix_ffn_down=LayerRule("first_eighth", "Q4_1")),
     GGUFMix("Q8_0", 7, "Q8_0", summary="Q8_0 everywhere"),
     GGUFMix("Q4_K_S", 14, "Q4_K", LayerRule("first_four", "Q5_K"), LayerRule("first_eighth", "Q5_K"),
-            summary="Q4_K; attn_v of the first 4 layers and ffn_down of the first eighth Q5_K; output Q6_K"),
+            summary="Q4_K; attn_v of the first 4 layers and ffn_down of the first eighth Q5_K; output Q6_K",
+            eight_expert_attn_output="Q5_K"),
     GGUFMix("Q4_K_M", 15, "Q4_K", _MORE_Q6, _MORE_Q6,
-            summary="Q4_K; attn_v and ffn_down of the use_more_bits layers Q6_K; output Q6_K"),
+            summary="Q4_K; attn_v and ffn_down of the use_more_bits layers Q6_K; output Q6_K",
+            eight_expert_attn_output="Q5_K"),
     GGUFMix("Q5_K_S", 16, "Q5_K", summary="Q5_K everywhere, output Q6_K"),
     GGUFMix("Q5_K_M", 17, "Q5_K", _MORE_Q6, _MORE_Q6,
             summary="Q5_K; attn_v and ffn_down of the use_more_bits layers Q6_K; output Q6_K"),
     GGUFMix("Q6_K", 18, "Q6_K", summary="Q6_K everywhere"),
+    GGUFMix("MXFP4_MOE", 38, "Q8_0", summary="MXFP4 for the experts of MoE models, Q8_0 for every other matrix",
+            expert_type="MXFP4"),
 )}
 
 
@@ -226,26 +250,35 @@ class _Counters:
     n_layer: int
     n_expert: int
     seventy_b: bool
+    imatrix: bool = False
     i_attn_v: int = 0
     i_ffn_down: int = 0
 
 
-def _mix_type(mix, name, category, row, state):
+def _mix_type(mix, name, category, shape, state):
     """``llama_tensor_get_type_impl`` for the mixes of GGUF_MIXES (before the fallback)."""
+    row, eight = shape[-1], state.n_expert == 8
     if category == "output" or (state.tied and category == "token_embd"):
         if row % BLOCK_OF_TYPE[mix.default]:
             return "Q8_0"
         return mix.default if mix.default == "Q8_0" else "Q6_K"
+    if mix.expert_type is not None:  # ggml's ne[2] > 1: a tensor of several experts
+        return mix.expert_type if len(shape) >= 3 and shape[-3] > 1 else mix.default
     if category in ATTN_V_LIKE:
         chosen = mix.attn_v.type if mix.attn_v and mix.attn_v.picks(state.i_attn_v, state.n_attn_v) else mix.default
         if state.seventy_b and chosen == "Q4_K":
             chosen = "Q5_K"
         state.i_attn_v += 1
-        return chosen
+        return "Q8_0" if eight else chosen
+    if category == "attn_k" and eight:
+        return "Q8_0"
+    if category == "attn_output" and eight and mix.eight_expert_attn_output:
+        return mix.eight_expert_attn_output
     if category == "ffn_down":
         index = state.i_ffn_down if state.n_expert <= 1 else _layer_of(name, state.n_layer)
         state.i_ffn_down += 1
-        return mix.ffn_down.type if mix.ffn_down and mix.ffn_down.picks(index, state.n_layer) else mix.default
+        rule = mix.imatrix_ffn_down if state.imatrix and mix.imatrix_ffn_down else mix.ffn_down
+        return rule.type if rule and rule.picks(index, state.n_layer) else mix.default
     return mix.default
 
 
@@ -260,7 +293,7 @@ def _seventy_b(architecture, n_layer, n_head, n_head_kv):
     return n_head != n_head_kv
 
 
-def tensor_types(mix, tensors, architecture, n_layer, *, n_head=None, n_head_kv=None, n_expert=0):
+def tensor_types(mix, tensors, architecture, n_layer, *, n_head=None, n_head_kv=None, n_expert=0, imatrix=False):
     """The ggml type llama.cpp's quantizer gives each tensor of a GGUF file under ``mix``.
 
     Args:
@@ -270,7 +303,10 @@ def tensor_types(mix, tensors, architecture, n_layer, *, n_head=None, n_head_kv=
         architecture: the file's ``general.architecture`` (``"llama"``, ``"qwen2"``, ``"gpt2"``, ...).
         n_layer: the block count.
         n_head, n_head_kv: attention heads (only read for an 80-layer llama).
-        n_expert: experts per MoE layer (0 or 1: none; 8 is refused, llama.cpp's rules differ).
+        n_expert: experts per MoE layer (0 or 1: a dense model; 8: llama.cpp's Mixtral-8x rules).
+        imatrix: whether the file is quantized with an importance matrix (``llama-quantize
+            --imatrix``): under Q4_0, ffn_down of the first eighth of the layers is then Q4_1
+            (``GGUFMix.imatrix_ffn_down``); the other mixes' types do not change.
 
     Returns:
         ``{name: ggml type name}`` in the order given, None for tensors llama.cpp keeps as stored.
@@ -285,14 +321,14 @@ def tensor_types(mix, tensors, architecture, n_layer, *, n_head=None, n_head_kv=
     """
     mix = mix_named(mix)
     shapes = {str(name): tuple(int(d) for d in shape) for name, shape in dict(tensors).items()}
-    if architecture in REFUSED_ARCHITECTURES or n_expert == 8:
-        raise ValueError(f"tensor_types models llama.cpp's rules for dense, non-Falcon models; got architecture="
-                         f"{architecture!r}, n_expert={n_expert!r}, whose rules differ")
+    if architecture in REFUSED_ARCHITECTURES:
+        raise ValueError(f"tensor_types models llama.cpp's rules for non-Falcon models; got architecture="
+                         f"{architecture!r}, whose rules differ")
     if not (isinstance(n_layer, int) and n_layer > 0):
         raise ValueError(f"n_layer={n_layer!r} must be the file's positive block count")
     categories = {name: tensor_category(name) for name in shapes}
     state = _Counters(tied="output.weight" not in shapes, n_attn_v=sum(c in ATTN_V_LIKE for c in categories.values()),
-                      n_layer=n_layer, n_expert=n_expert,
+                      n_layer=n_layer, n_expert=n_expert, imatrix=bool(imatrix),
                       seventy_b=_seventy_b(architecture, n_layer, n_head, n_head_kv))
     chosen = {}
     for name in sorted(shapes, key=_load_order):
@@ -300,5 +336,5 @@ def tensor_types(mix, tensors, architecture, n_layer, *, n_head=None, n_head_kv=
         if not _quantized(name, shape):
             chosen[name] = None
             continue
-        chosen[name] = fallback_type(_mix_type(mix, name, categories[name], shape[-1], state), shape[-1])
+        chosen[name] = fallback_type(_mix_type(mix, name, categories[name], shape, state), shape[-1])
     return {name: chosen[name] for name in shapes}

@@ -7,6 +7,10 @@ Layout convention: an array is viewed as ``batch + out + in`` axes. Scales are s
 ``in`` (``channel``), by ``group_size`` consecutive elements of the flattened ``in`` axes
 (``group``), or by the whole array per batch element (``tensor``). Internally the array is
 reshaped to *blocks* of shape ``(B, S, K)`` and every reduction runs over the last axis K.
+
+llama.cpp's grids also take an importance matrix (``quantize_array(..., importance=)``): one
+weight per input column, quantized by ggml's importance-weighted search as ``llama-quantize
+--imatrix`` does (``mixle.core.ggml_weighted``).
 """
 
 import math
@@ -291,9 +295,10 @@ def _quantize_blocks(x, spec, batch_ndim, out_ndim):
 
 # The stored-array record (codes, scales, offsets, second-level scales) lives with its validation.
 from mixle.core.stored import QuantizedArray, block_quantized_array, check_dequantized_range  # noqa: E402
+from mixle.core.ggml_weighted import check_importance, importance_grid  # noqa: E402
 
 
-def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", **spec_fields):
+def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", importance=None, **spec_fields):
     """Quantize an array to integer codes and per-block scales.
 
     A grid with block numerics (llama.cpp's ``q4_1`` ... ``q6_k``, ``mxfp4``; ``nf4``) is quantized
@@ -306,6 +311,12 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", **spe
         batch_ndim: leading axes with their own scales.
         out_ndim: output axes (default: 1 for 2-D and larger arrays, else 0).
         name: what errors call x (e.g. ``"layer 'fc'"``).
+        importance: llama.cpp's importance matrix entry of x (the mean squared activation of
+            each input column: shape ``(in,)``, or ``batch + (in,)`` for stacked experts; numpy
+            or torch), or None. With it, x is quantized as ``llama-quantize --imatrix`` quantizes
+            it, bit for bit (``mixle.core.ggml_weighted``): a weighted search on ``q4_0``,
+            ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``; on ``q8_0`` and ``mxfp4``
+            llama.cpp ignores it, and so does this (after checking it); other grids refuse it.
 
     Returns:
         QuantizedArray with int8 codes in ``[spec.code_min, spec.code_max]``.
@@ -320,6 +331,13 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", **spe
     """
     spec = resolve_spec(spec, spec_fields)
     check_array(x, name)
+    if importance is not None:
+        if importance_grid(spec.grid, name) == "ignored":
+            check_importance(importance, tuple(x.shape), batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
+            importance = None
+        else:
+            return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=name,
+                                         importance=importance)
     if spec.grid_record.numerics is not None:
         return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
     ops, blocks, codes, scale, _ = _quantize_blocks(x, spec, batch_ndim, out_ndim)

@@ -40,6 +40,7 @@ import numpy as np
 from mixle.core.array_ops import array_ops
 from mixle.core.checks import ScaleOverflowError
 from mixle.core.ggml_quants import BLOCK_TYPES, as_numpy, c_ops, e8m0_half
+from mixle.core.ggml_weighted import WEIGHTED_ONLY, check_importance, importance_rows, quantize_weighted
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec, block_shape
 
@@ -237,7 +238,14 @@ _SCALE_CODECS = {
 }
 
 
-def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, name="x"):
+def _weighted_fields(x, grid, importance, batch_ndim, out_ndim):
+    """The fields of ggml's importance-weighted quantizer of x, laid out as the reference's."""
+    batch, rows, cols = importance_rows(tuple(x.shape), batch_ndim, out_ndim)
+    fields = quantize_weighted(grid.name, x.reshape((batch, rows, cols)), importance)
+    return type(fields)(*(f.reshape((batch, -1) + tuple(f.shape[3:])) for f in fields))
+
+
+def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, name="x", importance=None):
     """The QuantizedArray of x on a grid with block numerics, bit for bit as ggml quantizes it.
 
     Args:
@@ -247,6 +255,9 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
         check: refuse a float16 scale or min that overflows (huge weights); callers that check
             ``scale`` and ``offset`` asynchronously themselves pass False.
         name: what the error calls x.
+        importance: one weight per input column (``mixle.core.ggml_weighted.check_importance``
+            checks it), or None: with it, the blocks are ggml's importance-weighted quantizer's
+            (``llama-quantize --imatrix``), on ``q4_0`` too (``mixle.core.ggml_weighted``).
 
     Returns:
         QuantizedArray in x's library with float32 scales (see the module docstring).
@@ -260,15 +271,19 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
     ((1, 1, 8), [15, 15, 15, 15, 15, 31, 48, 63])
     """
     grid = spec.grid_record
-    block_type = block_type_of(grid)
-    batch, count, size = block_shape(tuple(x.shape), spec, batch_ndim, out_ndim)
-    fields = block_type.quantize(x.reshape((batch, count * size)))
+    block_parts, code_shift = WEIGHTED_ONLY.get(grid.name) or (block_type_of(grid).parts, block_type_of(grid).code_shift)
+    if importance is not None:
+        importance = check_importance(importance, tuple(x.shape), batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
+        fields = _weighted_fields(x, grid, importance, batch_ndim, out_ndim)
+    else:
+        batch, count, size = block_shape(tuple(x.shape), spec, batch_ndim, out_ndim)
+        fields = block_type_of(grid).quantize(x.reshape((batch, count * size)))
     o = c_ops(fields.codes)
     parts = {}
-    for part, field in block_type.parts:
+    for part, field in block_parts:
         value = getattr(fields, field)
         if part == "codes":
-            value = o.to_named(o.to_named(value, "int32") + block_type.code_shift, "int8").reshape(tuple(x.shape))
+            value = o.to_named(o.to_named(value, "int32") + code_shift, "int8").reshape(tuple(x.shape))
         elif part in ("scale", "offset"):
             value = _SCALE_CODECS[grid.scale_dtype][0](o, value)[..., None]
         parts[part] = value

@@ -20,6 +20,12 @@ The mapping, per quantized Linear (``weight_args`` / ``spec_of_args``):
   embedding's dequantized float table, and the head is listed in ``ignore``: transformers ties
   ``lm_head.weight`` to ``embed_tokens.weight``, which a packed head does not have.
 
+Mixtures of experts (transformers 5's fused ``Qwen3MoeExperts`` / ``MixtralExperts``): QAT or
+converted experts are written as packed per-expert Linear weights, the layout transformers' loader
+dequantizes and merges back into the fused Parameters; float experts, and experts on another
+scheme than the other layers, are refused before anything is written
+(``mixle.exports.compressed_experts``).
+
 compressed-tensors and transformers are imported on first use (the ``hf`` extra).
 """
 
@@ -37,6 +43,7 @@ from mixle.core.grids import grid_named
 from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
+from mixle.exports.compressed_experts import check_experts, check_one_scheme, unfuse_experts
 from mixle.torch_backend.convert import check_torch_model, convert
 from mixle.torch_backend.qat import qat_layers
 from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -200,12 +207,15 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
             f"save_quantized(model, path)"
         )
     check_torch_model(model, "save_pretrained_compressed")
+    experts = check_experts(model)
     target = _checked_target(directory, overwrite)
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer must have a save_pretrained method (a transformers tokenizer), got "
                         f"{type(tokenizer).__name__}")
     export = _private_quantized_copy(model)
+    unfuse_experts(export)  # per-expert QuantizedLinear layers: the layout transformers' loader merges back
     groups, tied = _plan(export)
+    check_one_scheme(groups, experts)
     _compress_in_place(export, groups, tied)
     return replace_directory_atomically(target, lambda tmp: _write(export, groups, tmp, tokenizer), overwrite)
 

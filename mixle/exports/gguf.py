@@ -8,7 +8,11 @@
   tanh-approximated GELU: a model built with ``activation="gelu_tanh"`` (an erf-GELU model is
   refused unless ``allow_activation_mismatch=True``);
 * transformers' ``LlamaForCausalLM`` as ``llama`` (q/k rows reordered for llama.cpp's rotary
-  layout) and ``Qwen2ForCausalLM`` as ``qwen2``, tied or untied.
+  layout) and ``Qwen2ForCausalLM`` as ``qwen2``, tied or untied;
+* the mixtures of experts ``Qwen3MoeForCausalLM`` as ``qwen3moe`` and ``MixtralForCausalLM`` as
+  ``llama`` with experts: the router as F32 ``ffn_gate_inp``, the fused expert weights as the 3-D
+  ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (numpy ``(E, rows, cols)``, gguf
+  ``ne = [cols, rows, E]``), float or as the blocks of a QAT/converted experts layer.
 
 The model may be float, QAT-wrapped (``apply_qat``) or converted (``convert``):
 
@@ -57,9 +61,10 @@ from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray
 from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, block_scale_problem, pack_array
-from mixle.exports.gguf_layouts import layout_of
+from mixle.exports.gguf_layouts import expert_shape, layout_of
 from mixle.exports.gguf_vocab import vocabulary
 from mixle.torch_backend.convert import check_convertible
+from mixle.torch_backend.expert_layers import is_fused, stored_arrays
 from mixle.torch_backend.layer_kinds import kind_of_qat
 from mixle.torch_backend.quantized import QuantizedWeight
 
@@ -94,17 +99,64 @@ def _weight_shape(module):
     return tuple(int(d) for d in (getattr(module, "weight_shape", None) or module.weight.shape))
 
 
-def _plan_matrix(part, float_matrices, gguf, mix_type, given):
-    """The tensor for a 2-D weight (float, QAT, converted, or ``given``), or ValueError naming the layer.
+def _part_array(part, given, arrays):
+    """The QuantizedArray a weight part writes (``given`` or the layer's own), or None (float).
+
+    ``arrays`` caches the fused layers' stored arrays by model path (gate and up share one).
+    """
+    if given is not None:
+        return given
+    if part.path not in arrays:
+        try:
+            fused = stored_arrays(part.module)  # a fused experts or router layer's {attribute: array}
+            arrays[part.path] = _module_array(part.module, part.path) if fused is None else fused[part.attr]
+        except ValueError as err:
+            raise ValueError(str(err) if str(err).startswith("layer ") else f"layer {part.path!r}: {err}") from None
+    return arrays[part.path]
+
+
+def _full_shape(part):
+    """The shape of the whole weight a part takes its rows from (an expert weight's ``(E, rows, cols)``)."""
+    if part.experts or is_fused(part.module):
+        return expert_shape(part.module, part.attr)
+    return _weight_shape(part.module)
+
+
+def _part_shape(part):
+    """The numpy-order shape of the tensor a part writes (an expert weight: its row slice)."""
+    if part.module is None:
+        return tuple(part.tensor.shape)
+    shape = _full_shape(part)
+    if part.row_slice is not None:
+        shape = (*shape[:-2], len(range(shape[-2])[part.row_slice]), shape[-1])
+    return shape
+
+
+def _float_weight(part):
+    weight = getattr(part.module, part.attr).detach()
+    return weight if part.row_slice is None else weight[..., part.row_slice, :]
+
+
+def _take_rows(blocks, part, shape):
+    """Packed blocks ``(rows, bytes)`` of the whole weight, as the part's ``(..., rows, bytes)`` slice."""
+    blocks = blocks.reshape(*shape[:-1], -1)
+    return blocks if part.row_slice is None else np.ascontiguousarray(blocks[..., part.row_slice, :])
+
+
+def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None):
+    """The tensor for a weight (float, QAT, converted, or ``given``), or ValueError naming the layer.
 
     ``mix_type``: the type ``gguf_mix`` gives the tensor (``_FLOAT_MATRICES``: no mix).
+    ``arrays``: the expert layers' stored arrays seen so far (gate and up share one).
     """
     module, path, gguf_name = part.module, part.path, part.name
-    quantized = given if given is not None else _module_array(module, path)
+    quantized = _part_array(part, given, {} if arrays is None else arrays)
     if quantized is None:
+        if part.tensor is not None:  # a float matrix llama.cpp keeps F32 (a router)
+            return _vector(part.tensor, gguf_name)
         if mix_type is _FLOAT_MATRICES:
-            return _float_matrix(module.weight.detach(), path, gguf_name, float_matrices, gguf)
-        return _mix_matrix(module.weight.detach(), path, gguf_name, mix_type)
+            return _float_matrix(_float_weight(part), path, gguf_name, float_matrices, gguf)
+        return _mix_matrix(_float_weight(part), path, gguf_name, mix_type)
     spec = quantized.spec
     if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
@@ -113,9 +165,10 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given):
             f"{' / '.join(GGML_TYPE_OF_GRID.values())}), or leave it out of apply_qat so it is "
             f"written as float_matrices={float_matrices!r}"
         )
-    if tuple(quantized.shape) != _weight_shape(module):
+    want = _full_shape(part)
+    if tuple(quantized.shape) != want:
         raise ValueError(f"quantized[{path!r}] has shape {list(quantized.shape)}, but the layer's weight is "
-                         f"{list(_weight_shape(module))}: quantize the layer's own weight")
+                         f"{list(want)}: quantize the layer's own weight")
     if mix_type is not _FLOAT_MATRICES and spec.grid_record.ggml_type != mix_type:
         raise ValueError(
             f"layer {path!r} is quantized on {spec.short()} ({spec.grid_record.ggml_type}), but llama.cpp's "
@@ -126,6 +179,8 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given):
     except ValueError as err:
         message = str(err)
         raise ValueError(message if message.startswith("layer ") else f"layer {path!r}: {message}") from None
+    if part.experts:
+        blocks = _take_rows(blocks, part, want)
     return _Tensor(gguf_name, blocks, spec.grid_record.ggml_type)
 
 
@@ -170,26 +225,25 @@ def _plan(layout, float_matrices, gguf, mix, quantized):
     if unknown:
         raise ValueError(f"quantized names {unknown}, which are not weight matrices save_gguf writes: use the "
                          f"layers' model paths, e.g. {matrices[:3]}")
-    tensors = []
+    tensors, arrays = [], {}
     for part in layout.parts:
         if part.module is not None:
             mix_type = _FLOAT_MATRICES if types is None else types[part.name]
-            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path))
+            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays)
         else:
             tensor = _vector(part.tensor, part.name)
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
-            tensor.data = tensor.data[part.rows]
+            tensor.data = np.take(tensor.data, part.rows, axis=0 if tensor.data.ndim == 1 else -2)
         tensors.append(tensor)
     return tensors
 
 
 def _mix_types(layout, mix):
     """``{gguf name: ggml type or None}`` llama.cpp's quantizer gives the layout's tensors under ``mix``."""
-    shapes = {part.name: _weight_shape(part.module) if part.module is not None else tuple(part.tensor.shape)
-              for part in layout.parts}
+    shapes = {part.name: _part_shape(part) for part in layout.parts}
     hparams = dict(layout.hparams)
     return tensor_types(mix, shapes, layout.arch, hparams["add_block_count"], n_head=hparams.get("add_head_count"),
-                        n_head_kv=hparams.get("add_head_count_kv"))
+                        n_head_kv=hparams.get("add_head_count_kv"), n_expert=hparams.get("add_expert_count", 0))
 
 
 def gguf_mix_types(model, gguf_mix):
@@ -218,11 +272,20 @@ def gguf_mix_specs(model, gguf_mix):
     gguf = require("gguf", extra="gguf", purpose="gguf_mix_specs")
     layout = layout_of(model, gguf)
     types = _mix_types(layout, mix_named(gguf_mix))
-    specs = {}
+    specs, names = {}, {}
     for part in layout.parts:
         if part.module is not None:
             grid = grid_of_type(types[part.name]) if types[part.name] else None
-            specs[part.path] = None if grid is None else QuantSpec(grid=grid)
+            spec = None if grid is None else QuantSpec(grid=grid)
+            path = part.path.rpartition(".")[0] if part.experts else part.path  # one spec per experts layer
+            if path in specs and specs[path] != spec:
+                raise ValueError(
+                    f"gguf_mix={gguf_mix!r} gives {names[path]!r} {types[names[path]]} but {part.name!r} "
+                    f"{types[part.name]}, and both are weights of {path!r}, which QAT quantizes with one spec: "
+                    f"pick a mix that gives its experts one type (e.g. 'Q4_0', 'Q8_0', 'MXFP4_MOE'), or write the "
+                    f"float model with save_gguf(..., gguf_mix={gguf_mix!r})")
+            specs[path] = spec
+            names.setdefault(path, part.name)
     if layout.tied and layout.head_path is not None:
         specs[layout.head_path] = specs[layout.parts[0].path]
     return specs
@@ -248,7 +311,7 @@ def _file_type(tensors, gguf, mix):
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,
               name=None, allow_activation_mismatch=False):
-    """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama`` or ``qwen2``).
+    """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama``, ``qwen2`` or ``qwen3moe``).
 
     Layers QAT-trained (or converted) on a llama.cpp grid are written as the ggml blocks of their
     own codes and scales, so llama.cpp multiplies with exactly the weights QAT trained with; see
@@ -256,8 +319,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     file is created, written to a temporary file and renamed into place: a failed call leaves none.
 
     Args:
-        model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` /
-            ``Qwen2ForCausalLM``: float, after ``apply_qat`` or after ``convert``.
+        model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
         tokenizer: instead of ``vocab``: a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a
@@ -267,7 +330,9 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
             float matrices become what llama.cpp's quantizer makes of them, QAT layers must be on
             the type it picks (``gguf_mix_specs``), and ``general.file_type`` is the mix's.
         quantized: ``{layer path: QuantizedArray}`` written instead of that layer's weight (its
-            grid's ggml blocks, packed from its fields, e.g. ``quantize_array(w, grid="q4_k")``).
+            grid's ggml blocks, packed from its fields, e.g. ``quantize_array(w, grid="q4_k")``); a
+            fused expert weight by its parameter's path (``"model.layers.0.mlp.experts.gate_up_proj"``):
+            all of it, ``quantize_linear_weight(w, grid="q4_0", batch_axis_count=1)``.
         name: ``general.name`` (default: the file's stem).
         allow_activation_mismatch: write a model whose activation llama.cpp's graph does not
             compute (a ``build_causal_lm`` with erf GELU); refused by default.
@@ -395,7 +460,7 @@ def load_gguf_weights(model, path):
     stored = _read_tensors(path, layout, gguf)
     with torch.no_grad():
         for part in layout.parts:
-            target = part.module.weight if part.module is not None else part.tensor
+            target = _float_weight(part) if part.module is not None else part.tensor
             target.copy_(torch.from_numpy(_part_values(stored[part.name], part, target, path, gguf)))
     return out
 

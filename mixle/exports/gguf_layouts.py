@@ -10,7 +10,17 @@ each head's dimensions, Hugging Face's Llama to the two halves, so (as llama.cpp
 converter does) the rows of ``q_proj`` and ``k_proj`` (and their biases) are reordered within
 each head: new row ``2i + j`` of a head is old row ``j * head_dim / 2 + i``. Whole rows move, so
 quantized blocks (which run along a row) move intact. ``qwen2`` rotates halves like Hugging
-Face: no permutation.
+Face: no permutation; nor ``qwen3moe``, whose q/k norms act per head before the rotation.
+Mixtral is written as ``llama`` with experts, so its q/k rows are permuted as Llama's.
+
+Mixtures of experts (``HF_ARCHS`` records with ``experts``): each layer's router (``mlp.gate``,
+float: F32, as llama.cpp never quantizes it) is ``ffn_gate_inp``; the fused expert weights
+``gate_up_proj`` ``(E, 2I, H)`` (gate rows first) and ``down_proj`` ``(E, H, I)`` are
+``ffn_gate_exps`` / ``ffn_up_exps`` (rows ``[:I]`` and ``[I:]`` of every expert) and
+``ffn_down_exps``, with ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length``.
+llama.cpp's graph (``build_moe_ffn``) takes a softmax over all experts, keeps the top k and divides
+them by their sum: configurations it would compute differently (Qwen3-MoE's
+``norm_topk_prob=False``, dense or shared-expert layers, a sliding window) are refused.
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import nn
 
-__all__ = ["Part", "Layout", "LAYOUTS", "layout_of", "rotary_pair_rows"]
+__all__ = ["Part", "Layout", "HFArch", "HF_ARCHS", "LAYOUTS", "layout_of", "rotary_pair_rows", "expert_shape"]
 
 
 @dataclass
@@ -29,8 +39,17 @@ class Part:
         name: the gguf tensor name, e.g. ``"blk.0.attn_q.weight"``.
         path: the model path it comes from (for error messages).
         module: a layer whose 2-D ``weight`` (float, QAT or converted) is written; or None.
-        tensor: a float tensor written as F32 (norms, biases, positions); or None.
+        tensor: a float tensor written as F32 (norms, biases, positions); or None. With a
+            ``module`` (a router): what the module writes while it is float.
         rows: a row order applied before writing (``rotary_pair_rows``), or None.
+        attr: the attribute of ``module`` holding the weight: ``"weight"`` (a 2-D ``(out, in)``
+            matrix), or a fused expert weight ``(experts, rows, cols)`` such as ``"gate_up_proj"``.
+        row_slice: the rows of every expert this tensor takes (``slice(0, n)``: the gate half of
+            ``gate_up_proj``), or None for all of them. Whole rows: quantized blocks stay intact.
+
+    A fused expert weight is written as a 3-D tensor (gguf ``ne = [cols, rows, experts]``); its
+    ``path`` is the parameter's model path (``"model.layers.0.mlp.experts.gate_up_proj"``), the
+    key ``save_gguf(..., quantized=...)`` takes for it.
     """
 
     name: str
@@ -38,6 +57,13 @@ class Part:
     module: object = None
     tensor: object = None
     rows: object = None
+    attr: str = "weight"
+    row_slice: slice | None = None
+
+    @property
+    def experts(self):
+        """Whether the part is a fused 3-D expert weight."""
+        return self.attr != "weight"
 
 
 @dataclass
@@ -161,9 +187,42 @@ def gpt2_layout(model, names, kinds):
 
 
 # ----------------------------------------------------------------------------------------------
-# llama and qwen2: Hugging Face's LlamaForCausalLM and Qwen2ForCausalLM.
+# Hugging Face decoders: LlamaForCausalLM, Qwen2ForCausalLM, and the mixtures of experts
+# Qwen3MoeForCausalLM and MixtralForCausalLM (one record each).
 
-_HF_ARCHS = {"LlamaForCausalLM": ("llama", True), "Qwen2ForCausalLM": ("qwen2", False)}  # arch, permute q/k
+
+@dataclass(frozen=True)
+class HFArch:
+    """How one transformers causal LM class is written.
+
+    Attributes:
+        arch: llama.cpp's architecture name.
+        permute: reorder q/k rows for llama.cpp's adjacent-pair rotary layout.
+        experts: every layer's MLP is a sparse block of fused experts (``mlp.gate`` router,
+            ``mlp.experts.gate_up_proj`` / ``down_proj``), written as ``ffn_*_exps``.
+        qk_norm: the attention has ``q_norm`` / ``k_norm`` (``attn_q_norm`` / ``attn_k_norm``).
+        moe_block: the class name of the sparse MLP block each layer must hold.
+        topk_flag: the config flag that must be True because llama.cpp's graph always divides the
+            top-k routing weights by their sum (Qwen3-MoE's ``norm_topk_prob``), or None.
+        attention_bias: whether llama.cpp's graph reads ``config.attention_bias``'s o_proj bias.
+    """
+
+    arch: str
+    permute: bool
+    experts: bool = False
+    qk_norm: bool = False
+    moe_block: str | None = None
+    topk_flag: str | None = None
+    attention_bias: bool = True
+
+
+HF_ARCHS = {
+    "LlamaForCausalLM": HFArch("llama", True),
+    "Qwen2ForCausalLM": HFArch("qwen2", False),
+    "Qwen3MoeForCausalLM": HFArch("qwen3moe", False, experts=True, qk_norm=True, moe_block="Qwen3MoeSparseMoeBlock",
+                                  topk_flag="norm_topk_prob", attention_bias=False),
+    "MixtralForCausalLM": HFArch("llama", True, experts=True, moe_block="MixtralSparseMoeBlock"),
+}
 
 
 def _rope_theta(config):
@@ -175,13 +234,9 @@ def _rope_theta(config):
     return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
 
 
-def hf_decoder_layout(model, names, kinds):
-    """Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` as llama.cpp's ``llama`` / ``qwen2``."""
-    found = _HF_ARCHS.get(type(model).__name__)
-    if found is None or not type(model).__module__.startswith("transformers."):
-        return None
-    arch, permute = found
-    config = model.config
+def _check_hf_config(model, record):
+    """The rotary base, after refusing what llama.cpp's graph for ``record.arch`` computes differently."""
+    config, arch = model.config, record.arch
     fix = "export a model with the default configuration of this family"
     theta = _rope_theta(config)
     if theta is None:
@@ -191,6 +246,86 @@ def hf_decoder_layout(model, names, kinds):
         raise _refuse(model, arch, f"hidden_act={config.hidden_act!r} (llama.cpp computes SiLU)", fix)
     if getattr(config, "mlp_bias", False):
         raise _refuse(model, arch, "mlp_bias=True (llama.cpp's graph has no MLP biases)", fix)
+    if getattr(config, "sliding_window", None) is not None and record.experts:
+        raise _refuse(model, arch, f"sliding_window={config.sliding_window} (llama.cpp's {arch!r} graph attends to "
+                      f"every earlier position)", "set config.sliding_window=None if the model never sees longer "
+                      "contexts, or export another model")
+    if not record.attention_bias and getattr(config, "attention_bias", False):
+        raise _refuse(model, arch, f"attention_bias=True (llama.cpp's {arch} graph has no o_proj bias)", fix)
+    if record.topk_flag and not getattr(config, record.topk_flag, False):
+        raise _refuse(model, arch, f"{record.topk_flag}=False: llama.cpp's {arch} graph always divides the top-k "
+                      f"routing weights by their sum, so the file would mix the experts with other weights",
+                      f"export a model with {record.topk_flag}=True (as Qwen3-30B-A3B's config)")
+    return theta
+
+
+def _expert_parts(model, record, mlp, prefix, name, kinds):
+    """The router and expert tensors of one sparse MLP block, after refusing blocks llama.cpp cannot run."""
+    found = type(mlp).__name__
+    if found != record.moe_block:
+        raise _refuse(model, record.arch, f"{prefix}.mlp is a {found}, not a {record.moe_block} (llama.cpp's graph "
+                      f"needs every layer to be a mixture of experts: no dense layers, mlp_only_layers=[], "
+                      f"decoder_sparse_step=1)", "export a model whose every layer routes to experts")
+    extra = sorted(child for child, _ in mlp.named_children() if child not in ("gate", "experts"))
+    if extra:
+        raise _refuse(model, record.arch, f"{prefix}.mlp has {extra} besides its router and experts (shared "
+                      f"experts, which llama.cpp's {record.arch!r} graph does not compute)", "export another model")
+    gate, experts = mlp.gate, mlp.experts
+    router = f"{prefix}.mlp.gate"
+    # llama.cpp never quantizes the router: F32 while float; a router opted in to QAT (or given
+    # through quantized=) is written as its blocks.
+    parts = [Part(name(kinds.FFN_GATE_INP) + ".weight", router, module=gate,
+                  tensor=gate.weight if getattr(gate, "spec", None) is None else None)]
+    gate_up = f"{prefix}.mlp.experts.gate_up_proj"
+    rows = int(getattr(experts, "intermediate_dim", 0)) or expert_shape(experts, "gate_up_proj")[1] // 2
+    parts += [Part(name(kinds.FFN_GATE_EXP) + ".weight", gate_up, module=experts, attr="gate_up_proj",
+                   row_slice=slice(0, rows)),
+              Part(name(kinds.FFN_UP_EXP) + ".weight", gate_up, module=experts, attr="gate_up_proj",
+                   row_slice=slice(rows, 2 * rows)),
+              Part(name(kinds.FFN_DOWN_EXP) + ".weight", f"{prefix}.mlp.experts.down_proj", module=experts,
+                   attr="down_proj")]
+    return parts, (expert_shape(gate, "weight")[0], int(gate.top_k), rows)
+
+
+def expert_shape(module, attr):
+    """The shape of a fused module's weight (float, QAT or converted): ``(experts, rows, cols)``.
+
+    >>> import torch
+    >>> class Experts(torch.nn.Module):
+    ...     down_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    >>> expert_shape(Experts(), "down_proj")
+    (4, 8, 16)
+    """
+    found = getattr(module, attr)  # a Parameter, or a converted layer's stored weight
+    return tuple(int(d) for d in (getattr(found, "array_shape", None) or found.shape))
+
+
+def _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps):
+    attn = layer.self_attn
+    q_rows = rotary_pair_rows(heads, head_dim) if record.permute else None
+    k_rows = rotary_pair_rows(kv_heads, head_dim) if record.permute else None
+    parts = []
+    for attr, kind, rows in (("q_proj", kinds.ATTN_Q, q_rows), ("k_proj", kinds.ATTN_K, k_rows),
+                             ("v_proj", kinds.ATTN_V, None), ("o_proj", kinds.ATTN_OUT, None)):
+        module, path = getattr(attn, attr), f"{prefix}.self_attn.{attr}"
+        parts.append(Part(name(kind) + ".weight", path, module=module, rows=rows))
+        if module.bias is not None:
+            parts.append(Part(name(kind) + ".bias", path, tensor=module.bias, rows=rows))
+    if record.qk_norm:  # per head, before the rotation: halves stay halves (no permutation here)
+        for attr, kind in (("q_norm", kinds.ATTN_Q_NORM), ("k_norm", kinds.ATTN_K_NORM)):
+            path = f"{prefix}.self_attn.{attr}"
+            _norm_eps(getattr(attn, attr), path, "rms", eps)
+            parts.append(Part(name(kind) + ".weight", path, tensor=getattr(attn, attr).weight))
+    return parts
+
+
+def hf_decoder_layout(model, names, kinds):
+    """A transformers causal LM of ``HF_ARCHS`` as its llama.cpp architecture, or None for other models."""
+    record = HF_ARCHS.get(type(model).__name__)
+    if record is None or not type(model).__module__.startswith("transformers."):
+        return None
+    config = model.config
+    theta = _check_hf_config(model, record)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     hidden = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -198,25 +333,22 @@ def hf_decoder_layout(model, names, kinds):
     tok, head = inner.embed_tokens, model.lm_head
     tied = tied_head(tok, head, "model.embed_tokens", "lm_head")
     eps = _norm_eps(inner.norm, "model.norm", "rms", None)
-    parts = [Part(names[kinds.TOKEN_EMBD] + ".weight", "model.embed_tokens", module=tok)]
-    q_rows = rotary_pair_rows(heads, head_dim) if permute else None
-    k_rows = rotary_pair_rows(kv_heads, head_dim) if permute else None
+    parts, moe = [Part(names[kinds.TOKEN_EMBD] + ".weight", "model.embed_tokens", module=tok)], set()
     for index, layer in enumerate(inner.layers):
-        prefix = f"model.layers.{index}"
-        attn, mlp = layer.self_attn, layer.mlp
+        prefix, mlp = f"model.layers.{index}", layer.mlp
         name = lambda kind: names[kind].format(bid=index)  # noqa: E731
         _norm_eps(layer.input_layernorm, f"{prefix}.input_layernorm", "rms", eps)
         parts.append(Part(name(kinds.ATTN_NORM) + ".weight", f"{prefix}.input_layernorm",
                           tensor=layer.input_layernorm.weight))
-        for attr, kind, rows in (("q_proj", kinds.ATTN_Q, q_rows), ("k_proj", kinds.ATTN_K, k_rows),
-                                 ("v_proj", kinds.ATTN_V, None), ("o_proj", kinds.ATTN_OUT, None)):
-            module, path = getattr(attn, attr), f"{prefix}.self_attn.{attr}"
-            parts.append(Part(name(kind) + ".weight", path, module=module, rows=rows))
-            if module.bias is not None:
-                parts.append(Part(name(kind) + ".bias", path, tensor=module.bias, rows=rows))
+        parts += _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps)
         _norm_eps(layer.post_attention_layernorm, f"{prefix}.post_attention_layernorm", "rms", eps)
         parts.append(Part(name(kinds.FFN_NORM) + ".weight", f"{prefix}.post_attention_layernorm",
                           tensor=layer.post_attention_layernorm.weight))
+        if record.experts:
+            expert_parts, sizes = _expert_parts(model, record, mlp, prefix, name, kinds)
+            parts += expert_parts
+            moe.add(sizes)
+            continue
         for attr, kind in (("gate_proj", kinds.FFN_GATE), ("up_proj", kinds.FFN_UP), ("down_proj", kinds.FFN_DOWN)):
             parts.append(Part(name(kind) + ".weight", f"{prefix}.mlp.{attr}", module=getattr(mlp, attr)))
     parts.append(Part(names[kinds.OUTPUT_NORM] + ".weight", "model.norm", tensor=inner.norm.weight))
@@ -229,7 +361,22 @@ def hf_decoder_layout(model, names, kinds):
                ("add_vocab_size", config.vocab_size)]
     if head_dim * heads != hidden:
         hparams += [("add_key_length", head_dim), ("add_value_length", head_dim)]
-    return Layout(arch, hparams, parts, config.vocab_size, tied, head_path="lm_head")
+    if record.experts:
+        hparams += _expert_hparams(model, record, moe)
+    return Layout(record.arch, hparams, parts, config.vocab_size, tied, head_path="lm_head")
+
+
+def _expert_hparams(model, record, sizes):
+    """expert_count, expert_used_count and expert_feed_forward_length: one value for every layer."""
+    if len(sizes) != 1:
+        raise _refuse(model, record.arch, f"its layers have different (experts, top-k, expert rows) {sorted(sizes)}",
+                      "use one expert configuration")
+    (experts, used, rows), = sizes
+    if not 0 < used <= experts:
+        raise _refuse(model, record.arch, f"it routes each token to {used} of {experts} experts", "use 1..experts")
+    # llama.cpp's llama reads the experts' rows from feed_forward_length: Mixtral's intermediate_size,
+    # which MixtralExperts is built from; qwen3moe reads expert_feed_forward_length.
+    return [("add_expert_count", experts), ("add_expert_used_count", used), ("add_expert_feed_forward_length", rows)]
 
 
 LAYOUTS = (gpt2_layout, hf_decoder_layout)
@@ -243,6 +390,6 @@ def layout_of(model, gguf):
             return found
     raise ValueError(
         f"save_gguf has no llama.cpp architecture for a {type(model).__name__}: it writes mixle's "
-        f"build_causal_lm (llama.cpp's 'gpt2' architecture) and transformers' LlamaForCausalLM ('llama') and "
-        f"Qwen2ForCausalLM ('qwen2'); build the model with one of them"
+        f"build_causal_lm (llama.cpp's 'gpt2' architecture) and transformers' "
+        f"{', '.join(f'{cls} ({record.arch!r})' for cls, record in HF_ARCHS.items())}; build the model with one of them"
     )

@@ -1,0 +1,96 @@
+"""llama.cpp's importance matrix as one record: per matrix, the summed squared inputs of each input
+column and how many input rows (tokens) were summed.
+
+``llama-imatrix`` (``tools/imatrix/imatrix.cpp`` of the llama.cpp vendored by llama-cpp-python
+0.3.36) adds, for every matrix product ``W @ x`` of a ``blk.*`` weight whose batch has at least 16
+rows, ``x[j] * x[j]`` of each row to a float32 sum per input column ``j`` and the row count to the
+matrix's count; stacked experts keep one sum vector and one count per expert. ``llama-quantize``
+then weights each column by the mean ``sum / (float)count`` (1 where the count is 0).
+``Imatrix`` holds those sums and counts keyed by name (GGUF tensor names as in the file, or model
+paths as ``calibrate_importance`` collects them); ``importance`` gives the means llama-quantize
+quantizes with; ``check_entries`` refuses entries that do not fit a model.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Imatrix", "check_entries"]
+
+
+@dataclass
+class Imatrix:
+    """Sums of squared inputs and token counts per matrix.
+
+    Attributes:
+        sums: ``{name: float32 (n_mat, columns)}``: one row per expert (1 for a dense matrix).
+        counts: ``{name: int64 (n_mat,)}``: input rows summed, per expert.
+        datasets: the calibration texts' names (``imatrix.datasets``).
+        chunk_count: chunks processed (``imatrix.chunk_count``).
+        chunk_size: tokens per chunk (``imatrix.chunk_size``).
+
+    >>> m = Imatrix({"blk.0.ffn_up.weight": np.array([[4.0, 0.0]], np.float32)}, {"blk.0.ffn_up.weight": np.array([2])})
+    >>> m.importance()["blk.0.ffn_up.weight"].tolist()
+    [2.0, 0.0]
+    """
+
+    sums: dict
+    counts: dict
+    datasets: tuple = ()
+    chunk_count: int = 0
+    chunk_size: int = 0
+    legacy: bool = field(default=False, repr=False)
+
+    def importance(self):
+        """``{name: float32 (columns,) or (n_mat, columns)}``: ``sums / float32(count)`` per expert,
+        1 where the count is 0, as llama-quantize loads a GGUF imatrix (a legacy file's sums are
+        divided by its call count, or kept where it is 0)."""
+        out = {}
+        for name, sums in self.sums.items():
+            sums = np.asarray(sums, np.float32)
+            counts = np.asarray(self.counts[name]).astype(np.float32)[:, None]
+            if self.legacy:
+                mean = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), sums)
+            else:
+                mean = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), np.float32(1.0))
+            out[name] = mean.astype(np.float32)[0] if mean.shape[0] == 1 else mean.astype(np.float32)
+        return out
+
+
+def check_entries(imatrix, shapes, *, min_tokens=1, what="imatrix"):
+    """Refuse an imatrix that does not fit a model's matrices.
+
+    Args:
+        imatrix: an ``Imatrix``.
+        shapes: ``{name: numpy-order shape}`` of the model's matrices under the imatrix's names
+            (``(rows, columns)``, or ``(experts, rows, columns)``).
+        min_tokens: the fewest input rows an entry may have summed (per expert).
+        what: what errors call the imatrix (its file).
+
+    Raises:
+        ValueError: an entry for a name the model has no matrix of, a column (or expert) count
+            other than the matrix's, a non-finite or negative sum, or too few tokens; the message
+            names the tensor.
+
+    >>> m = Imatrix({"a": np.ones((1, 4), np.float32)}, {"a": np.array([8])})
+    >>> check_entries(m, {"a": (2, 4)}, min_tokens=4)
+    """
+    for name, sums in imatrix.sums.items():
+        sums, counts = np.asarray(sums), np.asarray(imatrix.counts.get(name, []))
+        if name not in shapes:
+            known = sorted(shapes)[:4]
+            raise ValueError(f"{what}: tensor {name!r} is not a matrix of this model (it has e.g. {known}): the "
+                             f"importance matrix was computed for another model")
+        shape = tuple(shapes[name])
+        want = (shape[0] if len(shape) == 3 else 1, shape[-1])
+        if sums.shape != want or counts.shape != (want[0],):
+            raise ValueError(f"{what}: tensor {name!r} has sums of shape {sums.shape} and counts {counts.shape}, but "
+                             f"the model's matrix {shape} needs {want} and ({want[0]},): the importance matrix was "
+                             f"computed for another model")
+        if not np.isfinite(sums).all() or (sums < 0).any():
+            bad = np.argwhere(~np.isfinite(sums) | (sums < 0))[0]
+            raise ValueError(f"{what}: tensor {name!r} has the sum {sums[tuple(bad)]!r} at {tuple(int(i) for i in bad)}:"
+                             f" sums of squares are finite and non-negative")
+        if (counts < min_tokens).any():
+            raise ValueError(f"{what}: tensor {name!r} was summed over {int(counts.min())} input rows, fewer than "
+                             f"min_tokens={min_tokens}: calibrate on more text (or lower min_tokens)")
