@@ -15,6 +15,13 @@ intermediate 1536, 9 heads, 3 KV heads, vocab 49152, tied head), the real checkp
 ``--smollm2-gguf`` or else ``--smollm2-layers`` randomly initialised layers of its shapes,
 batch 4 of 128 tokens, the model's own next-token loss.
 
+llama.cpp's grids: rows ``mixle q4_0`` ... ``mixle q6_k`` (each on its fused kernel,
+``mixle.torch_backend.fused_ggml``; ``q4_0 torch ops`` without it) and ``mixle mix Q4_K_M`` /
+``Q6_K`` (``apply_qat(gguf_mix=...)``: each layer on the block type llama-quantize gives it, rows
+of 128 falling back to Q5_0 / Q8_0). A row a shape refuses (q4_k on rows of 128, a mix on a model
+with no llama.cpp architecture) is shown as not applicable. Under each table the step-time
+ratios the issues set targets for (``PAIRS``).
+
 ``--dtypes fp32,bf16`` also runs every variant under ``torch.autocast("cpu", torch.bfloat16)``
 (rows ``... +bf16``); each row's ratio is to the float step in the same dtype, measured in the
 same interleaved rounds.
@@ -161,6 +168,14 @@ def _mixle_grid(**fields):
     return lambda model: apply_qat(model, spec=spec)
 
 
+def _mixle_mix(mix):
+    """A llama.cpp mix (``apply_qat(gguf_mix=...)``): rows the K-quants' 256 do not divide fall
+    back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    from mixle.api import apply_qat as api_apply_qat
+
+    return lambda model: api_apply_qat(model, gguf_mix=mix)
+
+
 def _torchao(granularity):
     def prepare(model):
         with _quiet():
@@ -263,6 +278,11 @@ def _fp32_variants(compile_rows):
     rows.append(Variant("mixle q4_0", _mixle_grid(bits=4, grid="q4_0")))
     rows.append(Variant("mixle q8_0", _mixle_grid(bits=8, grid="q8_0")))
     rows.append(Variant("mixle q4_0 a8", _mixle_grid(bits=4, grid="q4_0", act_bits=8)))
+    for grid in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):  # llama.cpp's other block types
+        rows.append(Variant(f"mixle {grid}", _mixle_grid(grid=grid)))
+    rows.append(Variant("mixle q4_0 torch ops", _mixle_grid(bits=4, grid="q4_0"), torch_ops=True))
+    for mix in ("Q4_K_M", "Q6_K"):  # each layer on the block type llama.cpp's quantizer gives it
+        rows.append(Variant(f"mixle mix {mix}", _mixle_mix(mix)))
     rows.append(Variant("mixle int4 channel learned", _mixle_learned("channel")))
     rows.append(Variant("mixle int4 group32 learned", _mixle_learned("group", 32)))
     rows.append(Variant("mixle 8da4w group32", _mixle_8da4w()))
@@ -317,11 +337,17 @@ def time_steps(shape, rows, steps, warmup, clock="wall"):
     from tqdm import tqdm
 
     base, data = shape.build(), shape.batch()
+    trainers = []
     with _quiet():
-        trainers = [_trainer(shape, row, base, data) for row in rows]
+        for row in rows:
+            try:
+                trainers.append(_trainer(shape, row, base, data))
+            except ValueError as error:  # e.g. q4_k on rows of 128: refused, as apply_qat says
+                trainers.append(None)
+                print(f"{shape.name}: {row.name} skipped: {str(error)[:160]}", file=sys.stderr)
     times = [[] for _ in rows]
     for r in tqdm(range(warmup + steps), desc=f"{shape.name}: rounds", file=sys.stderr):
-        order = list(range(len(rows)))
+        order = [i for i in range(len(rows)) if trainers[i] is not None]
         order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
         for i in order:
             start = now()
@@ -329,7 +355,7 @@ def time_steps(shape, rows, steps, warmup, clock="wall"):
             elapsed = now() - start
             if r >= warmup:
                 times[i].append(elapsed)
-    return [(statistics.median(t), min(t)) for t in times]
+    return [(statistics.median(t), min(t)) if t else None for t in times]
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -365,7 +391,11 @@ def report(shape, rows, timing, memory):
     lines = [f"\n== {shape.name}: {shape.description}",
              f"{'variant':<40} {'median ms':>9} {'x float':>7} {'min ms':>8} {'x float':>7} "
              f"{'peak MB':>8} {'x float':>7}  note"]
-    for row, (median, fastest) in zip(rows, timing):
+    for row, timed in zip(rows, timing):
+        if timed is None:
+            lines.append(f"{row.name:<40} {'-':>9} {'-':>7} {'-':>8} {'-':>7}  not applicable to this shape")
+            continue
+        median, fastest = timed
         base_median, base_min = by_name.get(row.baseline, (median, fastest))
         mem, base_mem = memory.get(row.name), memory.get(row.baseline)
         mem_cols = f"{mem / 2**20:>8.1f} {mem / base_mem:>7.3f}" if mem and base_mem else f"{'-':>8} {'-':>7}"
@@ -375,7 +405,23 @@ def report(shape, rows, timing, memory):
             note = f"{median / compiled_float[0]:.3f}x float compiled"
         lines.append(f"{row.name:<40} {median * 1e3:>9.2f} {median / base_median:>7.3f} {fastest * 1e3:>8.2f} "
                      f"{fastest / base_min:>7.3f} {mem_cols}  {note}")
-    print("\n".join(lines), flush=True)
+    print("\n".join(lines + _pair_ratios(by_name)), flush=True)
+
+
+# Step-time ratios the issues set targets for (llama.cpp's grids), printed where both rows ran.
+PAIRS = (("mixle q4_0", "fp32"), ("mixle q8_0", "fp32"), ("mixle int4 group32", "fp32"),
+         ("torchao int4 group32", "fp32"), ("mixle q4_k", "fp32"), ("mixle q4_k", "mixle q4_0"),
+         ("mixle mix Q4_K_M", "fp32"), ("mixle mix Q4_K_M", "mixle q4_0"), ("mixle q6_k", "fp32"))
+
+
+def _pair_ratios(by_name):
+    lines = []
+    for dtype in ("", " +bf16"):
+        for a, b in PAIRS:
+            a, b = a + dtype, b + dtype
+            if by_name.get(a) and by_name.get(b):
+                lines.append(f"  {a} / {b}: {by_name[a][0] / by_name[b][0]:.3f} (median step)")
+    return lines
 
 
 def plot(results, path):
@@ -387,7 +433,7 @@ def plot(results, path):
     fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 7), squeeze=False)
     for ax, (shape, rows, timing) in zip(axes[0], results):
         names = [row.name for row in rows][::-1]
-        ratios = [t / timing[0][0] for t, _ in timing][::-1]
+        ratios = [t[0] / timing[0][0] if t else 0.0 for t in timing][::-1]
         colors = ["tab:blue" if n.startswith("mixle") else "tab:gray" if n.startswith("fp32") else "tab:orange"
                   for n in names]
         ax.barh(names, ratios, color=colors)
@@ -447,7 +493,8 @@ def main(argv=None):
         if not args.no_memory:
             for row in rows:
                 if not row.compiled:
-                    memory[row.name] = peak_memory(shape, row)
+                    with contextlib.suppress(ValueError):  # a row the shape refuses
+                        memory[row.name] = peak_memory(shape, row)
         report(shape, rows, timing, memory)
         results.append((shape, rows, timing))
     print(f"load average {os.getloadavg()[0]:.2f} at end")

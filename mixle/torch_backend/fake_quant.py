@@ -15,11 +15,14 @@ would read a fingerprint back to the host, a synchronisation); nothing there rea
 the host: a NaN weight is refused by an asynchronous device assert.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
-then its int8 codes (a quarter of a float32 weight). Grids that store their scale in float16
-(llama.cpp's q4_0/q8_0) keep two scales per block: the unrounded one the codes are rounded with
-and the float16 one they are multiplied by. Their numerics run as torch ops (the fused kernels
-implement the plain grids only). ``F.linear`` would save the fake-quantized
-float weight for its backward, a second copy of every weight alive from forward to backward;
+then its int8 codes (a quarter of a float32 weight). On llama.cpp's grids (q4_0, q8_0, q4_1,
+q5_0, q5_1, q4_k, q5_k, q6_k) float32 and bfloat16 CPU weights run ``_fused_ggml``'s kernels
+(bit for bit the numpy numerics); their entry keeps nothing until a version is reused (a rebuild
+runs the kernel again), then the codes and one scale (and offset) per sub-block; the K-quants
+always keep them, since their rebuild would repeat the scale search. Without the kernels, q4_0 /
+q8_0 keep two scales per block (the unrounded one the codes are rounded with and the float16
+one they are multiplied by) and the other block grids run ``BLOCK_NUMERICS``. ``F.linear``
+would save the fake-quantized float weight for its backward, a second copy of every weight alive from forward to backward;
 ``linear`` instead rebuilds that weight in the backward, just for the input gradient, inside the
 buffer that then receives the weight gradient.
 
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixle.torch_backend import fused_cpu as _fused_cpu
+from mixle.torch_backend import fused_ggml as _fused_ggml
 from mixle.core.array_ops import TorchOps, array_ops
 from mixle.core.checks import check_array, check_block_max, not_finite_error
 from mixle.core.grids import GRIDS
@@ -116,11 +120,12 @@ class _Entry:
     codes were rounded with, when it differs (grids whose scale is stored in float16, such as
     llama.cpp's: codes use the unrounded scale), else None."""
 
-    __slots__ = ("key", "spec", "scale", "threshold", "codes", "code_scale", "fingerprint")
+    __slots__ = ("key", "spec", "scale", "threshold", "codes", "code_scale", "offset", "fingerprint")
 
-    def __init__(self, key, spec, scale, threshold, codes, code_scale=None):
+    def __init__(self, key, spec, scale, threshold, codes, code_scale=None, offset=None):
         self.key, self.spec, self.scale, self.threshold, self.codes = key, spec, scale, threshold, codes
         self.code_scale = code_scale
+        self.offset = offset  # ``_fused_ggml``'s entries: per sub-block, value = code * scale + offset
         self.fingerprint = None
 
 
@@ -157,11 +162,49 @@ BLOCK_NUMERICS = {name: (lambda x, spec: fake_quant_forward(x, spec)[0])
                   for name, grid in GRIDS.items() if grid.numerics is not None}
 
 
+# The grids as registered above: a grid whose entry is still its default takes ``_fused_ggml``'s
+# kernel where it applies (another function plugged into BLOCK_NUMERICS always runs instead).
+_DEFAULT_BLOCK_NUMERICS = dict(BLOCK_NUMERICS)
+# Grids whose rebuild would repeat a scale search: their fused entries always keep the codes.
+_SEARCHED = frozenset(name for name, grid in GRIDS.items() if grid.scale_search is not None)
+
+
+def _ggml_fused(x, spec):
+    """Whether ``_fused_ggml``'s kernel fake-quantizes x on spec (llama.cpp's grids)."""
+    return (BLOCK_NUMERICS.get(spec.grid) is _DEFAULT_BLOCK_NUMERICS.get(spec.grid) and not spec.clip_gradient
+            and _fused_ggml.applies_to(x, spec))
+
+
+def _quantize_ggml(x, spec, key, keep_codes, out):
+    """``_quantize`` by ``_fused_ggml``'s kernel, or None where a float16 scale overflows (the torch
+    numerics then run, and raise their own error)."""
+    keep = keep_codes or spec.grid in _SEARCHED
+    deq, codes, a, b, nonfinite, overflow = _fused_ggml.fake_quant(x, spec, want_codes=keep, out=out)
+    if nonfinite:
+        raise not_finite_error(x, "weight")
+    if overflow:
+        return None
+    if not keep:
+        return deq, _Entry(key, spec, None, None, None)
+    batch, count, width = block_shape(x.shape, spec)
+    shape = (batch, count, a.numel() // (batch * count))  # per sub-block (one per block of 32 but on K-quants)
+    scale = a.reshape(shape)
+    if _fused_ggml.KINDS[spec.grid].hold_scale:  # q4_0 / q8_0 hold it as the torch path does (bf16-exact)
+        scale = held_scale(scale, x.dtype)
+    return deq, _Entry(key, spec, scale, None, codes, offset=None if b is None else b.reshape(shape))
+
+
 def _quantize(x, spec, key=None, keep_codes=False, out=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
+    if _ggml_fused(x, spec):
+        done = _quantize_ggml(x, spec, key, keep_codes, out)
+        if done is not None:
+            return done
     own = BLOCK_NUMERICS.get(spec.grid)
     if own is not None:
+        # The block searches would turn a NaN into codes: refuse it (a device assert off the host).
+        check_block_max(x.detach().abs().amax(), x, "weight")
         return own(numerics_input(x), spec).to(x.dtype), _Entry(key, spec, None, None, None)
     if _fused_cpu.applies_to(x, spec):
         deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
@@ -183,8 +226,11 @@ def _rebuild(entry, x, keep_codes=False, out=None):
     """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
     written into ``out`` (shaped like x) when given."""
     fused = _fused_cpu.applies_to(x, entry.spec)
-    if entry.scale is None:  # a grid of BLOCK_NUMERICS
-        deq = _quantize(x, entry.spec)[0]
+    if entry.scale is None:  # a grid of BLOCK_NUMERICS, or fused on llama.cpp's grids without codes kept
+        deq = _quantize(x, entry.spec, out=out)[0]
+    elif entry.codes is not None and _is_ggml(entry):
+        offset = None if entry.offset is None else entry.offset.reshape(-1)
+        return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset, x.dtype, out=out)
     elif entry.codes is not None:
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)
@@ -200,7 +246,13 @@ def _rebuild(entry, x, keep_codes=False, out=None):
         if keep_codes:
             entry.codes = ops.to_int8(codes).reshape(x.shape)
         deq = codes.mul_(entry.scale).reshape(x.shape).to(x.dtype)
-    return deq if out is None else out.copy_(deq)
+    return deq if out is None or deq is out else out.copy_(deq)
+
+
+def _is_ggml(entry):
+    """An entry of ``_fused_ggml``'s kernel: codes times a scale per sub-block (plus an offset on
+    grids with a min), rounded with no other scale (the torch path's q4_0 / q8_0 entries keep one)."""
+    return entry.spec.grid in _fused_ggml.KINDS and entry.code_scale is None
 
 
 def _clip_mask_grad(grad, x, spec, threshold, out=None):
@@ -387,7 +439,7 @@ class _QATLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec, cache, dtype):
-        fused = _fused_cpu.applies_to(weight, spec)
+        fused = _fused_cpu.applies_to(weight, spec) or _ggml_fused(weight, spec)
         out = _spare.take(weight)[0] if fused else None
         deq, entry = cache.lookup(weight, spec, False, out)
         x_dtype, x = x.dtype, x.to(dtype)  # autocast's cast of x, saved below as autocast saves it

@@ -1,0 +1,150 @@
+"""Fused CPU fake-quant kernels of llama.cpp's block grids, compiled from ``fused_ggml_quant.cpp``.
+
+One pass per block over a float32 or bfloat16 CPU weight computes, bit for bit, what the numpy
+numerics give (``mixle.core.numerics`` for ``q4_0`` / ``q8_0``; ``mixle.core.ggml_quants`` for
+``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``, themselves ggml's reference
+quantizers): the fake-quantized weight and, when asked, its int8 codes with one multiplier
+``a`` (and offset ``b``) per sub-block, ``value = code * a (+ b)``, from which a rebuild is one
+cheap pass (``dequantize``). A bfloat16 weight is read exactly as float32 and its result written
+rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)`` (on q4_0 /
+q8_0 the float16 scale is held in bfloat16 first, as the torch path holds a scale in the
+weight's dtype). Built and cached like ``fused_cpu``'s kernels (their flags, see ``FLAGS``; the
+same private cache); off whenever those are off (``MIXLE_FUSED_KERNELS=0``, ``fused_cpu.switched_off``,
+no compiler), and then the torch numerics run instead.
+"""
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from mixle.core.array_ops import TorchOps
+from mixle.torch_backend import fused_cpu, kernel_cache
+
+SOURCE = Path(__file__).with_name("fused_ggml_quant.cpp")
+# fused_cpu's flags (no fused multiply-add) plus -fno-trapping-math: without it GCC keeps the
+# float -> int conversions and selects of the block loops scalar (they could raise FP exceptions,
+# which nothing here reads); values are unchanged (no reassociation, signed zeros and NaNs kept).
+FLAGS = fused_cpu.FLAGS + ("-fno-trapping-math",)
+
+
+class _Kind(NamedTuple):
+    id: int  # the kernel's grid number
+    block: int  # values a row length must be a multiple of
+    sub: int  # values per multiplier (and offset)
+    offset: bool  # value = code * a + b (else code * a)
+    hold_scale: bool  # the stored float16 scale is held in the weight's dtype (the torch path does)
+
+
+# Grid name -> how the kernel runs it (grid numbers as in fused_ggml_quant.cpp's enum).
+KINDS = {
+    "q4_0": _Kind(0, 32, 32, False, True),
+    "q8_0": _Kind(1, 32, 32, False, True),
+    "q4_1": _Kind(2, 32, 32, True, False),
+    "q5_0": _Kind(3, 32, 32, False, False),
+    "q5_1": _Kind(4, 32, 32, True, False),
+    "q4_k": _Kind(5, 256, 32, True, False),
+    "q5_k": _Kind(6, 256, 32, True, False),
+    "q6_k": _Kind(7, 256, 16, False, False),
+}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_loaded = {}  # "ggml" -> _Kernels or None, once decided
+_OPS = TorchOps()
+
+
+class _Kernels:
+    def __init__(self, path):
+        self.path = str(path)
+        lib = kernel_cache.load(path)
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.fake_quant = lib.mixle_ggml_fake_quant
+        self.fake_quant.argtypes = [i32, i32, p, i64, p, p, p, p, i32, p, i32]
+        self.fake_quant.restype = i64
+        self.dequantize = lib.mixle_ggml_dequantize
+        self.dequantize.argtypes = [i32, p, p, p, i64, i64, p, i32]
+        self.dequantize.restype = None
+
+
+def _kernels():
+    if not fused_cpu.available():  # off with the plain kernels (switch, switched_off, no compiler)
+        return None
+    return kernel_cache.decide_once(
+        _loaded, "ggml", lambda compiler: _Kernels(fused_cpu.build_library(compiler, SOURCE, FLAGS)),
+        "its fused CPU kernels of llama.cpp's grids",
+        "QAT on those grids runs the same numerics as separate torch ops, which makes a training step slower")
+
+
+def available():
+    """True when the kernels are built and switched on.
+
+    >>> isinstance(available(), bool)
+    True
+    """
+    return _kernels() is not None
+
+
+def applies_to(x, spec):
+    """Whether the kernels take weight x on ``spec``: a grid of ``KINDS``, a contiguous float32 or
+    bfloat16 CPU tensor whose rows the grid's block divides, outside torch.compile (traced code
+    runs the torch numerics).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> applies_to(torch.ones(2, 32, dtype=torch.float64), QuantSpec(grid="q4_0"))
+    False
+    """
+    kind = KINDS.get(spec.grid)
+    if kind is None or x.dtype not in _DTYPES or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if x.ndim == 0 or x.shape[-1] % kind.block or x.layout != torch.strided or not x.is_contiguous():
+        return False
+    return _OPS.readable(x) and available()
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def fake_quant(x, spec, *, want_codes=False, out=None):
+    """One pass over x's blocks: ``(deq, codes, a, b, nonfinite, overflow)``.
+
+    ``deq`` is the fake-quantized x in x's dtype (written into ``out`` when given, contiguous
+    and shaped like x); ``codes`` (int8, x's shape), ``a`` and ``b`` (float32, one per sub-block;
+    ``b`` None on grids without an offset) only when ``want_codes``, else None. ``nonfinite``
+    counts blocks holding NaN or infinity and ``overflow`` blocks whose float16 scale or min
+    overflows; where either is non-zero the other outputs are meaningless (the caller raises).
+    Call ``applies_to`` first.
+    """
+    kind = KINDS[spec.grid]
+    deq = torch.empty_like(x) if out is None else out
+    codes = a = b = None
+    if want_codes:
+        codes = torch.empty(x.shape, dtype=torch.int8)
+        a = torch.empty(x.numel() // kind.sub, dtype=torch.float32)
+        b = torch.empty_like(a) if kind.offset else None
+    overflow = ctypes.c_int64(0)
+    nonfinite = _kernels().fake_quant(
+        kind.id, _DTYPES[x.dtype], x.data_ptr(), x.numel(), deq.data_ptr(), _ptr(codes), _ptr(a), _ptr(b),
+        int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow), torch.get_num_threads())
+    return deq, codes, a, b, nonfinite, overflow.value
+
+
+def dequantize(codes, a, b, dtype, out=None):
+    """``codes * a (+ b)`` per sub-block in ``dtype`` (float32 or bfloat16; rounded once from the
+    float32 value), into ``out`` when given; the torch ops compute the same where the kernels
+    are off.
+
+    >>> dequantize(torch.tensor([2, -1], dtype=torch.int8), torch.tensor([0.5]), None, torch.float32).tolist()
+    [1.0, -0.5]
+    """
+    if out is None or not out.is_contiguous():
+        out = torch.empty(codes.shape, dtype=dtype)
+    kernels = _kernels()
+    if kernels is None or dtype not in _DTYPES:
+        values = codes.reshape(a.numel(), -1).float() * a[:, None]
+        if b is not None:
+            values = values + b[:, None]
+        return out.copy_(values.reshape(codes.shape))
+    kernels.dequantize(_DTYPES[dtype], codes.data_ptr(), a.data_ptr(), _ptr(b), codes.numel(),
+                       codes.numel() // a.numel(), out.data_ptr(), torch.get_num_threads())
+    return out
