@@ -82,11 +82,12 @@ def _torchao_prepare(model):
 def _variants(target):
     from mixle.api import apply_qat
     from mixle.lm.finetune import EXCLUDE
-    from mixle.lm.finetune_config import parse_target
+    from mixle.lm.finetune_config import parse_mix, parse_target
 
-    spec = parse_target(target)
-    variants = {"float (no fake-quant)": lambda m: m, f"mixle QAT {target}": lambda m: apply_qat(m, spec=spec,
-                                                                                                   exclude=EXCLUDE)}
+    mix = parse_mix(target)  # a llama.cpp mix (Q4_K_M): every matrix on its block type, as mixle finetune trains it
+    spec = None if mix else parse_target(target)
+    qat = (lambda m: apply_qat(m, gguf_mix=mix)) if mix else (lambda m: apply_qat(m, spec=spec, exclude=EXCLUDE))
+    variants = {"float (no fake-quant)": lambda m: m, f"mixle QAT {target}": qat}
     try:
         with _quiet():
             import torchao  # noqa: F401
@@ -184,7 +185,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the GGUF (or transformers directory) to fine-tune")
     parser.add_argument("--steps", type=int, nargs="+", default=[60, 240, 960], help="training budgets")
-    parser.add_argument("--target", default="q4_0")
+    parser.add_argument("--target", default="q4_0", help="a grid (q4_0) or a llama.cpp mix (Q4_K_M), as for "
+                                                         "mixle finetune --target")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-5)

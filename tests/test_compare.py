@@ -17,6 +17,7 @@ from mixle.lm.compare import (
     CompareConfig,
     ExternalQAT,
     held_out_loss,
+    format_table,
     held_out_windows,
     prepare_data,
     run_compare,
@@ -40,6 +41,20 @@ def gguf_q4_0_bytes(vocab, d, n_layer, block):
     weights = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * n_layer + [(vocab, d)]
     floats = 4 * (block * d + n_layer * (2 * d + 3 * d + d + 2 * d + 4 * d + d) + 2 * d)
     return sum(o * i for o, i in weights) // 32 * 18 + floats
+
+
+# Bytes per block and values per block of the ggml types (ggml's block structs).
+BLOCK_BYTES = {"Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+
+
+def gguf_mix_bytes(vocab, d, n_layer, block, type_of):
+    """Tensor bytes of the GGUF file of a build_causal_lm whose matrix ``name`` of layer ``i`` is ``type_of(i, name)``."""
+    shapes = {"attn_qkv": (3 * d, d), "attn_output": (d, d), "ffn_up": (4 * d, d), "ffn_down": (d, 4 * d)}
+    matrices = [(None, "token_embd", vocab, d)] + [(i, name, rows, cols) for i in range(n_layer)
+                                                    for name, (rows, cols) in shapes.items()]
+    floats = 4 * (block * d + n_layer * (2 * d + 3 * d + d + 2 * d + 4 * d + d) + 2 * d)
+    return floats + sum(rows * cols // BLOCK_BYTES[type_of(i, name)][1] * BLOCK_BYTES[type_of(i, name)][0]
+                        for i, name, rows, cols in matrices)
 
 
 def test_held_out_loss_matches_a_numpy_cross_entropy():
@@ -73,7 +88,7 @@ def test_recovered_percent_and_the_int8_note():
 # A tiny model trained long enough that int4 PTQ visibly hurts it: seconds on two cores.
 FAST = CompareConfig(steps=400, finetune_steps=200, bits=(4,), d_model=64, n_layer=1, n_head=4, block=32,
                      batch_size=16, lr=3e-3, finetune_lr=1e-3, warmup=40, eval_windows=200, curve_every=200,
-                     curve_windows=8, threads=1)
+                     curve_windows=8, threads=1, gguf_mixes=())  # the mix rows: test_q4_k_m_rows_...
 
 
 def test_qat_beats_ptq_at_int4_on_the_embedded_corpus():
@@ -108,13 +123,18 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
     methods = [(r["method"], r["bits"]) for r in results["rows"]]
     assert methods == [("fp32", 32), ("PTQ", 4), ("PTQ", 8), ("fp32 fine-tune", 32),
                        ("fine-tune + PTQ", 4), ("fine-tune + PTQ", 8), ("QAT", 4), ("QAT", 8),
-                       ("fp32 fine-tune (tanh GELU)", 32), ("fine-tune + PTQ (GGUF q4_0)", 4), ("QAT (GGUF q4_0)", 4)]
+                       ("fp32 fine-tune (tanh GELU)", 32), ("fine-tune + PTQ (GGUF q4_0)", 4), ("QAT (GGUF q4_0)", 4),
+                       ("fine-tune + PTQ (GGUF Q4_K_M)", 4), ("QAT (GGUF Q4_K_M)", 4)]
     smoke = PRESETS["smoke"]
     vocab = results["data"]["vocab"]
     for row in results["rows"]:
         assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
-        if "GGUF" in row["method"]:
+        if "GGUF q4_0" in row["method"]:
             assert row["bytes"] == gguf_q4_0_bytes(vocab, smoke.d_model, smoke.n_layer, smoke.block)
+        elif "GGUF Q4_K_M" in row["method"]:  # one layer of width 32: attn_qkv, ffn_down and token_embd Q8_0
+            types = {"token_embd": "Q8_0", "attn_qkv": "Q8_0", "attn_output": "Q5_0", "ffn_up": "Q5_0",
+                     "ffn_down": "Q8_0"}
+            assert row["bytes"] == gguf_mix_bytes(vocab, smoke.d_model, smoke.n_layer, smoke.block, lambda i, n: types[n])
         elif row["bits"] != 32:
             assert row["bytes"] == int_model_bytes(vocab, smoke.d_model, smoke.n_layer, smoke.block, row["bits"])
         if row["method"] == "QAT":
@@ -124,9 +144,9 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
             assert row["loss"] == pytest.approx(row["fake_quant_loss"], rel=bound)
     n_params = results["model"]["parameters"]
     assert results["model"]["fp32_bytes"] == 4 * n_params
-    assert set(results["summary"]) == {"int4", "int8", "gguf_q4_0"}
+    assert set(results["summary"]) == {"int4", "int8", "gguf_q4_0", "gguf_Q4_K_M"}
     assert set(results["curves"]) == {"fp32", "fp32 fine-tune", "QAT int4", "QAT int8", "fp32 fine-tune (tanh GELU)",
-                                      "QAT (GGUF q4_0)"}
+                                      "QAT (GGUF q4_0)", "QAT (GGUF Q4_K_M)"}
     assert len(results["curves"]["QAT int4"]["train_loss"]) == smoke.finetune_steps
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for line in ("QAT", "fine-tune + PTQ", "int4:", "int8:", "gguf_q4_0:", "evaluated from the GGUF file's weights"):
@@ -263,3 +283,72 @@ def test_divergence_is_one_line_naming_only_cli_options(tmp_path, capsys):
              for action in option.option_strings}
     assert set(re.findall(r"--[a-z-]+", err)) <= flags
     assert not (tmp_path / "complete.json").exists()
+
+
+# Two layers of width 64: ffn_down's rows of 256 take Q4_K (layer 0) and Q6_K (layer 1, a use_more_bits layer);
+# rows of 64 fall back (Q4_K -> Q5_0; Q6_K -> Q8_0 for layer 1's attn_qkv and for the tied token_embd).
+MIX = CompareConfig(steps=60, finetune_steps=12, bits=(4,), d_model=64, n_layer=2, n_head=2, block=32, batch_size=8,
+                    warmup=10, eval_windows=16, curve_every=12, curve_windows=4, threads=1)
+MIX_TYPES = {(None, "token_embd"): "Q8_0", (0, "ffn_down"): "Q4_K", (1, "ffn_down"): "Q6_K", (1, "attn_qkv"): "Q8_0"}
+
+
+def mix_type(i, name):
+    return MIX_TYPES.get((i, name), "Q5_0")
+
+
+def test_q4_k_m_rows_are_llama_quantizes_file_vs_qat_on_the_mix(tmp_path):
+    from mixle import load_gguf_weights, save_gguf
+    from tests.test_gguf_mixes import HAS_LLAMA_CPP, llama_quantize, read_tensors, sha
+
+    gguf = pytest.importorskip("gguf")
+    results = run_compare(MIX, progress=False, gguf_dir=tmp_path)
+    rows = {r["method"]: r for r in results["rows"]}
+    ptq, qat = rows["fine-tune + PTQ (GGUF Q4_K_M)"], rows["QAT (GGUF Q4_K_M)"]
+    vocab = results["data"]["vocab"]
+    files = {"ptq": tmp_path / "fine-tune_+_PTQ_GGUF_Q4_K_M.gguf", "qat": tmp_path / "QAT_GGUF_Q4_K_M.gguf"}
+    for row, path in ((ptq, files["ptq"]), (qat, files["qat"])):  # each tensor on the block type of llama.cpp's rule
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.tensor_type.name != "F32"}
+        want = {"token_embd.weight": "Q8_0"} | {f"blk.{i}.{name}.weight": mix_type(i, name) for i in range(2)
+                                                for name in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")}
+        assert types == want
+        assert row["bytes"] == gguf_mix_bytes(vocab, MIX.d_model, MIX.n_layer, MIX.block, mix_type)
+        assert row["tensor_types"] == {"Q4_K": 1, "Q5_0": 5, "Q6_K": 1, "Q8_0": 2} and row["spec"] == "Q4_K_M"
+    # PTQ's file is save_gguf(fp32 fine-tune, gguf_mix="Q4_K_M") byte for byte (the fine-tune read back exactly
+    # from its F32 file), and, where llama-cpp-python is installed, llama.cpp's quantizer's tensors.
+    template = build_causal_lm(vocab, MIX.d_model, MIX.n_layer, MIX.n_head, MIX.block, activation="gelu_tanh")
+    tuned = load_gguf_weights(template, tmp_path / "fp32.gguf")
+    (tmp_path / "again").mkdir()
+    save_gguf(tuned, tmp_path / "again" / files["ptq"].name, tokenizer=prepare_data(MIX).tokenizer, gguf_mix="Q4_K_M")
+    assert (tmp_path / "again" / files["ptq"].name).read_bytes() == files["ptq"].read_bytes()
+    if HAS_LLAMA_CPP:
+        llama_quantize(tmp_path / "fp32.gguf", tmp_path / "theirs.gguf", "Q4_K_M")
+        tensors = {path: {name: (kind, sha(data)) for name, (kind, _, data) in read_tensors(path).items()}
+                   for path in (tmp_path / "theirs.gguf", files["ptq"])}
+        assert tensors[tmp_path / "theirs.gguf"] == tensors[files["ptq"]]
+    assert ptq["loss"] == pytest.approx(held_out_loss(load_gguf_weights(template, files["ptq"]),
+                                                      prepare_data(MIX).eval_windows), rel=1e-12)
+    # QAT's file holds the blocks it trained on: mixle's evaluation of the file is its fake-quant loss exactly
+    # (the same float32 weights through the same forward).
+    assert qat["loss"] == qat["fake_quant_loss"]
+    assert "QAT (GGUF Q4_K_M)" in results["summary"]["gguf_Q4_K_M"]
+    table = format_table(results)
+    assert "(GGUF Q4_K_M) rows: PTQ = save_gguf(fp32 fine-tune, gguf_mix='Q4_K_M')" in table
+    if results["llama_cpp"] is not None:  # issue 24: llama.cpp's perplexity of each file within 1% of mixle's
+        measured = [row for row in results["rows"] if "llama_cpp_loss" in row]
+        assert len(measured) == 5
+        for row in measured:
+            assert row["llama_cpp_vs_mixle_percent"] == pytest.approx(100 * math.expm1(row["llama_cpp_loss"] - row["loss"]))
+            assert abs(row["llama_cpp_vs_mixle_percent"]) < 1.0, row["method"]
+        assert re.search(r"largest difference [-+]\d\.\d{3}% \(.*\), within 1%", table)
+
+
+def test_gguf_mixes_are_checked_and_none_leaves_the_rows_out(capsys):
+    assert CompareConfig(gguf_mixes=["q5_k_m", "Q4_K_M"]).gguf_mixes == ("Q5_K_M", "Q4_K_M")
+    assert cli.config_from_args(cli.build_parser().parse_args(["compare", "--gguf-mixes", "none"])).gguf_mixes == ()
+    with pytest.raises(ValueError, match=r"gguf_mixes: 'Q3_K_M' is unknown: use one of 'Q4_0' .*, or 'none'"):
+        CompareConfig(gguf_mixes=("Q3_K_M",))
+    with pytest.raises(ValueError, match="names a mix twice"):
+        CompareConfig(gguf_mixes=("Q4_K_M", "q4_k_m"))
+    rows = run_compare(PRESETS["smoke"].replace(steps=2, finetune_steps=2, bits=(4,), eval_windows=2, gguf_mixes=()),
+                       progress=False)["rows"]
+    assert [r["method"] for r in rows][-2:] == ["fine-tune + PTQ (GGUF q4_0)", "QAT (GGUF q4_0)"]

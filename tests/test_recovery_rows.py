@@ -40,3 +40,18 @@ def test_cli_flags():
     config = config_from_args(args)
     assert (config.distill, config.learned_scales, config.act8) == (True, True, True)
     assert (config.distill_temperature, config.distill_weight, config.scale_lr) == (2.0, 0.9, 1e-3)
+
+
+def test_summary_measures_a_mix_against_llama_quantizes_mix_and_its_llama_cpp_losses():
+    rows = [{"method": "fp32 fine-tune (tanh GELU)", "bits": 32, "loss": 1.0, "llama_cpp_loss": 1.001},
+            {"method": "fine-tune + PTQ (GGUF q4_0)", "bits": 4, "loss": 1.3},
+            {"method": "QAT (GGUF q4_0)", "bits": 4, "loss": 1.15},
+            {"method": "fine-tune + PTQ (GGUF Q4_K_M)", "bits": 4, "loss": 1.1, "gguf_mix": "Q4_K_M",
+             "llama_cpp_loss": 1.101},
+            {"method": "QAT (GGUF Q4_K_M)", "bits": 4, "loss": 1.02, "gguf_mix": "Q4_K_M", "llama_cpp_loss": 1.031}]
+    summary = summarize(rows, ())
+    assert round(summary["gguf_q4_0"]["QAT (GGUF q4_0)"]["recovered_percent"], 6) == 50.0
+    mix = summary["gguf_Q4_K_M"]["QAT (GGUF Q4_K_M)"]
+    assert round(mix["recovered_percent"], 6) == 80.0  # (1.1 - 1.02) / (1.1 - 1.0), not against Q4_0's PTQ
+    assert round(mix["llama_cpp_recovered_percent"], 6) == 70.0  # (1.101 - 1.031) / (1.101 - 1.001)
+    assert "recovers 80.0% of the held-out loss PTQ loses at GGUF Q4_K_M" in mix["note"]

@@ -40,7 +40,8 @@ def _add_finetune(commands):
     from mixle.lm.finetune_config import FinetuneConfig
 
     ft = commands.add_parser(
-        "finetune", help="QAT-fine-tune a pretrained causal LM (directory, GGUF or hub id) into a q4_0 / int4 file",
+        "finetune",
+        help="QAT-fine-tune a pretrained causal LM (directory, GGUF or hub id) into a q4_0 / Q4_K_M / int4 file",
         description="Load a pretrained transformers causal LM (a directory with config, safetensors and tokenizer; "
                     "a GGUF file; or a hub id where the hub is reachable), evaluate it in float and after PTQ on "
                     "the target, fine-tune it with quantization-aware training distilled from the float model, and "

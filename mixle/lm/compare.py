@@ -14,6 +14,12 @@ llama-cpp-python is installed; ``mixle.lm.llama_cpp_eval``). llama.cpp's ``gpt2`
 tanh-approximated GELU, so both start from the fp32 checkpoint with its blocks switched to
 ``activation="gelu_tanh"`` and get their own fp32 fine-tune baseline.
 
+The mix rows (``config.gguf_mixes``, default ``Q4_K_M``) do the same for a llama.cpp mix, on the
+same tanh-GELU fp32 fine-tune: PTQ is that fine-tune as ``llama-quantize`` writes it in the mix
+(``save_gguf(gguf_mix=...)``, bit-identical to llama.cpp's quantizer: every tensor on the block type
+llama.cpp picks, with its fallbacks for rows that 256 does not divide), QAT trains on
+``apply_qat(gguf_mix=...)``; both are evaluated from their files, and in llama.cpp.
+
 The config is ``mixle.lm.config``, the data ``mixle.lm.windows``, the summary, table, plot and
 files ``mixle.lm.report``; their names used by callers of this module are importable from it.
 """
@@ -33,7 +39,7 @@ from mixle.core.spec import QuantSpec
 from mixle.lm.config import GGUF_ACTIVATION, GGUF_SPEC, PRESETS, CompareConfig
 from mixle.lm.llama_cpp_eval import gguf_loss, llama_cpp_loss, llama_cpp_module
 from mixle.lm.report import (ACT8_PTQ, ACT8_QAT, FINETUNE, FINETUNE_PTQ, FP32, GGUF_FINETUNE, GGUF_PTQ, GGUF_QAT,
-                             PTQ, QAT, QAT_BOTH, QAT_DISTILL, QAT_LEARNED, summarize)
+                             PTQ, QAT, QAT_BOTH, QAT_DISTILL, QAT_LEARNED, gguf_mix_ptq, gguf_mix_qat, summarize)
 from mixle.lm.training import held_out_loss, train, warmup_cosine
 from mixle.lm.windows import data_key, prepare_data
 
@@ -76,6 +82,8 @@ class CompareRun:
             between phases, e.g. to try other fine-tune settings).
         data: its ``CompareData`` (``prepare_data(config)``).
         progress: show a progress bar per training phase.
+        gguf_dir: keep the llama.cpp rows' GGUF files in this existing directory (None: a
+            temporary one, removed after evaluation).
 
     Attributes:
         rows: one dict per evaluated model (method, bits, held-out loss, perplexity, bytes, ...).
@@ -87,8 +95,8 @@ class CompareRun:
     32
     """
 
-    def __init__(self, config, data, progress=True):
-        self.config, self.data, self.progress = config, data, progress
+    def __init__(self, config, data, progress=True, gguf_dir=None):
+        self.config, self.data, self.progress, self.gguf_dir = config, data, progress, gguf_dir
         self.rows, self.curves, self.seconds = [], {}, {}
         self.llama_cpp_info = None
 
@@ -238,39 +246,69 @@ def _gguf_rows(run, lm):
         block.activation = GGUF_ACTIVATION
     tuned = run.finetune(base, GGUF_FINETUNE)
     row = run.add(GGUF_FINETUNE, 32, tuned)
-    with tempfile.TemporaryDirectory(prefix="mixle-gguf-") as folder:
-        if llama_cpp_module() is not None:  # llama.cpp's own baseline: the float model as an F32 file
+    with _gguf_folder(run.gguf_dir) as folder:
+        if llama_cpp_module() is not None or run.gguf_dir is not None:  # the float model as an F32 file
             from mixle.exports.gguf import save_gguf
 
             path = os.path.join(folder, "fp32.gguf")
             save_gguf(tuned, path, tokenizer=run.data.tokenizer, float_matrices="f32")
-            _add_llama_cpp_loss(run, row, path)
+            _add_llama_cpp_loss(run, row, path)  # llama.cpp's own baseline
         _add_from_gguf(run, GGUF_PTQ, quantize_model(tuned, GGUF_SPEC), base, folder)
         qat = run.finetune(base, GGUF_QAT, lambda m: apply_qat(m, spec=GGUF_SPEC))
         _add_from_gguf(run, GGUF_QAT, qat, base, folder, fake_quant_loss=run.loss(qat))
+        for mix in run.config.gguf_mixes:  # after the q4_0 rows: theirs stay as they were
+            _mix_rows(run, mix, tuned, base, folder)
 
 
-def _add_from_gguf(run, method, model, template, folder, **extra):
+def _mix_rows(run, mix, tuned, base, folder):
+    """A llama.cpp mix: the fp32 fine-tune as llama-quantize writes it (PTQ) vs QAT on the mix, from their files.
+
+    ``save_gguf(tuned, gguf_mix=mix)`` quantizes each float matrix to the block type llama.cpp's
+    quantizer gives it, bit for bit as it does; ``apply_qat(gguf_mix=mix)`` trains each on that type.
+    """
+    from mixle.api import apply_qat
+
+    _add_from_gguf(run, gguf_mix_ptq(mix), tuned, base, folder, gguf_mix=mix)
+    qat = run.finetune(base, gguf_mix_qat(mix), lambda m: apply_qat(m, gguf_mix=mix))
+    _add_from_gguf(run, gguf_mix_qat(mix), qat, base, folder, gguf_mix=mix, fake_quant_loss=run.loss(qat))
+
+
+def _add_from_gguf(run, method, model, template, folder, gguf_mix=None, **extra):
     """A row evaluated from ``model``'s GGUF file: its weights read back into ``template``'s float copy.
 
     ``bytes`` is the file's tensor data; with llama-cpp-python installed the file is also run by
-    llama.cpp on the same held-out windows (``llama_cpp_loss``).
+    llama.cpp on the same held-out windows (``llama_cpp_loss``). ``gguf_mix``: written in that
+    llama.cpp mix (the row records it and the file's quantized tensor types).
     """
     path = os.path.join(folder, method.replace(" ", "_").replace("(", "").replace(")", "") + ".gguf")
-    result = gguf_loss(model, template, path, run.data.eval_windows, tokenizer=run.data.tokenizer)
+    result = gguf_loss(model, template, path, run.data.eval_windows, tokenizer=run.data.tokenizer, gguf_mix=gguf_mix)
     row = {"method": method, "bits": 4, "loss": result.loss, "perplexity": math.exp(result.loss),
-           "bytes": result.nbytes, "spec": GGUF_SPEC.short(), **extra}
+           "bytes": result.nbytes, "spec": GGUF_SPEC.short() if gguf_mix is None else gguf_mix, **extra}
+    if gguf_mix is not None:
+        row.update(gguf_mix=gguf_mix, tensor_types=result.types)
     _add_llama_cpp_loss(run, row, path)
     run.rows.append(row)
     return row
 
 
 def _add_llama_cpp_loss(run, row, path):
-    """With llama-cpp-python installed: ``row``'s loss and perplexity from the file run by llama.cpp."""
+    """With llama-cpp-python installed: ``row``'s loss and perplexity from the file run by llama.cpp, and
+    how far that perplexity is from mixle's of the same weights (``llama_cpp_vs_mixle_percent``)."""
     cpp = llama_cpp_loss(path, run.data.eval_windows, run.config.threads)
     if cpp is not None:
         row["llama_cpp_loss"], run.llama_cpp_info = cpp
         row["llama_cpp_perplexity"] = math.exp(row["llama_cpp_loss"])
+        row["llama_cpp_vs_mixle_percent"] = 100 * math.expm1(row["llama_cpp_loss"] - row["loss"])
+
+
+@contextlib.contextmanager
+def _gguf_folder(kept):
+    """``kept`` (an existing directory, checked by ``run_compare``), or a temporary directory removed afterwards."""
+    if kept is None:
+        with tempfile.TemporaryDirectory(prefix="mixle-gguf-") as folder:
+            yield folder
+    else:
+        yield os.fspath(kept)
 
 
 @contextlib.contextmanager
@@ -314,7 +352,7 @@ def _results(run, lm, external, torch, threads, total):
     }
 
 
-def run_compare(config=None, *, data=None, progress=True, external=()):
+def run_compare(config=None, *, data=None, progress=True, external=(), gguf_dir=None):
     """Train fp32, then compare PTQ, fine-tune + PTQ and QAT at each of ``config.bits``.
 
     Args:
@@ -322,6 +360,8 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
         data: ``prepare_data(config)`` if already built (else it is built here).
         progress: show a tqdm bar per training phase.
         external: ``ExternalQAT`` entries (e.g. torchao) run like mixle's QAT.
+        gguf_dir: keep the llama.cpp rows' GGUF files in this existing directory (default: a
+            temporary directory, removed when they are evaluated).
 
     Returns:
         A JSON-ready dict: ``config``, ``environment``, ``data``, ``model``, ``rows`` (method,
@@ -338,8 +378,10 @@ def run_compare(config=None, *, data=None, progress=True, external=()):
     torch = require("torch", extra="torch", purpose="mixle compare")
     if config.gguf:
         require("gguf", extra="gguf", purpose="the llama.cpp rows of mixle compare (or pass gguf=False / --no-gguf)")
+    if gguf_dir is not None and not os.path.isdir(gguf_dir):
+        raise ValueError(f"gguf_dir={os.fspath(gguf_dir)!r} is not a directory: create it first, or pass None")
     with _torch_threads(torch, config.threads) as previous_threads:
-        run = CompareRun(config, _data_for(config, data), progress)
+        run = CompareRun(config, _data_for(config, data), progress, gguf_dir)
         began = time.perf_counter()
         lm = _fp32_rows(run)
         tuned = _finetune_rows(run, lm)

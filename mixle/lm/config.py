@@ -8,14 +8,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from mixle.core.mixes import GGUF_MIXES, mix_named
 from mixle.core.spec import SUPPORTED_BITS, QuantSpec
 from mixle.lm.flags import option, positive_int
 
-__all__ = ["CompareConfig", "PRESETS", "GGUF_SPEC", "GGUF_ACTIVATION"]
+__all__ = ["CompareConfig", "PRESETS", "GGUF_SPEC", "GGUF_ACTIVATION", "GGUF_MIX_DEFAULT"]
 
 # The llama.cpp rows: llama.cpp's Q4_0 grid, and the activation its gpt2 graph computes.
 GGUF_SPEC = QuantSpec(grid="q4_0")
 GGUF_ACTIVATION = "gelu_tanh"
+# The llama.cpp mix rows by default: Ollama's default tag and the usual GGUF on model hubs.
+GGUF_MIX_DEFAULT = ("Q4_K_M",)
 
 _POSITIVE = ("steps", "finetune_steps", "d_model", "n_layer", "n_head", "block", "batch_size", "curve_every",
              "curve_windows")
@@ -68,6 +71,10 @@ class CompareConfig:
         gguf: also the llama.cpp rows (see ``mixle.lm.compare``): QAT on ``grid="q4_0"`` vs
             fine-tune + PTQ into Q4_0, evaluated from the GGUF file (needs gguf-py and
             ``d_model`` divisible by 32, Q4_0's block).
+        gguf_mixes: with ``gguf``, also for each of these llama.cpp mixes (``GGUF_MIXES``): the
+            fp32 fine-tune as ``llama-quantize`` writes it in the mix (``save_gguf(gguf_mix=)``)
+            vs QAT on the mix (``apply_qat(gguf_mix=)``), both evaluated from their files;
+            ``()`` (``--gguf-mixes none``) leaves them out.
 
     >>> CompareConfig(steps=10).replace(bits=[8]).bits
     (8,)
@@ -105,10 +112,15 @@ class CompareConfig:
                                "fine-tune + PTQ vs QAT")
     act8_group_size: int = 32
     gguf: bool = option(True, "leave out the llama.cpp rows (QAT on q4_0 vs fine-tune + PTQ into Q4_0, evaluated "
-                              "from the GGUF file; also run in llama.cpp when llama-cpp-python is installed)")
+                              "from the GGUF file; also run in llama.cpp when llama-cpp-python is installed), "
+                              "the mix rows included")
+    gguf_mixes: tuple[str, ...] = option(GGUF_MIX_DEFAULT, "llama.cpp mixes of the mix rows: llama-quantize's mix of "
+                                         "the fp32 fine-tune vs QAT on the mix, both from their GGUF files; 'none' "
+                                         f"leaves them out (one or more of {', '.join(GGUF_MIXES)}; default: Q4_K_M)")
 
     def __post_init__(self):
         object.__setattr__(self, "bits", _checked_bits(self.bits))
+        object.__setattr__(self, "gguf_mixes", _checked_mixes(self.gguf_mixes))
         self._check_kinds()
         self._check_shapes()
         self.spec(self.bits[0])  # validates group_size and clip_percentile
@@ -190,6 +202,28 @@ def _checked_bits(bits):
     if not widths or len(set(widths)) != len(widths):
         raise ValueError(f"bits={bits!r} must list 4 and/or 8 once each")
     return tuple(int(b) for b in widths)
+
+
+def _checked_mixes(mixes):
+    """``mixes`` as a tuple of distinct llama.cpp mix names (``("none",)`` or ``None``: no mix rows).
+
+    >>> _checked_mixes(["q4_k_m"]), _checked_mixes(("none",))
+    (('Q4_K_M',), ())
+    """
+    mixes = () if mixes is None else (mixes,) if isinstance(mixes, str) else mixes
+    if not isinstance(mixes, tuple | list):
+        raise ValueError(f"gguf_mixes={mixes!r} must be a tuple of llama.cpp mix names, e.g. ('Q4_K_M',)")
+    if tuple(m.lower() if isinstance(m, str) else m for m in mixes) == ("none",):
+        return ()
+    names = []
+    for mix in mixes:
+        try:
+            names.append(mix_named(mix).name)
+        except ValueError as err:
+            raise ValueError(str(err).replace("gguf_mix=", "gguf_mixes: ", 1) + ", or 'none'") from None
+    if len(set(names)) != len(names):
+        raise ValueError(f"gguf_mixes={tuple(mixes)!r} names a mix twice: list each once")
+    return tuple(names)
 
 
 PRESETS = {

@@ -9,7 +9,9 @@ The job (``run_finetune``):
    ``llama-quantize`` gives the user), on the held-out windows, in mixle and, from their GGUF
    files, in llama.cpp;
 3. wraps the model with ``apply_qat`` (every decoder-block matrix; the embedding and tied head
-   stay float, as PTQ leaves them), optionally with LoRA adapters on a frozen base, and trains it
+   stay float, as PTQ leaves them; with a llama.cpp mix target such as ``Q4_K_M`` every matrix
+   llama-quantize quantizes, embedding and head included, on the block type it gives it),
+   optionally with LoRA adapters on a frozen base, and trains it
    distilled from the float model (``mixle.lm.finetune_train``), checkpointing as it goes;
 4. evaluates the QAT model converted to its integer codes, writes the GGUF (the trained blocks
    as they are) and, for an integer grid, a compressed-tensors directory, runs the GGUF in
@@ -49,8 +51,11 @@ __all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teache
 EXCLUDE = ("lm_head",)  # the head (tied to the embedding or not) stays float, as PTQ leaves it
 
 
-def target_outputs(model, spec, float_matrices):
+def target_outputs(model, spec, float_matrices, mix=None):
     """Which files the target can be written as: ``{"gguf": bool, "compressed_tensors": bool}``.
+
+    ``mix``: instead of ``spec``, a llama.cpp mix (``"Q4_K_M"``): a GGUF file, each matrix on the
+    block type llama.cpp's quantizer gives it (``gguf_mix_specs``, which checks the model fits).
 
     Raises:
         ValueError: no file mixle writes stores ``spec``, or a layer's shape cannot hold it (the
@@ -62,6 +67,11 @@ def target_outputs(model, spec, float_matrices):
     from mixle.exports.compressed_tensors import weight_args
     from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS
 
+    if mix is not None:
+        from mixle.exports.gguf import gguf_mix_specs
+
+        gguf_mix_specs(model, mix)
+        return {"gguf": True, "compressed_tensors": False}
     outputs = {"gguf": spec.grid_record.ggml_type in GGML_BLOCKS, "compressed_tensors": True}
     try:
         weight_args(spec)
@@ -192,17 +202,22 @@ class _Evaluator:
                 row[f"{key}llama_cpp_loss"], row[f"{key}llama_cpp_perplexity"] = loss, math.exp(loss)
         return row
 
-    def gguf(self, model, path, float_matrices, row):
-        """Write ``model`` as the GGUF ``path``, record its bytes and llama.cpp's losses."""
+    def gguf(self, model, path, float_matrices, row, mix=None):
+        """Write ``model`` as the GGUF ``path`` (in the llama.cpp ``mix`` if given), record its bytes and
+        llama.cpp's losses."""
         from mixle.exports.gguf import save_gguf
 
-        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices)
+        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices, gguf_mix=mix)
         row["file_bytes"] = os.path.getsize(path)
         return self.from_file(path, row)
 
 
-def _evaluate_before(model, spec, outputs, evaluator, scratch):
-    """The float and PTQ rows (mixle, and llama.cpp from their GGUF files in ``scratch``)."""
+def _evaluate_before(model, config, outputs, evaluator, scratch):
+    """The float and PTQ rows (mixle, and llama.cpp from their GGUF files in ``scratch``).
+
+    With a mix target PTQ is what ``llama-quantize`` makes of the float model: ``quantize_model``
+    on the mix, whose file is ``save_gguf(model, gguf_mix=mix)``'s, bit-identical to llama.cpp's quantizer's.
+    """
     from mixle.api import quantize_model
 
     float_row = evaluator.mixle(model, {"method": FLOAT})
@@ -210,11 +225,12 @@ def _evaluate_before(model, spec, outputs, evaluator, scratch):
         path = os.path.join(scratch, "float.gguf")
         evaluator.gguf(model, path, "f32", float_row)
         os.remove(path)
-    ptq = quantize_model(model, spec, exclude=EXCLUDE)
-    ptq_row = evaluator.mixle(ptq, {"method": PTQ, "spec": spec.short()})
+    mix = config.mix()
+    ptq = quantize_model(model, gguf_mix=mix) if mix else quantize_model(model, config.spec(), exclude=EXCLUDE)
+    ptq_row = evaluator.mixle(ptq, {"method": PTQ, "spec": mix or config.spec().short()})
     if outputs["gguf"] and evaluator.llama_cpp:
         path = os.path.join(scratch, "ptq.gguf")
-        evaluator.gguf(ptq, path, evaluator.config.float_matrices, ptq_row)
+        evaluator.gguf(ptq, path, config.float_storage(), ptq_row, mix=mix)  # = save_gguf(model, gguf_mix=mix)
         os.remove(path)
     return [float_row, ptq_row]
 
@@ -223,8 +239,8 @@ def _prepare_student(model, config):
     """Wrap ``model`` for QAT in place (LoRA too if asked); returns ``(student, teacher, shares)``."""
     from mixle.api import apply_lora, apply_qat
 
-    spec = config.spec()
-    student = apply_qat(model, spec=spec, exclude=EXCLUDE)
+    mix = config.mix()
+    student = apply_qat(model, gguf_mix=mix) if mix else apply_qat(model, spec=config.spec(), exclude=EXCLUDE)
     for param in student.parameters():
         param.requires_grad_(False)
     layers = [m for m in student.modules() if getattr(m, "spec", None) is not None]
@@ -265,12 +281,13 @@ def _evaluate_after(student, config, outputs, evaluator, out):
         student = merge_lora(student)
     fake = held_out_loss(student, evaluator.data.eval_windows, batch=config.batch_size, family=TRANSFORMERS)
     converted = convert(student)
-    row = evaluator.mixle(converted, {"method": QAT, "spec": config.spec().short(), "fake_quant_loss": fake})
-    del converted
+    spec = config.mix() or config.spec().short()
+    row = evaluator.mixle(converted, {"method": QAT, "spec": spec, "fake_quant_loss": fake})
     files = {}
-    if outputs["gguf"]:
-        evaluator.gguf(student, os.path.join(out, GGUF_FILE), config.float_matrices, row)
+    if outputs["gguf"]:  # the converted codes are the trained blocks: written without quantizing again
+        evaluator.gguf(converted, os.path.join(out, GGUF_FILE), config.float_storage(), row, mix=config.mix())
         files["gguf"] = GGUF_FILE
+    del converted
     if outputs["compressed_tensors"]:
         from mixle.exports.compressed_tensors import save_pretrained_compressed
 
@@ -350,7 +367,7 @@ class _Run:
                              f"{config.out}, or choose another --out")
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
-        self.outputs = target_outputs(self.model, config.spec(), config.float_matrices)
+        self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
         check_output_room(self.out, _needed_bytes(self.model, self.outputs, config.lora))
         self.digests = {"data": self.data.digest, "model": _model_digest(self.model)}
@@ -367,7 +384,7 @@ class _Run:
             return self.payload["rows"]
         self.model.to(self.config.device)
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
-            return _evaluate_before(self.model, self.config.spec(), self.outputs, self.evaluator, scratch)
+            return _evaluate_before(self.model, self.config, self.outputs, self.evaluator, scratch)
 
     def save(self, trainer, rows):
         """Write the checkpoint (only from finite trained tensors: a diverged state is never saved)."""

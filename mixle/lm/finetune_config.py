@@ -2,7 +2,8 @@
 
 Each field declared with ``option`` carries its ``--flag`` help in its metadata, and
 ``mixle.lm.cli`` generates the ``mixle finetune`` flags from them (``mixle.lm.flags``). The target
-(``--target``) is parsed here into the ``QuantSpec`` QAT trains on (``parse_target``).
+(``--target``) is parsed here into the ``QuantSpec`` QAT trains on (``parse_target``), or into the
+llama.cpp mix whose block types it trains on (``parse_mix``: ``Q4_K_M``, ...).
 """
 
 import dataclasses
@@ -11,10 +12,11 @@ import re
 from dataclasses import dataclass
 
 from mixle.core.grids import GRIDS
+from mixle.core.mixes import GGUF_MIXES
 from mixle.core.spec import QuantSpec
 from mixle.lm.flags import option, positive_int
 
-__all__ = ["FinetuneConfig", "parse_target", "OBJECTIVES", "DTYPES", "RESULT_FIELDS"]
+__all__ = ["FinetuneConfig", "parse_target", "parse_mix", "OBJECTIVES", "DTYPES", "RESULT_FIELDS"]
 
 OBJECTIVES = ("kl", "ce", "mix")
 DTYPES = ("float32", "bfloat16")
@@ -26,8 +28,37 @@ RESULT_FIELDS = None  # filled below from the dataclass
 
 _TARGET = re.compile(r"int(?P<bits>4|8)(?:/(?P<gran>channel|tensor|group(?P<group>\d+)|g(?P<g>\d+)))?"
                      r"(?:/(?P<grid>symmetric|qwix))?")
+# What a llama.cpp ftype name looks like (Q4_K_M, Q3_K_S, IQ4_XS, Q2_K, ...): told apart from a typo'd grid.
+_MIX_LIKE = re.compile(r"(?i)i?q\d(_\d)?_(k|xs|xxs|s|m|l|nl)(_(s|m|l|xl))?")
 _POSITIVE = ("steps", "batch_size", "block", "accumulate", "eval_windows", "curve_windows", "checkpoint_every")
 _RATES = ("lr", "temperature")
+
+
+def parse_mix(target):
+    """The llama.cpp mix a ``--target`` names (``"Q4_K_M"``, ...: ``GGUF_MIXES``), or None for a grid target.
+
+    A mix is spelled as ``llama-quantize`` spells it: ``Q4_K_M``, ``Q4_K_S``, ``Q5_K_M``, ``Q5_K_S``,
+    ``Q6_K``, ``Q8_0``, ``Q4_0`` (the names that are only mixes also in lower case); a lower-case
+    grid name (``q4_0``, ``q6_k``) is the grid on every decoder matrix (``parse_target``).
+
+    Raises:
+        ValueError: a llama.cpp ftype mixle does not train (e.g. ``Q3_K_M``), naming the mixes it does.
+
+    >>> parse_mix("Q4_K_M"), parse_mix("q5_k_m"), parse_mix("Q6_K"), parse_mix("q6_k"), parse_mix("int4")
+    ('Q4_K_M', 'Q5_K_M', 'Q6_K', None, None)
+    """
+    if not isinstance(target, str):
+        return None
+    if target in GGUF_MIXES:
+        return target
+    if target.lower() in GRIDS:
+        return None
+    if target.upper() in GGUF_MIXES:
+        return target.upper()
+    if _MIX_LIKE.fullmatch(target):
+        raise ValueError(f"target={target!r} is not a llama.cpp mix mixle trains: use one of {', '.join(GGUF_MIXES)} "
+                         f"(the block types llama-quantize gives each tensor), or a grid such as 'q4_0'")
+    return None
 
 
 def parse_target(target):
@@ -50,10 +81,9 @@ def parse_target(target):
         return QuantSpec(bits=next(iter(fixed[target.lower()].codes)), grid=target.lower())
     found = _TARGET.fullmatch(target)
     if found is None:
-        mix = " (llama.cpp's K-quant mixes such as Q4_K_M are not trainable yet)" if "_K" in target.upper() else ""
-        raise ValueError(f"target={target!r} is unknown{mix}: use one of {sorted(fixed)} (llama.cpp's blocks), "
-                         f"or int4 / int8 with an optional /channel, /tensor or /group<N> and /symmetric or /qwix, "
-                         f"e.g. 'int4/group32'")
+        raise ValueError(f"target={target!r} is unknown: use one of {sorted(fixed)} (llama.cpp's blocks), a llama.cpp "
+                         f"mix ({', '.join(GGUF_MIXES)}), or int4 / int8 with an optional /channel, /tensor or "
+                         f"/group<N> and /symmetric or /qwix, e.g. 'int4/group32'")
     group = found["group"] or found["g"]
     granularity = "group" if group else (found["gran"] or "channel")
     return QuantSpec(bits=int(found["bits"]), grid=found["grid"] or "symmetric", granularity=granularity,
@@ -76,7 +106,10 @@ class FinetuneConfig:
         data: UTF-8 text files or directories of them (``*.txt``, ``*.md``, ``*.rst``, sorted);
             None: the embedded corpus (CPython's documentation topics).
         eval_data: optional second held-out text (files/directories), never trained on.
-        target: what QAT trains for and the file stores (``parse_target``).
+        target: what QAT trains for and the file stores: a grid (``parse_target``) on every
+            decoder matrix, or a llama.cpp mix (``parse_mix``: ``Q4_K_M``, ...) on every matrix
+            llama-quantize quantizes, the embedding and head included, each on the block type
+            llama.cpp gives it.
         steps: optimizer steps (the cosine schedule's length); max_minutes: stop training
             after this many minutes (the schedule is fitted to the steps that fit).
         batch_size, block, accumulate: windows of ``block`` predicted tokens per micro-batch,
@@ -96,7 +129,8 @@ class FinetuneConfig:
         eval_windows, curve_windows, curve_every: windows of the reported evaluations, of the
             held-out training curve and its spacing in steps (default: 10 points).
         checkpoint_every: write the training state every this many steps (and on Ctrl-C/SIGTERM).
-        float_matrices: how the GGUF stores matrices QAT leaves float (the token embedding).
+        float_matrices: how the GGUF stores matrices QAT leaves float (the token embedding); None:
+            ``q8_0`` (with a mix target the mix decides every matrix, so it must stay None).
         seed, threads, llama_cpp: data order seed; torch/llama.cpp threads; also evaluate
             the written files in llama.cpp when llama-cpp-python is installed.
 
@@ -109,8 +143,10 @@ class FinetuneConfig:
     data: tuple[str, ...] | None = option(None, "UTF-8 text files or directories of them to train on (default: "
                                                 "the embedded CPython documentation topics)")
     eval_data: tuple[str, ...] | None = option(None, "a second held-out text (files or directories), never trained on")
-    target: str = option("q4_0", "what QAT trains for: q4_0, q8_0 (llama.cpp blocks) or int4 / int8 "
-                                 "[/channel|/tensor|/group<N>][/symmetric|/qwix] (default: q4_0)")
+    target: str = option("q4_0", "what QAT trains for: q4_0, q8_0, ... (a llama.cpp block on every decoder matrix), "
+                                 "a llama.cpp mix as llama-quantize names it (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, "
+                                 "Q8_0, Q4_0: every matrix on the block type llama.cpp gives it, embedding included), "
+                                 "or int4 / int8 [/channel|/tensor|/group<N>][/symmetric|/qwix] (default: q4_0)")
     steps: int = option(240, "optimizer steps (default: 240)", type=positive_int)
     max_minutes: float | None = option(None, "stop training after this many minutes (the learning-rate schedule "
                                              "is fitted to the steps that fit)")
@@ -139,8 +175,9 @@ class FinetuneConfig:
     curve_every: int | None = None
     checkpoint_every: int = option(50, "write a checkpoint every this many steps (default: 50)",
                                    type=positive_int)
-    float_matrices: str = option("q8_0", "GGUF storage of matrices left float (the token embedding): q8_0, f16, "
-                                         "f32", choices=("q8_0", "f16", "f32"))
+    float_matrices: str | None = option(None, "GGUF storage of matrices left float (the token embedding): q8_0 "
+                                                "(default), f16, f32; not with a mix --target, which decides them",
+                                        choices=("q8_0", "f16", "f32"))
     seed: int = option(0, "seed of the data order (default: 0)")
     threads: int | None = option(None, "torch and llama.cpp CPU threads", type=positive_int)
     llama_cpp: bool = option(True, "skip the llama.cpp evaluation of the written files")
@@ -160,7 +197,7 @@ class FinetuneConfig:
                 object.__setattr__(self, name, tuple(str(v) for v in value))
         self._check_numbers()
         self._check_choices()
-        self.spec()  # the target parses, learned scales fit its grid
+        self._check_target()
 
     def _check_numbers(self):
         for name in _POSITIVE:
@@ -195,15 +232,54 @@ class FinetuneConfig:
         for name in ("learned_scales", "llama_cpp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.float_matrices is not None and self.float_matrices not in ("q8_0", "f16", "f32"):
+            raise ValueError(f"float_matrices={self.float_matrices!r} is unknown: use q8_0, f16 or f32")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r} is not a torch device: use cpu, cuda or cuda:N")
 
+    def _check_target(self):
+        """The target parses; learned scales fit its grid; a mix comes without options it cannot honour."""
+        mix = self.mix()
+        if mix is None:
+            self.spec()
+            return
+        refused = [(flag, why) for flag, given, why in (
+            ("--learned-scales", self.learned_scales, "its block scales come from llama.cpp's own search over each "
+                                                      "block, not from a learned scale"),
+            ("--float-matrices", self.float_matrices is not None, "it decides how every matrix is stored, as "
+                                                                  "llama-quantize does"),
+            ("--lora", self.lora is not None, "LoRA on a mix is not supported yet (the mix quantizes the embedding "
+                                              "and head too, which apply_lora does not adapt)")) if given]
+        if refused:
+            flag, why = refused[0]
+            raise ValueError(f"{flag} with --target {mix}: {why}; leave {flag} out (or pick a grid target, e.g. "
+                             f"q4_0)")
+
+    def mix(self):
+        """The llama.cpp mix the target names (``parse_mix``), or None for a grid target.
+
+        >>> FinetuneConfig(model="m", out="o", target="Q4_K_M").mix(), FinetuneConfig(model="m", out="o").mix()
+        ('Q4_K_M', None)
+        """
+        return parse_mix(self.target)
+
+    def float_storage(self):
+        """How the GGUF stores matrices QAT leaves float: ``float_matrices`` or ``"q8_0"``; None with a mix.
+
+        >>> FinetuneConfig(model="m", out="o").float_storage()
+        'q8_0'
+        """
+        return None if self.mix() else self.float_matrices or "q8_0"
+
     def spec(self):
-        """The QuantSpec QAT trains on: the target's, with learned scales if asked.
+        """The QuantSpec QAT trains on: the target's, with learned scales if asked; None for a mix
+        target (each layer then trains on ``gguf_mix_specs``' spec).
 
         >>> FinetuneConfig(model="m", out="o").spec().short()
         'int4/group32/q4_0'
         """
+        if self.mix() is not None:
+            return None
         spec = parse_target(self.target)
         if not self.learned_scales:
             return spec

@@ -6,7 +6,9 @@ copy with the model's own forward. ``llama_cpp_loss`` runs the file in llama.cpp
 llama-cpp-python, the optional ``llama`` extra) on the same windows and scores its logits.
 """
 
+import collections
 import contextlib
+import dataclasses
 import io
 import os
 from dataclasses import dataclass
@@ -105,13 +107,15 @@ def llama_cpp_loss(path, windows, threads=None):
 
 @dataclass(frozen=True)
 class GGUFLoss:
-    """``gguf_loss``'s result: the held-out loss of the file's weights and the file's tensor bytes."""
+    """``gguf_loss``'s result: the held-out loss of the file's weights, the file's tensor bytes and
+    ``{ggml type: tensor count}`` of its quantized tensors (F32 / F16 ones left out)."""
 
     loss: float
     nbytes: int
+    types: dict = dataclasses.field(default_factory=dict)
 
 
-def gguf_loss(model, template, path, windows, *, tokenizer=None):
+def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None):
     """Write ``model`` as the GGUF file ``path`` and evaluate the weights read back from it.
 
     Args:
@@ -121,10 +125,12 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None):
         path: the ``.gguf`` file to write.
         windows: held-out token windows, shape ``(count, length)``.
         tokenizer: written into the file (``save_gguf(tokenizer=...)``).
+        gguf_mix: ``save_gguf``'s: a llama.cpp mix (``"Q4_K_M"``), in which a float ``model`` is
+            written as ``llama-quantize`` writes it (and a QAT model must be trained on the mix).
 
     Returns:
-        ``GGUFLoss(loss, nbytes)``: ``held_out_loss`` of the read-back model, and the bytes of the
-        file's tensor data.
+        ``GGUFLoss(loss, nbytes, types)``: ``held_out_loss`` of the read-back model, the bytes of
+        the file's tensor data and the count of each quantized block type in it.
 
     >>> import os, tempfile, torch
     >>> from mixle.api import apply_qat
@@ -139,7 +145,9 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None):
     gguf = require("gguf", extra="gguf", purpose="evaluating a model from its GGUF file")
     from mixle.exports.gguf import load_gguf_weights, save_gguf
 
-    save_gguf(model, path, tokenizer=tokenizer)
+    save_gguf(model, path, tokenizer=tokenizer, gguf_mix=gguf_mix)
     from_file = load_gguf_weights(template, path)
-    nbytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-    return GGUFLoss(held_out_loss(from_file, windows), nbytes)
+    tensors = gguf.GGUFReader(path).tensors
+    nbytes = sum(int(t.n_bytes) for t in tensors)
+    types = collections.Counter(t.tensor_type.name for t in tensors if t.tensor_type.name not in ("F32", "F16"))
+    return GGUFLoss(held_out_loss(from_file, windows), nbytes, dict(sorted(types.items())))

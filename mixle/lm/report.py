@@ -19,7 +19,7 @@ from mixle._optional import require
 __all__ = ["MIN_DEGRADATION", "summarize", "plot_training_curve", "format_table", "save_plot", "write_outputs", "check_out_dir", "OUTPUTS",
            "COMPLETE", "FP32", "PTQ", "FINETUNE", "FINETUNE_PTQ", "QAT", "QAT_DISTILL", "QAT_LEARNED", "QAT_BOTH",
            "OPTION_METHODS", "ACT8_PTQ", "ACT8_QAT", "ACT8_METHODS", "GGUF_FINETUNE", "GGUF_PTQ", "GGUF_QAT",
-           "GGUF_METHODS"]
+           "GGUF_METHODS", "gguf_mix_ptq", "gguf_mix_qat", "AGREEMENT_PERCENT"]
 
 # Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
 MIN_DEGRADATION = 0.005
@@ -41,6 +41,26 @@ GGUF_FINETUNE = "fp32 fine-tune (tanh GELU)"
 GGUF_PTQ = "fine-tune + PTQ (GGUF q4_0)"
 GGUF_QAT = "QAT (GGUF q4_0)"
 GGUF_METHODS = (GGUF_QAT,)
+# llama.cpp's perplexity of a file and mixle's of the same weights agree within this (issue 24).
+AGREEMENT_PERCENT = 1.0
+
+
+def gguf_mix_ptq(mix):
+    """The row of ``llama-quantize``'s ``mix`` of the tanh-GELU fp32 fine-tune.
+
+    >>> gguf_mix_ptq("Q4_K_M")
+    'fine-tune + PTQ (GGUF Q4_K_M)'
+    """
+    return f"fine-tune + PTQ (GGUF {mix})"
+
+
+def gguf_mix_qat(mix):
+    """The row (and training phase) of QAT on the llama.cpp ``mix``.
+
+    >>> gguf_mix_qat("Q4_K_M")
+    'QAT (GGUF Q4_K_M)'
+    """
+    return f"QAT (GGUF {mix})"
 
 
 def _row(rows, method, bits):
@@ -55,7 +75,8 @@ def summarize(rows, bits_list, external_names=(), act8_external=()):
     less than ``MIN_DEGRADATION`` nats the ratio is noise, so it is None and a note says why.
     Rows of the 8da4w spec (and ``act8_external`` methods) are measured against the 8da4w
     fine-tune + PTQ baseline, under the key ``"8da4w"``; the llama.cpp rows against their own
-    fine-tune + PTQ into Q4_0 and tanh-GELU fp32 fine-tune, under ``"gguf_q4_0"``.
+    fine-tune + PTQ into Q4_0 and tanh-GELU fp32 fine-tune, under ``"gguf_q4_0"``; the rows of a
+    llama.cpp mix (their ``gguf_mix``) against llama-quantize's mix, under ``"gguf_<mix>"``.
 
     >>> rows = [{"method": "fp32 fine-tune", "bits": 32, "loss": 1.0}, {"method": "fine-tune + PTQ", "bits": 4, "loss": 1.2},
     ...         {"method": "QAT", "bits": 4, "loss": 1.02}]
@@ -70,6 +91,11 @@ def summarize(rows, bits_list, external_names=(), act8_external=()):
                       tuned_method=GGUF_FINETUNE)
     if gguf:
         summary["gguf_q4_0"] = gguf["int4"]
+    for mix in dict.fromkeys(r["gguf_mix"] for r in rows if r.get("gguf_mix")):
+        entry = _summarize(rows, (4,), (), baseline_method=gguf_mix_ptq(mix), methods=(gguf_mix_qat(mix),),
+                           label=f"GGUF {mix}", tuned_method=GGUF_FINETUNE)
+        if entry:
+            summary[f"gguf_{mix}"] = entry["int4"]
     return summary
 
 
@@ -135,29 +161,55 @@ def format_table(results):
     rows = results["rows"]
     fp32_bytes = results["model"]["fp32_bytes"]
     cpp = any("llama_cpp_perplexity" in row for row in rows)
-    header = (f"{'method':<28}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
-              + (f"{'llama.cpp ppl':>15}" if cpp else ""))
+    width = max([28] + [len(row["method"]) + 1 for row in rows])
+    header = (f"{'method':<{width}}{'bits':>5}{'held-out loss':>15}{'perplexity':>12}{'bytes':>11}{'size':>8}"
+              + (f"{'llama.cpp ppl':>15}{'vs mixle':>10}" if cpp else ""))
     lines = [header, "-" * len(header)]
     for row in rows:
         bits = "fp32" if row["bits"] == 32 else f"int{row['bits']}"
-        lines.append(f"{row['method']:<28}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
+        lines.append(f"{row['method']:<{width}}{bits:>5}{row['loss']:>15.4f}{row['perplexity']:>12.4f}"
                      f"{row['bytes']:>11,d}{row['bytes'] / fp32_bytes:>7.1%}"
-                     + (f"{row['llama_cpp_perplexity']:>15.4f}" if "llama_cpp_perplexity" in row else ""))
+                     + (f"{row['llama_cpp_perplexity']:>15.4f}{_agreement(row):>+9.2f}%"
+                        if "llama_cpp_perplexity" in row else ""))
     lines.append("")
     for name, entry in results["summary"].items():
         for method, value in entry.items():
             if isinstance(value, dict):
                 lines.append(f"{name}: {value['note']}")
-    if any(row["method"] == GGUF_QAT for row in rows):
-        lines.append("(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
-                     "bytes = the file's tensor data"
-                     + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
-                        if results.get("llama_cpp") else ""))
+    lines.extend(_gguf_notes(results))
     data, env = results["data"], results["environment"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['corpus']} ({data['tokenizer']}-level, "
                  f"vocab {data['vocab']}); {results['model']['parameters']:,} parameters; torch {env['torch']}, "
                  f"{env['threads']} threads, {env['total_seconds']:.0f} s")
     return "\n".join(lines)
+
+
+def _agreement(row):
+    """llama.cpp's perplexity of ``row``'s file relative to mixle's of the same weights, in percent."""
+    return 100 * math.expm1(row["llama_cpp_loss"] - row["loss"])
+
+
+def _gguf_notes(results):
+    """The table's lines on the GGUF rows: how they are evaluated, the mixes' tensor types, llama.cpp's agreement."""
+    rows, lines = results["rows"], []
+    if any(row["method"] == GGUF_QAT for row in rows):
+        lines.append("(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
+                     "bytes = the file's tensor data"
+                     + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
+                        if results.get("llama_cpp") else ""))
+    for row in rows:
+        if row.get("gguf_mix") and row["method"] == gguf_mix_ptq(row["gguf_mix"]):
+            types = ", ".join(f"{name} x{count}" for name, count in row["tensor_types"].items())
+            lines.append(f"(GGUF {row['gguf_mix']}) rows: PTQ = save_gguf(fp32 fine-tune, gguf_mix={row['gguf_mix']!r}), "
+                         f"the file llama-quantize writes; QAT trained on apply_qat(gguf_mix={row['gguf_mix']!r}); "
+                         f"both evaluated from their files; quantized tensors: {types}")
+    measured = [row for row in rows if "llama_cpp_loss" in row]
+    if measured:
+        worst = max(measured, key=lambda row: abs(_agreement(row)))
+        verdict = "within" if abs(_agreement(worst)) <= AGREEMENT_PERCENT else "NOT within"
+        lines.append(f"llama.cpp vs mixle on the same files (F32 KV cache, context = the window, no BOS): largest "
+                     f"difference {_agreement(worst):+.3f}% ({worst['method']}), {verdict} {AGREEMENT_PERCENT:g}%")
+    return lines
 
 
 def plot_training_curve(axis, curve, label):
