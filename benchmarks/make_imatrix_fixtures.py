@@ -6,14 +6,17 @@ and ``bin/llama-imatrix`` it uses those; otherwise it downloads llama-cpp-python
 llama.cpp it vendors, ``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``) and
 builds both tools with cmake (a few minutes on 2 cores). Then, for the seeded models of
 ``tests/test_gguf_mixes.py`` (``IMATRIX_CASES``: an 8-layer Llama with rows of 256 and 32, so that
-Q4_0's first-eighth ffn_down rule applies, and a Qwen2 with rows of 64 and 256), it
+Q4_0's first-eighth ffn_down rule applies, and a Qwen2 with rows of 64 and 256; and the Qwen3-MoE
+``MOE_IMATRIX_CASE``, 3 layers of 4 experts, top-2, whose expert entries llama-imatrix collects per
+expert from ``MUL_MAT_ID``), it
 
 1. writes the float model as an F32 GGUF with ``save_gguf(model, float_matrices="f32")`` (with a
    one-character-per-token vocabulary, so that llama.cpp can tokenize text);
 2. makes two importance matrices: one written by mixle's ``write_imatrix`` from seeded sums and
    counts (``known``), and ``llama-imatrix``'s own file from a seeded text (``llama_imatrix``: the
    read oracle for ``read_imatrix``);
-3. runs ``llama-quantize --imatrix`` with each, for Q4_0, Q4_K_M, Q5_K_M and Q6_K (one thread).
+3. runs ``llama-quantize --imatrix`` with each, for Q4_0, Q4_K_M, Q5_K_M and Q6_K (one thread;
+   the MoE: ``llama-imatrix``'s file only, Q4_0 and Q4_K_M).
 
 The fixture holds one JSON ``meta`` (versions, per case the sha256 of every float tensor of the F32
 file, per imatrix and ftype the type llama.cpp gave every tensor and the sha256 of its bytes) and
@@ -40,6 +43,8 @@ from tests.test_imatrix import (  # noqa: E402
     FIXTURE,
     FTYPES,
     IMATRIX_CASES,
+    MOE_FTYPES,
+    MOE_IMATRIX_CASE,
     calibration_text,
     known_imatrix,
     llama_imatrix,
@@ -66,8 +71,9 @@ def build_tools(work):
     return build
 
 
-def case_record(case, build_dir, tmp, arrays):
-    """The fixture record of one model case (and its imatrix arrays into ``arrays``)."""
+def case_record(case, build_dir, tmp, arrays, kinds=("known", "llama_imatrix"), ftypes=FTYPES):
+    """The fixture record of one model case (and its imatrix arrays into ``arrays``): the imatrix
+    files ``kinds`` and ``llama-quantize --imatrix`` of each for ``ftypes``."""
     source = os.path.join(tmp, f"{case}.gguf")
     tensors = write_model(case, source)
     record = {"float": {name: sha(data) for name, (_, _, data) in tensors.items()}, "imatrix": {}}
@@ -76,7 +82,9 @@ def case_record(case, build_dir, tmp, arrays):
         handle.write(calibration_text())
     files = {"known": os.path.join(tmp, f"{case}.known.imatrix.gguf"),
              "llama_imatrix": os.path.join(tmp, f"{case}.llama.imatrix.gguf")}
-    known_imatrix(case, tensors, files["known"])
+    files = {which: path for which, path in files.items() if which in kinds}
+    if "known" in files:
+        known_imatrix(case, tensors, files["known"])
     llama_imatrix(build_dir, source, text, files["llama_imatrix"])
     from mixle.exports.imatrix_file import read_imatrix
 
@@ -87,13 +95,13 @@ def case_record(case, build_dir, tmp, arrays):
             arrays[f"{case}/{which}/{name}/counts"] = imatrix.counts[name]
         record["imatrix"][which] = {"datasets": list(imatrix.datasets), "chunk_count": imatrix.chunk_count,
                                     "chunk_size": imatrix.chunk_size, "ftypes": {}}
-        for ftype in FTYPES:
+        for ftype in ftypes:
             target = os.path.join(tmp, f"{case}.{which}.{ftype}.gguf")
             llama_quantize_imatrix(build_dir, source, target, ftype, path)
             record["imatrix"][which]["ftypes"][ftype] = {
                 name: [ggml_type, sha(data)] for name, (ggml_type, _, data) in read_tensors(target).items()}
             os.remove(target)
-        print(f"{case:12s} {which:14s} {len(imatrix.sums)} entries, {len(FTYPES)} ftypes")
+        print(f"{case:12s} {which:14s} {len(imatrix.sums)} entries, {len(ftypes)} ftypes")
     return record
 
 
@@ -113,6 +121,8 @@ def main(argv=None):
         arrays = {}
         for case in IMATRIX_CASES:
             meta["cases"][case] = case_record(case, build_dir, tmp, arrays)
+        meta["cases"][MOE_IMATRIX_CASE] = case_record(MOE_IMATRIX_CASE, build_dir, tmp, arrays, ("llama_imatrix",),
+                                                      MOE_FTYPES)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     np.savez_compressed(args.out, meta=np.array(json.dumps(meta, sort_keys=True)), **arrays)
     print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes); {meta['llama_cpp_version'].splitlines()[0]}")

@@ -25,6 +25,7 @@ import copy
 import io
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -86,6 +87,7 @@ def torchao_variant(model):
 VARIANTS = {
     "fp32": lambda model: (model, 0.0),
     "mixle q4_0": mixle_variant(QuantSpec(grid="q4_0")),
+    "mixle q4_0 act8": mixle_variant(QuantSpec(grid="q4_0", act_bits=8)),
     "mixle int4 group32": mixle_variant(QuantSpec(bits=4, group_size=32)),
     "torchao int4 group32 (experts float)": torchao_variant,
 }
@@ -137,20 +139,22 @@ def main(argv=None):
         names.append(name)
         shares.append(share)
         steps.append(trainer(model, batch))
-    times = [[] for _ in names]
+    times, faults = [[] for _ in names], [[] for _ in names]
     now = time.perf_counter if args.clock == "wall" else time.process_time
     for r in range(args.warmup + args.steps):
         order = list(range(len(names)))
         for i in order[r % len(order):] + order[:r % len(order)]:  # rotate who goes first
-            start = now()
+            touched, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, now()
             steps[i]()
             if r >= args.warmup:
                 times[i].append(now() - start)
+                faults[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - touched)
     base_median = statistics.median(times[0])
-    print(f"{'variant':<38} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'weights fake-quantized':>23}")
-    for name, t, share in zip(names, times, shares):
+    print(f"{'variant':<38} {'median ms':>9} {'x fp32':>7} {'min ms':>8} {'faults':>7} {'weights fake-quantized':>23}")
+    for name, t, f, share in zip(names, times, faults, shares):
         median = statistics.median(t)
-        print(f"{name:<38} {median * 1e3:>9.1f} {median / base_median:>7.3f} {min(t) * 1e3:>8.1f} {share:>23.1%}")
+        print(f"{name:<38} {median * 1e3:>9.1f} {median / base_median:>7.3f} {min(t) * 1e3:>8.1f} "
+              f"{statistics.median(f):>7.0f} {share:>23.1%}")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
 
 

@@ -19,7 +19,10 @@ llama.cpp's grids: rows ``mixle q4_0`` ... ``mixle q6_k`` (each on its fused ker
 ``mixle.torch_backend.fused_ggml``; ``q4_0 torch ops`` without it) and ``mixle mix Q4_K_M`` /
 ``Q6_K`` (``apply_qat(gguf_mix=...)``: each layer on the block type llama-quantize gives it, rows
 of 128 falling back to Q5_0 / Q8_0). A row a shape refuses (q4_k on rows of 128, a mix on a model
-with no llama.cpp architecture) is shown as not applicable. Under each table the step-time
+with no llama.cpp architecture) is shown as not applicable. Rows ``mixle q4_0 imatrix`` ...
+(``apply_qat(importance=)``, a fixed seeded importance per untied linear layer): ggml's
+importance-weighted search in every training forward, on the fused kernels (``... imatrix torch
+ops``: without them, the torch numerics). Under each table the step-time
 ratios the issues set targets for (``PAIRS``).
 
 ``--dtypes fp32,bf16`` also runs every variant under ``torch.autocast("cpu", torch.bfloat16)``
@@ -176,6 +179,23 @@ def _mixle_mix(mix):
     return lambda model: api_apply_qat(model, gguf_mix=mix)
 
 
+def _mixle_imatrix(**fields):
+    """A llama.cpp grid with an importance matrix: ``apply_qat(importance=)`` with a seeded importance
+    per linear layer (not those tied to an embedding, which llama.cpp quantizes without one)."""
+    from mixle.api import apply_qat as api_apply_qat
+
+    spec = QuantSpec(**fields)
+
+    def prepare(model):
+        g = torch.Generator().manual_seed(2)
+        tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        values = {path: torch.rand(m.in_features, generator=g).square().numpy() for path, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and id(m.weight) not in tied}
+        return api_apply_qat(model, spec=spec, importance=values)
+
+    return prepare
+
+
 def _torchao(granularity):
     def prepare(model):
         with _quiet():
@@ -281,6 +301,9 @@ def _fp32_variants(compile_rows):
     for grid in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):  # llama.cpp's other block types
         rows.append(Variant(f"mixle {grid}", _mixle_grid(grid=grid)))
     rows.append(Variant("mixle q4_0 torch ops", _mixle_grid(bits=4, grid="q4_0"), torch_ops=True))
+    for grid in ("q4_0", "q4_k", "q6_k"):  # with an importance matrix: the weighted search in every forward
+        rows.append(Variant(f"mixle {grid} imatrix", _mixle_imatrix(grid=grid)))
+    rows.append(Variant("mixle q4_k imatrix torch ops", _mixle_imatrix(grid="q4_k"), torch_ops=True))
     for mix in ("Q4_K_M", "Q6_K"):  # each layer on the block type llama.cpp's quantizer gives it
         rows.append(Variant(f"mixle mix {mix}", _mixle_mix(mix)))
     rows.append(Variant("mixle int4 channel learned", _mixle_learned("channel")))
@@ -411,7 +434,9 @@ def report(shape, rows, timing, memory):
 # Step-time ratios the issues set targets for (llama.cpp's grids), printed where both rows ran.
 PAIRS = (("mixle q4_0", "fp32"), ("mixle q8_0", "fp32"), ("mixle int4 group32", "fp32"),
          ("torchao int4 group32", "fp32"), ("mixle q4_k", "fp32"), ("mixle q4_k", "mixle q4_0"),
-         ("mixle mix Q4_K_M", "fp32"), ("mixle mix Q4_K_M", "mixle q4_0"), ("mixle q6_k", "fp32"))
+         ("mixle mix Q4_K_M", "fp32"), ("mixle mix Q4_K_M", "mixle q4_0"), ("mixle q6_k", "fp32"),
+         ("mixle q4_0 imatrix", "mixle q4_0"), ("mixle q4_k imatrix", "mixle q4_k"), ("mixle q6_k imatrix", "mixle q6_k"),
+         ("mixle q4_k imatrix", "fp32"))
 
 
 def _pair_ratios(by_name):

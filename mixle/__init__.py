@@ -18,8 +18,8 @@ _NUMERICS = "mixle.core.numerics"
 _FACE = {
     **{name: (_API, None) for name in (
         "apply_qat", "set_fake_quant_enabled", "get_qat_report", "invalidate_fake_quant_caches",
-        "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "calibrate_importance", "save_quantized",
-        "load_quantized", "model_nbytes", "apply_lora", "merge_lora", "get_lora_report",
+        "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "calibrate_importance", "gptq_quantize",
+        "save_quantized", "load_quantized", "model_nbytes", "apply_lora", "merge_lora", "get_lora_report",
         "lora_parameters", "QATReport", "LayerDecision")},
     **{name: (_NUMERICS, None) for name in (
         "QuantizedArray", "quantize_array", "dequantize_array", "quantize_dequantize_array")},

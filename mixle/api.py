@@ -27,6 +27,7 @@ __all__ = [
     "convert",
     "quantize_model",
     "calibrate_importance",
+    "gptq_quantize",
     "save_quantized",
     "load_quantized",
     "model_nbytes",
@@ -39,7 +40,7 @@ __all__ = [
 
 
 def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reconfigure=False,
-              example_inputs=None, gguf_mix=None, **spec_fields):
+              example_inputs=None, gguf_mix=None, importance=None, **spec_fields):
     """Make a model's selected layers fake-quantize their weights for quantization-aware training.
 
     PyTorch: every selected Linear-like layer (``nn.Linear``, transformers' ``Conv1D``,
@@ -69,6 +70,12 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             Qwix subclass of theirs); Linen modules come back as a new module using the same params.
         gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
             the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``.
+        importance: torch: an importance matrix as ``quantize_model`` takes it, fixed from
+            calibration: each linear layer with an entry fake-quantizes by ggml's weighted search
+            (STE backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice
+            QAT trained on; with ``gguf_mix``, as ``quantize_model``'s (types, entries needed).
+            Refused on grids without that search (int, nf4) and other layer kinds; unused on
+            ``q8_0`` / ``mxfp4`` (which ggml ignores it on), after checking.
 
     Returns:
         The model (for torch, the replacement if the root itself is an ``nn.Linear``). Its report
@@ -84,14 +91,35 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
     >>> get_qat_report(net).wrapped
     ['0', '2']
     """
+    values = None if importance is None else _qat_importance(model, importance)
     if gguf_mix is not None:
-        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
-    spec = resolve_spec(spec, spec_fields)
+        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
+                                         importance=values)
+        values = values if values is None else _mix_importance(model, gguf_mix, values)
+    return _apply(model, resolve_spec(spec, spec_fields), patterns, exclude, opt_in, reconfigure, example_inputs,
+                  values)
+
+
+def _apply(model, spec, patterns, exclude, opt_in, reconfigure, example_inputs, values):
+    """``apply_qat`` once the mix (if any) has chosen the patterns."""
     if not isinstance(reconfigure, bool):
         raise TypeError(f"reconfigure must be True or False, got {reconfigure!r}")
     backend = backends.for_model(model, "apply_qat")
     selector = LayerSelector(patterns=patterns, exclude=exclude, default_spec=spec, opt_in=opt_in)
-    return backend.apply(model, selector, reconfigure, example_inputs)
+    if values is None:
+        return backend.apply(model, selector, reconfigure, example_inputs)
+    return backend.apply(model, selector, reconfigure, example_inputs, importance=values)
+
+
+def _qat_importance(model, importance):
+    """``apply_qat``'s ``importance`` as ``{layer path: values}`` (torch models only)."""
+    record = backends.backend_of(model)
+    if record is None or record.name != "torch":
+        raise TypeError(f"apply_qat(importance=...) takes torch models (llama.cpp's imatrix quantizers, run by the "
+                        f"torch QAT layers), got a {type(model).__name__}: drop importance= for this model")
+    from mixle.exports.imatrix_file import importance_by_layer
+
+    return importance_by_layer(model, importance)
 
 
 def set_fake_quant_enabled(model, enabled):
@@ -215,9 +243,12 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     linear layer it covers is then quantized by ggml's importance-weighted search, bit for bit as
     ``llama-quantize --imatrix`` (``mixle.core.ggml_weighted``), and under ``gguf_mix`` the layers
     get the types llama-quantize gives with an imatrix (Q4_0: the first eighth of ffn_down Q4_1).
-    Entries of layers the mix keeps float are unused, as in llama.cpp; layers without an entry get
-    the reference quantizer. ``save_gguf(result, gguf_mix=...)`` then writes llama-quantize's file;
-    where the imatrix changed a type (Q4_0 with 8 or more layers), write it without ``gguf_mix``.
+    Fused experts (``calibrate_importance``'s ``<experts>.gate_up_proj`` / ``down_proj`` entries,
+    or ``ffn_*_exps`` of a file) are quantized per expert with that expert's importance. Entries of
+    layers the mix keeps float are unused, as in llama.cpp; under ``gguf_mix`` an importance without
+    an entry for a ``blk.*`` matrix the mix quantizes by a weighted search is refused (without a mix,
+    layers without an entry get the reference quantizer). ``save_gguf(result, gguf_mix=...,
+    importance=...)`` then writes llama-quantize's file.
 
     >>> import torch
     >>> type(quantize_model(torch.nn.Linear(8, 4), bits=8)).__name__
@@ -234,20 +265,33 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
 def _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, importance, spec_fields):
     """``quantize_model`` with an importance matrix (torch): the converted copy, re-quantized layer by
     layer by the weighted search."""
-    import re
-
-    from mixle.exports.imatrix_file import imatrix_mix_specs, importance_by_layer
+    from mixle.exports.imatrix_file import importance_by_layer
     from mixle.torch_backend.importance import with_importance  # torch models only
 
-    values = importance_by_layer(model, importance)
+    values = importance_by_layer(model, importance)  # a file is read (and checked) once
     if gguf_mix is not None:
-        _, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
-        specs = imatrix_mix_specs(model, gguf_mix)
-        patterns = [(re.escape(path), layer_spec) for path, layer_spec in specs.items()]
-        values = {path: v for path, v in values.items() if specs.get(path) is not None}  # F16/F32: unused
+        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
+                                         importance=values)
+        values = _mix_importance(model, gguf_mix, values)
     converted = backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
     return with_importance(converted, model, values)
+
+
+def _mix_importance(model, gguf_mix, values):
+    """The entries of ``values`` (``{layer path: importance}``) the mix quantizes with, after refusing
+    one without an entry for a ``blk.*`` matrix the mix quantizes by a weighted search."""
+    from mixle.exports.gguf import gguf_mix_types
+    from mixle.exports.imatrix_file import importance_by_tensor, model_imatrix_names, require_entry
+
+    types, by_tensor = gguf_mix_types(model, gguf_mix, importance=values), importance_by_tensor(model, values)
+    kept = {}
+    for path, names in model_imatrix_names(model).items():
+        for name in names:
+            require_entry(name, types[name], by_tensor)
+        if path in values and any(types[name] not in (None, "F16", "F32") for name in names):
+            kept[path] = values[path]  # F16/F32 (a router): unused, as in llama.cpp
+    return kept
 
 
 def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrate_importance"):
@@ -257,7 +301,10 @@ def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrat
     for every matrix ``save_gguf`` writes (or the given ``layers`` paths), the squared inputs of
     each input column and the input rows seen (products of fewer than 16 rows are skipped, as
     llama-imatrix skips them; its ``--process-output`` flag is needed for it to collect the head
-    too). Keep the calibration text apart from evaluation text. Fused expert layers are refused.
+    too). Fused experts are collected per expert as llama-imatrix collects ``MUL_MAT_ID``: entries
+    ``<experts>.gate_up_proj`` / ``<experts>.down_proj`` with sums ``(E, in)`` and counts ``(E,)``
+    (tokens routed to each expert, at any batch size). Keep the calibration text apart from
+    evaluation text.
     ``dataset`` names the calibration text in the file (``imatrix.datasets``).
 
     Returns:
@@ -278,6 +325,54 @@ def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrat
 
         layers = list(model_imatrix_names(model))
     return collect(model, batches, layers=list(layers), dataset=dataset)
+
+
+def gptq_quantize(model, batches, spec=None, *, patterns=(".*",), exclude=(), opt_in=(), damp=0.01, block_size=128,
+                  sequential=True, tied="round", **spec_fields):
+    """GPTQ post-training quantization (Frantar et al. 2022) of a float torch model, onto mixle's grids.
+
+    The result is ``quantize_model``'s converted copy (same selection, ties, grid, scale rule and
+    code range) whose linear layers hold GPTQ's codes instead of round-to-nearest ones: each
+    layer's input columns are rounded in order, the error of each spread over the columns not yet
+    rounded through the inverse of the layer's damped calibration Hessian ``X^T X`` (lazy batches
+    of ``block_size`` columns), with each group's scale computed by the grid's rule from the
+    compensated weights when the group starts. mixle's own GPTQ (``mixle.core.gptq``; torchao
+    0.18's prototype GPTQ runs on CUDA only, onto its own grid). ``save_quantized``,
+    ``model_nbytes``, and ``save_gguf`` (``grid="q4_0"``: llama.cpp's grid and scale rule) take it.
+
+    Args:
+        model: a float ``torch.nn.Module`` (left unchanged). Flax models are refused.
+        batches: calibration inputs, an iterable of tensors (``model(batch)``) or dicts
+            (``model(**batch)``); keep them apart from evaluation text.
+        spec, patterns, exclude, opt_in, spec_fields: as for ``quantize_model``. Grids with block
+            numerics (K-quants, ``q4_1``, ``q5_*``, ``mxfp4``, ``nf4``), learned scales and
+            ``act_bits`` are refused; selected layers other than ``nn.Linear`` must be excluded.
+        damp: fraction of ``mean(diag H)`` added to the Hessian's diagonal (GPTQ's percdamp).
+        block_size: columns per lazy batch (rounded up to a multiple of the group size).
+        sequential: True: layers in model order, each calibrated on inputs through the earlier
+            layers already quantized (one calibration pass per layer); False: every Hessian from
+            one pass of the float model.
+        tied: ``"round"``: a head tied to an embedding keeps round-to-nearest codes; ``"gptq"``:
+            it gets GPTQ's codes, which the embedding then shares.
+
+    Raises:
+        ValueError: a refused grid or option, a selected layer that is no ``nn.Linear``, or one no
+            calibration batch reached (naming it); the model is untouched.
+
+    >>> import torch
+    >>> q = gptq_quantize(torch.nn.Linear(64, 8), [torch.randn(128, 64)], bits=4, group_size=32)
+    >>> type(q).__name__, model_nbytes(q).total
+    ('QuantizedLinear', 352)
+    """
+    backend = backends.backend_of(model)
+    if backend is None or backend.name != "torch":
+        kind = "Flax" if backend is not None else type(model).__name__
+        raise TypeError(f"gptq_quantize takes a torch.nn.Module, got a {kind} model: GPTQ's calibration hooks "
+                        f"and converted layers are torch only; use quantize_model for Flax models")
+    from mixle.torch_backend.gptq import gptq_quantize as run
+
+    return run(model, batches, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, damp=damp,
+               block_size=block_size, sequential=sequential, tied=tied, **spec_fields)
 
 
 def save_quantized(model, path, *, names=None):

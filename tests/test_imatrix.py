@@ -23,7 +23,7 @@ from mixle.core.imatrix import Imatrix, check_entries
 from mixle.core.mixes import grid_of_type, tensor_types
 from mixle.core.numerics import quantize_array
 from mixle.exports.ggml_blocks import pack_array
-from tests.test_gguf_mixes import MODEL_CASES, read_tensors, sha
+from tests.test_gguf_mixes import MODEL_CASES, MOE_CASES, read_tensors, sha
 
 gguf = pytest.importorskip("gguf")
 
@@ -31,6 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/imatrix_reference.npz"
 FTYPES = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 IMATRIX_CASES = ("llama_h256", "qwen2_h64")
+# the mixture of experts (3 layers, 4 experts, top-2; rows of 64 and 256): llama-imatrix's own file only
+MOE_IMATRIX_CASE, MOE_FTYPES = "qwen3moe_h64", ("Q4_0", "Q4_K_M")
 VOCAB = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + \
         [str(d) for d in range(10)] + [" ", "."]
 WEIGHTED = ("q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -49,7 +51,7 @@ def build_dir():
 @functools.lru_cache(maxsize=None)
 def seeded_model(case):
     """The seeded float model of ``case`` (built once per session: callers only read it)."""
-    return MODEL_CASES[case][0](0)
+    return (MODEL_CASES[case] if case in MODEL_CASES else MOE_CASES[case])[0](0)
 
 
 def write_model(case, path):

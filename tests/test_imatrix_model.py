@@ -64,8 +64,7 @@ def test_quantize_model_with_importance_writes_llama_quantize_file(ftype, refere
     write_imatrix(path, Imatrix(imatrix.sums, imatrix.counts, ("t",), 8, 32))
     model = llama_model
     ptq = mixle.quantize_model(model, gguf_mix=ftype, importance=str(path))
-    # Q4_0's imatrix rule (blk.0.ffn_down Q4_1) is not one save_gguf's gguf_mix knows yet: no mix there
-    types = mixle.save_gguf(ptq, tmp_path / "q.gguf", **({} if ftype == "Q4_0" else {"gguf_mix": ftype}))
+    types = mixle.save_gguf(ptq, tmp_path / "q.gguf", gguf_mix=ftype, importance=str(path))
     got = read_tensors(tmp_path / "q.gguf")
     assert {n: t for n, (t, _) in want.items()} == types
     bad = [n for n, (t, digest) in want.items() if sha(got[n][2]) != digest]
@@ -76,7 +75,7 @@ def test_quantize_model_with_importance_writes_llama_quantize_file(ftype, refere
 def test_calibrate_importance_agrees_with_llama_imatrix(reference, llama_model):  # noqa: F811
     """The same 8 chunks of 32 tokens llama-imatrix ran (``-c 32 --chunks 8 --process-output``, no
     BOS: the one-character vocabulary has none): every entry, the same counts, sums within ggml's
-    forward's rounding (f16 KV cache)."""
+    forward's rounding (its float32 sums in another order; the same with an F32 KV cache)."""
     from mixle.exports.imatrix_file import model_imatrix_names
     from tests.test_imatrix import VOCAB, calibration_text
 
@@ -122,3 +121,42 @@ def test_quantize_model_importance_on_a_plain_model_and_refusals(tmp_path):
         mixle.quantize_model(net, grid="q4_0", exclude=("2",), importance={"1": imp})
     with pytest.raises(ValueError, match="no calibration dataset"):
         write_imatrix(tmp_path / "m.gguf", Imatrix({"a": np.ones((1, 4), np.float32)}, {"a": np.array([4])}))
+
+
+@pytest.mark.parametrize("case, which, ftypes", [("llama_h256", "llama_imatrix", ("Q4_0", "Q4_K_M")),
+                                                 ("qwen2_h64", "known", ("Q5_K_M", "Q6_K"))])
+def test_save_gguf_of_the_float_model_with_importance_is_llama_quantizes_file(case, which, ftypes, reference,  # noqa: F811
+                                                                              tmp_path):
+    """save_gguf(float model, gguf_mix=, importance=) quantizes the float matrices by the weighted
+    search and gives llama-quantize --imatrix's types (Q4_0: blk.0.ffn_down Q4_1): its file, tensor by tensor."""
+    meta, arrays = reference
+    imatrix = fixture_imatrix(arrays, case, which)  # keyed by GGUF names, as read from a file
+    for ftype in ftypes:
+        want = meta["cases"][case]["imatrix"][which]["ftypes"][ftype]
+        types = mixle.save_gguf(seeded_model(case), tmp_path / f"{ftype}.gguf", gguf_mix=ftype, importance=imatrix)
+        got = read_tensors(tmp_path / f"{ftype}.gguf")
+        assert types == {n: t for n, (t, _) in want.items()}, ftype
+        bad = [n for n, (_, digest) in want.items() if sha(got[n][2]) != digest]
+        assert not bad, f"{ftype}: {len(bad)} tensors differ from llama-quantize --imatrix: {bad[:4]}"
+    if case == "llama_h256":
+        assert mixle.gguf_mix_types(seeded_model(case), "Q4_0", importance=imatrix)["blk.0.ffn_down.weight"] == "Q4_1"
+        assert mixle.gguf_mix_specs(seeded_model(case), "Q4_0", importance=imatrix)["model.layers.0.mlp.down_proj"].grid \
+            == "q4_1"
+        assert mixle.gguf_mix_types(seeded_model(case), "Q4_0")["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+def test_save_gguf_refuses_an_importance_it_cannot_honour(reference, tmp_path):  # noqa: F811
+    _, arrays = reference
+    model, imatrix = seeded_model("qwen2_h64"), fixture_imatrix(arrays, "qwen2_h64", "known")
+    partial = Imatrix({k: v for k, v in imatrix.sums.items() if k != "blk.1.attn_q.weight"}, imatrix.counts)
+    cases = [({"importance": imatrix}, "pass gguf_mix= too"),
+             ({"importance": partial, "gguf_mix": "Q4_K_M"}, "no entry for tensor 'blk.1.attn_q.weight'"),
+             ({"importance": fixture_imatrix(arrays, "llama_h256", "known"), "gguf_mix": "Q4_0"},
+              r"importance: tensor 'blk\.\d\.\w+\.weight' (is not a matrix of|has sums of shape).* computed for another "
+              r"model")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            mixle.save_gguf(model, tmp_path / "m.gguf", **kwargs)
+        assert not (tmp_path / "m.gguf").exists()
+    with pytest.raises(ValueError, match="no entry for tensor 'blk.1.attn_q.weight'"):
+        mixle.quantize_model(model, gguf_mix="Q4_K_M", importance=partial)

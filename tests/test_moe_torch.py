@@ -6,6 +6,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -232,3 +233,72 @@ def test_compiled_qat_experts_give_the_eager_output_and_gradient():
     compiled.sum().backward()
     assert torch.equal(compiled, eager)
     torch.testing.assert_close(layer.gate_up_proj.grad, grad, rtol=1e-5, atol=1e-7)  # the compiled sums' order
+
+
+# ------------------------------------------------------------------------------- act_bits
+
+
+def q8_0_round_trip(x):
+    """gguf-py's Q8_0 quantize-dequantize of each token (ggml's reference activation blocks)."""
+    gguf = pytest.importorskip("gguf")
+    kind = gguf.GGMLQuantizationType.Q8_0
+    a = np.ascontiguousarray(x.detach().numpy())
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind).reshape(a.shape))
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("grid", ["q4_0", "q8_0"])
+def test_act_bits_quantize_each_expert_product_input_as_llama_cpp_s_q8_0(impl, grid):
+    """Both inputs of every expert's products (the hidden states; act_fn(gate) * up) and the
+    router's as Q8_0 blocks: bit for bit the float forward on the fake-quantized weights fed
+    gguf-py's Q8_0 round trips."""
+    model = qwen3_moe(hidden=64, inter=64, impl=impl)
+    spec = QuantSpec(grid=grid, bits=4 if grid == "q4_0" else 8, act_bits=8)
+    qat = apply_qat(copy.deepcopy(model), spec=spec, patterns=[".*experts", ".*gate"])
+    layer, router = qat.model.layers[0].mlp.experts, qat.model.layers[0].mlp.gate
+    reference = copy.deepcopy(model.model.layers[0].mlp.experts)
+    with torch.no_grad():
+        for name, fake in layer.quantized_weights().items():
+            getattr(reference, name).copy_(fake)
+    gate = type(reference)._apply_gate
+    reference._apply_gate = lambda out: q8_0_round_trip(gate(reference, out))
+    g = torch.Generator().manual_seed(5)
+    h, index, weights = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16, 2), generator=g), torch.rand(16, 2)
+    with torch.no_grad():
+        assert torch.equal(layer(h, index, weights), reference(q8_0_round_trip(h), index, weights))
+        assert not torch.equal(layer(h, index, weights), reference(h, index, weights))  # the inputs do move
+        logits = router(h)[0]
+        assert torch.equal(logits, F.linear(q8_0_round_trip(h), router.quantized_weights()["weight"]))
+
+
+def test_act_bits_convert_save_load_equal_the_fake_quant_forward(tmp_path):
+    spec = QuantSpec(grid="q4_0", act_bits=8)
+    model = apply_qat(qwen3_moe(), spec=spec, patterns=[".*experts"])
+    x = tokens()
+    fake = model(x).logits
+    converted = convert(model)
+    assert torch.equal(converted(x).logits, fake)
+    save_quantized(converted, tmp_path / "moe.safetensors")
+    loaded = load_quantized(tmp_path / "moe.safetensors", qwen3_moe(seed=7))
+    assert loaded.model.layers[0].mlp.experts.spec.act_bits == 8
+    assert torch.equal(loaded(x).logits, fake)
+    set_fake_quant_enabled(model, False)
+    assert not torch.equal(model(x).logits, fake)
+
+
+def test_act_bits_on_the_eager_expert_loop_are_refused_with_the_reason():
+    model = qwen3_moe(impl="eager")
+    with pytest.raises(ValueError, match=r"act_bits=8 on a Qwen3MoeExperts run by experts implementation 'eager': "
+                                         r"transformers' eager expert loop computes act_fn\(gate\) \* up inline"):
+        apply_qat(model, grid="q4_0", act_bits=8, patterns=[".*experts"])
+    assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"  # unchanged
+    qat = apply_qat(qwen3_moe(), grid="q4_0", act_bits=8, patterns=[".*experts"])
+    qat.set_experts_implementation("eager")
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.mlp.experts': act_bits=8 on a Qwen3MoeExperts"):
+        qat(tokens())
+
+
+def test_options_the_experts_cannot_honour_are_refused_in_english():
+    with pytest.raises(ValueError, match=r"experts': an experts QAT layer fake-quantizes its weight only, so it "
+                                         r"cannot honour scale='learned'"):
+        apply_qat(qwen3_moe(), bits=4, scale="learned", patterns=[".*experts"])

@@ -125,6 +125,13 @@ def test_rooms_are_small(name, path, tree):
     assert long == []
 
 
+@pytest.mark.parametrize("path", sorted(p for suffix in ("*.cpp", "*.h") for p in PACKAGE.rglob(suffix)),
+                         ids=lambda path: path.name)
+def test_kernel_sources_are_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_FILE_LINES, f"{path.name} has {lines} lines"
+
+
 def test_the_rules_see_a_violation(tmp_path):
     # The checkers above must be able to fail: feed them a module that breaks each rule.
     tree = ast.parse("from mixle.lm.compare import _Run\nimport mixle.torch_backend.layers as layers\nlayers._x\n")

@@ -64,7 +64,8 @@ def check_entries(imatrix, shapes, *, min_tokens=1, what="imatrix"):
         imatrix: an ``Imatrix``.
         shapes: ``{name: numpy-order shape}`` of the model's matrices under the imatrix's names
             (``(rows, columns)``, or ``(experts, rows, columns)``).
-        min_tokens: the fewest input rows an entry may have summed (per expert).
+        min_tokens: the fewest input rows an entry may have summed (per expert; an expert no token
+            was routed to, count 0, is allowed where others were).
         what: what errors call the imatrix (its file).
 
     Raises:
@@ -91,6 +92,8 @@ def check_entries(imatrix, shapes, *, min_tokens=1, what="imatrix"):
             bad = np.argwhere(~np.isfinite(sums) | (sums < 0))[0]
             raise ValueError(f"{what}: tensor {name!r} has the sum {sums[tuple(bad)]!r} at {tuple(int(i) for i in bad)}:"
                              f" sums of squares are finite and non-negative")
-        if (counts < min_tokens).any():
-            raise ValueError(f"{what}: tensor {name!r} was summed over {int(counts.min())} input rows, fewer than "
+        # an expert no token was routed to has count 0 (llama-quantize then weights it by 1): allowed
+        used = counts[counts > 0] if counts.size > 1 and counts.any() else counts
+        if (used < min_tokens).any():
+            raise ValueError(f"{what}: tensor {name!r} was summed over {int(used.min())} input rows, fewer than "
                              f"min_tokens={min_tokens}: calibrate on more text (or lower min_tokens)")

@@ -63,9 +63,10 @@ from mixle.core.stored import QuantizedArray
 from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, block_scale_problem, pack_array
 from mixle.exports.gguf_layouts import expert_shape, layout_of
 from mixle.exports.gguf_vocab import vocabulary
+from mixle.exports.imatrix_file import importance_by_tensor, require_entry
 from mixle.torch_backend.convert import check_convertible
 from mixle.torch_backend.expert_layers import is_fused, stored_arrays
-from mixle.torch_backend.layer_kinds import kind_of_qat
+from mixle.torch_backend.layer_kinds import kind_of_qat, qat_stored_array
 from mixle.torch_backend.quantized import QuantizedWeight
 
 __all__ = ["save_gguf", "load_gguf_weights", "gguf_mix_types", "gguf_mix_specs", "FLOAT_MATRICES"]
@@ -89,7 +90,7 @@ def _module_array(module, path):
         return module.quantized_array()
     if spec is not None and kind_of_qat(module) is not None:
         try:  # the codes convert would store: the fake-quant forward's, bit for bit
-            return kind_of_qat(module).quantize(module.weight.detach(), spec)
+            return qat_stored_array(module)
         except ValueError as err:
             raise ValueError(f"layer {path!r}: {err}") from None
     return None
@@ -143,11 +144,12 @@ def _take_rows(blocks, part, shape):
     return blocks if part.row_slice is None else np.ascontiguousarray(blocks[..., part.row_slice, :])
 
 
-def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None):
+def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None, importance=None):
     """The tensor for a weight (float, QAT, converted, or ``given``), or ValueError naming the layer.
 
     ``mix_type``: the type ``gguf_mix`` gives the tensor (``_FLOAT_MATRICES``: no mix).
     ``arrays``: the expert layers' stored arrays seen so far (gate and up share one).
+    ``importance``: ``{gguf name: importance}`` a float matrix the mix quantizes is weighted by, or None.
     """
     module, path, gguf_name = part.module, part.path, part.name
     quantized = _part_array(part, given, {} if arrays is None else arrays)
@@ -156,7 +158,10 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None):
             return _vector(part.tensor, gguf_name)
         if mix_type is _FLOAT_MATRICES:
             return _float_matrix(_float_weight(part), path, gguf_name, float_matrices, gguf)
-        return _mix_matrix(_float_weight(part), path, gguf_name, mix_type)
+        if importance is None:
+            return _mix_matrix(_float_weight(part), path, gguf_name, mix_type)
+        require_entry(gguf_name, mix_type, importance)
+        return _mix_matrix(_float_weight(part), path, gguf_name, mix_type, importance.get(gguf_name))
     spec = quantized.spec
     if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
@@ -184,14 +189,16 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None):
     return _Tensor(gguf_name, blocks, spec.grid_record.ggml_type)
 
 
-def _mix_matrix(weight, path, gguf_name, ggml_type):
-    """A float weight as llama.cpp's quantizer writes it on ``ggml_type`` (None: kept as F32)."""
+def _mix_matrix(weight, path, gguf_name, ggml_type, importance=None):
+    """A float weight as llama.cpp's quantizer writes it on ``ggml_type`` (None: kept as F32), with
+    ``importance`` (``(in,)``, or ``(experts, in)`` for a 3-D expert weight) as ``llama-quantize --imatrix``."""
     array = weight.cpu().to(torch.float32).numpy()
     if ggml_type in (None, "F32"):
         return _Tensor(gguf_name, array, "F32")
     if ggml_type == "F16":
         return _Tensor(gguf_name, array.astype(np.float16), "F16")
-    quantized = quantize_array(array, grid=grid_of_type(ggml_type), name=f"layer {path!r}")
+    extra = {} if importance is None else {"importance": importance, "batch_ndim": array.ndim - 2}
+    quantized = quantize_array(array, grid=grid_of_type(ggml_type), name=f"layer {path!r}", **extra)
     return _Tensor(gguf_name, pack_array(quantized, f"layer {path!r}"), ggml_type)
 
 
@@ -217,9 +224,11 @@ def _vector(tensor, gguf_name):
 _FLOAT_MATRICES = object()
 
 
-def _plan(layout, float_matrices, gguf, mix, quantized):
-    """Every tensor of ``layout`` as bytes to write (all refusals happen here, before any file)."""
-    types = None if mix is None else _mix_types(layout, mix)
+def _plan(layout, float_matrices, gguf, mix, quantized, importance=None):
+    """Every tensor of ``layout`` as bytes to write (all refusals happen here, before any file).
+
+    ``importance``: ``{gguf name: importance}`` (``importance_by_tensor``), or None."""
+    types = None if mix is None else _mix_types(layout, mix, importance is not None)
     matrices = [part.path for part in layout.parts if part.module is not None]
     unknown = sorted(set(quantized) - set(matrices))
     if unknown:
@@ -229,7 +238,7 @@ def _plan(layout, float_matrices, gguf, mix, quantized):
     for part in layout.parts:
         if part.module is not None:
             mix_type = _FLOAT_MATRICES if types is None else types[part.name]
-            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays)
+            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays, importance)
         else:
             tensor = _vector(part.tensor, part.name)
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
@@ -238,17 +247,27 @@ def _plan(layout, float_matrices, gguf, mix, quantized):
     return tensors
 
 
-def _mix_types(layout, mix):
-    """``{gguf name: ggml type or None}`` llama.cpp's quantizer gives the layout's tensors under ``mix``."""
+def _mix_types(layout, mix, imatrix=False):
+    """``{gguf name: ggml type or None}`` llama.cpp's quantizer gives the layout's tensors under ``mix``
+    (``imatrix``: with an importance matrix, ``llama-quantize --imatrix``)."""
     shapes = {part.name: _part_shape(part) for part in layout.parts}
     hparams = dict(layout.hparams)
     return tensor_types(mix, shapes, layout.arch, hparams["add_block_count"], n_head=hparams.get("add_head_count"),
-                        n_head_kv=hparams.get("add_head_count_kv"), n_expert=hparams.get("add_expert_count", 0))
+                        n_head_kv=hparams.get("add_head_count_kv"), n_expert=hparams.get("add_expert_count", 0),
+                        imatrix=imatrix)
 
 
-def gguf_mix_types(model, gguf_mix):
+def _importance(model, importance):
+    """``{gguf name: importance}`` of any form ``quantize_model`` takes, validated; None for None."""
+    return None if importance is None else importance_by_tensor(model, importance)
+
+
+def gguf_mix_types(model, gguf_mix, *, importance=None):
     """``{gguf tensor name: ggml type or None}``: what llama.cpp's quantizer gives each tensor of
     ``save_gguf(model, ...)``'s file under ``gguf_mix`` (None: kept float, e.g. norms and biases).
+
+    ``importance`` (any form ``quantize_model`` takes; checked against the model): the types
+    ``llama-quantize --imatrix`` gives (Q4_0: the first eighth of the ffn_down layers Q4_1).
 
     >>> from mixle.models.transformer import build_causal_lm
     >>> types = gguf_mix_types(build_causal_lm(vocab=40, d_model=256, n_layer=1, n_head=2, block=8), "Q4_K_M")
@@ -256,13 +275,15 @@ def gguf_mix_types(model, gguf_mix):
     ('Q6_K', 'Q6_K', 'Q6_K', None)
     """
     gguf = require("gguf", extra="gguf", purpose="gguf_mix_types")
-    return _mix_types(layout_of(model, gguf), mix_named(gguf_mix))
+    mix = mix_named(gguf_mix)
+    return _mix_types(layout_of(model, gguf), mix, _importance(model, importance) is not None)
 
 
-def gguf_mix_specs(model, gguf_mix):
+def gguf_mix_specs(model, gguf_mix, *, importance=None):
     """``{layer path: QuantSpec or None}``: the grid to train each weight matrix on so that
     ``save_gguf(..., gguf_mix=...)`` writes the file llama.cpp's quantizer would (None: the mix
     keeps it float, F16/F32). A head tied to the token embedding gets the embedding's spec.
+    ``importance``: as for ``gguf_mix_types`` (the types of ``llama-quantize --imatrix``).
 
     >>> from mixle.models.transformer import build_causal_lm
     >>> specs = gguf_mix_specs(build_causal_lm(vocab=40, d_model=64, n_layer=4, n_head=2, block=8), "Q4_K_M")
@@ -271,7 +292,8 @@ def gguf_mix_specs(model, gguf_mix):
     """
     gguf = require("gguf", extra="gguf", purpose="gguf_mix_specs")
     layout = layout_of(model, gguf)
-    types = _mix_types(layout, mix_named(gguf_mix))
+    mix = mix_named(gguf_mix)
+    types = _mix_types(layout, mix, _importance(model, importance) is not None)
     specs, names = {}, {}
     for part in layout.parts:
         if part.module is not None:
@@ -310,7 +332,7 @@ def _file_type(tensors, gguf, mix):
 
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,
-              name=None, allow_activation_mismatch=False):
+              name=None, allow_activation_mismatch=False, importance=None):
     """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama``, ``qwen2`` or ``qwen3moe``).
 
     Layers QAT-trained (or converted) on a llama.cpp grid are written as the ggml blocks of their
@@ -336,6 +358,9 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
         name: ``general.name`` (default: the file's stem).
         allow_activation_mismatch: write a model whose activation llama.cpp's graph does not
             compute (a ``build_causal_lm`` with erf GELU); refused by default.
+        importance: with ``gguf_mix``, an importance matrix (as ``quantize_model`` takes it): the
+            file ``llama-quantize --imatrix`` makes (types, weighted search of float matrices).
+            Refused without a mix, for another model, or lacking a ``blk.*`` matrix the mix weights.
 
     Returns:
         ``{gguf tensor name: ggml type name}`` of what was written.
@@ -354,14 +379,11 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     ('Q4_0', 'Q4_0', 'F32')
     """
     gguf = require("gguf", extra="gguf", purpose="save_gguf")
-    mix, float_matrices, quantized = _check_save_arguments(model, float_matrices, gguf_mix, quantized,
-                                                           allow_activation_mismatch)
-    layout = layout_of(model, gguf)
-    if layout.notes and not allow_activation_mismatch:
-        what, fix = layout.notes[0]
-        raise ValueError(f"save_gguf: {what}; {fix}")
+    mix, float_matrices, quantized, importance = _check_save_arguments(model, float_matrices, gguf_mix, quantized,
+                                                                       allow_activation_mismatch, importance)
+    layout = _checked_layout(model, gguf, allow_activation_mismatch)
     with torch.no_grad():
-        tensors = _plan(layout, float_matrices, gguf, mix, quantized)
+        tensors = _plan(layout, float_matrices, gguf, mix, quantized, importance)
     words = vocabulary(layout.vocab_size, vocab, tokenizer)
     path = Path(path)
     if not path.parent.is_dir():
@@ -371,8 +393,18 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     return {t.name: t.ggml_type for t in tensors}
 
 
-def _check_save_arguments(model, float_matrices, gguf_mix, quantized, allow_activation_mismatch):
-    """``(mix or None, float_matrices, quantized dict)`` after checking save_gguf's arguments."""
+def _checked_layout(model, gguf, allow_activation_mismatch):
+    """The model's layout, after refusing what llama.cpp would compute differently (unless allowed)."""
+    layout = layout_of(model, gguf)
+    if layout.notes and not allow_activation_mismatch:
+        what, fix = layout.notes[0]
+        raise ValueError(f"save_gguf: {what}; {fix}")
+    return layout
+
+
+def _check_save_arguments(model, float_matrices, gguf_mix, quantized, allow_activation_mismatch, importance):
+    """``(mix or None, float_matrices, quantized dict, {gguf name: importance} or None)`` after
+    checking save_gguf's arguments."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
     if float_matrices is not None and float_matrices not in FLOAT_MATRICES:
@@ -387,7 +419,11 @@ def _check_save_arguments(model, float_matrices, gguf_mix, quantized, allow_acti
         raise TypeError("quantized must be {layer path: QuantizedArray}, e.g. {'blocks.0.fc': quantize_array(w, "
                         "grid='q4_k')}")
     check_convertible(model)  # e.g. LoRA layers: fold them in first
-    return (None if gguf_mix is None else mix_named(gguf_mix)), float_matrices or "q8_0", quantized
+    if importance is not None and gguf_mix is None:
+        raise ValueError("importance= is used where llama-quantize --imatrix uses it, in quantizing float matrices "
+                         "to a mix's types: pass gguf_mix= too, or quantize first with quantize_model(..., importance=)")
+    mix = None if gguf_mix is None else mix_named(gguf_mix)
+    return mix, float_matrices or "q8_0", quantized, _importance(model, importance)
 
 
 def _write(path, layout, tensors, words, name, file_type, gguf):

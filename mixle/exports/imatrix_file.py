@@ -22,7 +22,7 @@ from mixle._optional import require
 from mixle.core.imatrix import Imatrix, check_entries
 
 __all__ = ["read_imatrix", "write_imatrix", "model_imatrix_names", "save_imatrix", "load_imatrix",
-           "imatrix_mix_specs", "importance_by_layer"]
+           "importance_by_layer", "importance_by_tensor", "require_entry"]
 
 _SUMS, _COUNTS = ".in_sum2", ".counts"
 
@@ -163,14 +163,19 @@ def model_imatrix_names(model):
 
 
 def _shapes(model):
-    from mixle.exports.gguf_layouts import layout_of
+    """``{gguf name: numpy-order shape}`` of the matrices (float, QAT or converted; a split expert
+    weight's rows as 0)."""
+    from mixle.exports.gguf_layouts import expert_shape, layout_of
 
     gguf = require("gguf", extra="gguf", purpose="imatrix files")
     shapes = {}
     for part in layout_of(model, gguf).parts:
         if part.module is not None:
-            weight = getattr(part.module, part.attr)
-            shape = tuple(int(d) for d in weight.shape)
+            if part.attr == "weight":
+                shape = getattr(part.module, "weight_shape", None) or part.module.weight.shape
+            else:
+                shape = expert_shape(part.module, part.attr)
+            shape = tuple(int(d) for d in shape)
             shapes[part.name] = shape if part.row_slice is None else shape[:-2] + (0,) + shape[-1:]
     return shapes
 
@@ -194,36 +199,6 @@ def save_imatrix(model, imatrix, path):
     write_imatrix(path, out)
 
 
-def imatrix_mix_specs(model, gguf_mix):
-    """``gguf_mix_specs`` for a file quantized with an importance matrix: ``{layer path: QuantSpec or
-    None}`` with the types ``llama-quantize --imatrix`` gives (``tensor_types(..., imatrix=True)``:
-    under Q4_0 the first eighth of the ffn_down layers are Q4_1).
-
-    >>> from mixle.models.transformer import build_causal_lm
-    >>> specs = imatrix_mix_specs(build_causal_lm(vocab=40, d_model=64, n_layer=8, n_head=2, block=8), "Q4_0")
-    >>> specs["blocks.0.out"].grid, specs["blocks.1.out"].grid
-    ('q4_1', 'q4_0')
-    """
-    from mixle.core.mixes import grid_of_type, mix_named, tensor_types
-    from mixle.core.spec import QuantSpec
-    from mixle.exports.gguf_layouts import layout_of
-
-    gguf = require("gguf", extra="gguf", purpose="imatrix_mix_specs")
-    layout = layout_of(model, gguf)
-    hparams = dict(layout.hparams)
-    types = tensor_types(mix_named(gguf_mix), _shapes(model), layout.arch, hparams["add_block_count"],
-                         n_head=hparams.get("add_head_count"), n_head_kv=hparams.get("add_head_count_kv"),
-                         n_expert=hparams.get("add_expert_count", 0), imatrix=True)
-    specs = {}
-    for part in layout.parts:
-        if part.module is not None:
-            grid = grid_of_type(types[part.name]) if types[part.name] else None
-            specs[part.path] = None if grid is None else QuantSpec(grid=grid)
-    if layout.tied and layout.head_path is not None:
-        specs[layout.head_path] = specs[layout.parts[0].path]
-    return specs
-
-
 def importance_by_layer(model, importance, *, min_tokens=1):
     """``{layer path: float32 importance}`` from what ``quantize_model(..., importance=)`` takes: a
     llama.cpp imatrix file's path, an ``Imatrix`` (keyed by layer paths, as ``calibrate_importance``
@@ -245,6 +220,50 @@ def importance_by_layer(model, importance, *, min_tokens=1):
         check_entries(importance, shapes, min_tokens=min_tokens, what="importance")
         return importance.importance()
     return _by_layer(importance, model, min_tokens, "importance")
+
+
+def importance_by_tensor(model, importance, *, min_tokens=1):
+    """``{gguf tensor name: float32 importance}`` of ``save_gguf(model)``'s matrices from any form
+    ``importance_by_layer`` takes (a layer path of a split weight gives each of its tensors).
+
+    Raises:
+        ValueError, TypeError: as ``importance_by_layer``, or an entry for a path that is no matrix
+            ``save_gguf`` writes (the message names it).
+
+    >>> from mixle.models.transformer import build_causal_lm
+    >>> lm = build_causal_lm(vocab=40, d_model=32, n_layer=1, n_head=2, block=8)
+    >>> importance_by_tensor(lm, {"blocks.0.fc": np.ones(32, np.float32)})["blk.0.ffn_up.weight"].shape
+    (32,)
+    """
+    by_layer = importance_by_layer(model, importance, min_tokens=min_tokens)
+    names = model_imatrix_names(model)
+    unknown = sorted(set(by_layer) - set(names))
+    if unknown:
+        raise ValueError(f"importance has entries for {unknown[:4]}, which are not matrices save_gguf writes (those "
+                         f"are e.g. {sorted(names)[:4]}): the importance matrix was computed for another model")
+    return {name: np.asarray(values, np.float32) for path, values in by_layer.items() for name in names[path]}
+
+
+def require_entry(name, ggml_type, by_tensor, what="importance"):
+    """Refuse quantizing tensor ``name`` on ``ggml_type`` with an importance matrix lacking its entry.
+
+    llama-imatrix collects every ``blk.*`` matrix, so such a gap means the importance was made for
+    another model (or from part of it); ``output.weight`` (collected only with ``--process-output``)
+    and the token embedding (never) may be absent, and get the reference quantizer, as in llama-quantize.
+    Types on which ggml ignores an importance (Q8_0, MXFP4, float) need none.
+
+    >>> require_entry("output.weight", "Q4_0", {})
+    >>> require_entry("blk.0.ffn_up.weight", "Q8_0", {})
+    """
+    from mixle.core.ggml_weighted import WEIGHTED
+    from mixle.core.mixes import grid_of_type
+
+    if name in by_tensor or not name.startswith("blk.") or ggml_type in (None, "F32", "F16"):
+        return
+    if grid_of_type(ggml_type) in WEIGHTED:
+        raise ValueError(f"{what} has no entry for tensor {name!r}, which the mix quantizes on {ggml_type} by a weighted "
+                         f"search: the importance matrix covers other tensors (another model, or only some layers); "
+                         f"calibrate_importance on this model, or give the file llama-imatrix made of it")
 
 
 def load_imatrix(path, model, *, min_tokens=1):

@@ -11,8 +11,9 @@ import re
 __all__ = ["mix_selection"]
 
 
-def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in):
-    """``(patterns, opt_in)`` selecting every layer of ``model`` on its grid in ``gguf_mix``.
+def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in, importance=None):
+    """``(patterns, opt_in)`` selecting every layer of ``model`` on its grid in ``gguf_mix``
+    (with ``importance``: the types ``llama-quantize --imatrix`` gives, ``gguf_mix_specs``).
 
     Raises:
         ValueError: ``gguf_mix`` together with a spec, spec fields, patterns, exclude or opt_in:
@@ -27,7 +28,7 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
                          f"give patterns=[(path, QuantSpec(grid=...)), ...] yourself")
     from mixle.exports.gguf import gguf_mix_specs  # torch and gguf, only when a mix is asked for
 
-    specs = gguf_mix_specs(model, gguf_mix)
+    specs = gguf_mix_specs(model, gguf_mix, importance=importance)
     modules = dict(model.named_modules())
     embedding = any(spec is not None and type(modules[path]).__name__ == "Embedding" for path, spec in specs.items())
     return [(re.escape(path), spec) for path, spec in specs.items()], ("embedding",) if embedding else ()

@@ -393,23 +393,20 @@ class QATProvider(qt.QtProvider):
                                                    batch_group_count, out_sharding)
 
     def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
+        """Mixture-of-experts products stay float, reported with the reason: Qwix's ``ragged_dot_qt``
+        scales the ``(experts, in, out)`` weight per output channel across all experts, where mixle's
+        torch experts and llama.cpp's files have one scale per expert and channel."""
         rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
         if rule is not None and rule.weight_qtype is not None:
-            spec = rule.spec
             module, path = self._module_and_path()
             name = self._find_weight(module, lhs, rhs)[1]
-            if name is not None and (range_calibration(spec) != "absmax" or spec.granularity != "channel"
-                                     or spec.clip_percentile is not None):
+            if name is not None:
                 self._record(path, name, FLOAT, (
-                    "Qwix's ragged_dot has no calibration, tiling or per-tensor option, so "
-                    f"{spec.short()} cannot be honoured: use grid='qwix' per channel for this layer"))
-                rule = None
-            elif name is not None:
-                self._record(path, name, QUANTIZED)
-        if rule is None or rule.weight_qtype is None:
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                                      preferred_element_type=preferred_element_type, group_offset=group_offset)
-        return super().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset)
+                    "expert weights of jax.lax.ragged_dot: Qwix 0.1.8 gives them one scale per output channel "
+                    "shared by all experts, not mixle's per-expert scales (torch's experts kind, llama.cpp's "
+                    "files), so they stay float; exclude them to silence this"))
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                  preferred_element_type=preferred_element_type, group_offset=group_offset)
 
     # -- tied embeddings ----------------------------------------------------------------------
 

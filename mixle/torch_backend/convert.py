@@ -12,8 +12,8 @@ from torch import nn
 from mixle.core.spec import resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
-from mixle.torch_backend.fake_quant import held_scale, numerics_input
-from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat
+from mixle.torch_backend.fake_quant import held_scale
+from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat, qat_importance, stored_array
 from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import to_storage
 from mixle.torch_backend.swap import Change
@@ -53,13 +53,14 @@ def _convert_in_place(model):
         path = paths.get(id(layer), getattr(layer, PATH_ATTRIBUTE, None))
         try:  # e.g. a scale that does not fit float16 on llama.cpp's grids
             stored = {}
+            importance = qat_importance(layer)
             for name, weight in kind.weights_of(layer).items():
-                key = (id(weight), layer.spec)
+                key = (id(weight), layer.spec, id(importance))
                 if key not in storage:
                     if learned_scale.is_learned(layer.spec):  # exactly the trained scales
                         storage[key] = to_storage(learned_scale.quantized_array(layer))
                     else:
-                        storage[key] = _stored(kind, weight.detach(), layer.spec)
+                        storage[key] = _stored(kind, weight.detach(), layer.spec, importance)
                 stored[name] = storage[key]
             if kind.assemble is not None:  # several weights (fused experts)
                 new = kind.assemble(layer, stored)
@@ -76,10 +77,11 @@ def _convert_in_place(model):
     return root
 
 
-def _stored(kind, weight, spec):
+def _stored(kind, weight, spec, importance=None):
     """``(codes, scale, parts)`` of ``weight`` as the QAT forward made them: bfloat16/float16 weights run
-    the numerics in float32 and hold the scale in their own dtype (``fake_quant.held_scale``)."""
-    codes, scale, parts = to_storage(kind.quantize(numerics_input(weight), spec))
+    the numerics in float32 and hold the scale in their own dtype (``fake_quant.held_scale``); with an
+    ``importance``, ggml's weighted search."""
+    codes, scale, parts = to_storage(stored_array(kind, weight, spec, importance))
     if spec.grid_record.numerics is not None:  # block numerics dequantize in float32, as the QAT forward
         return codes, scale, parts
     return codes, held_scale(scale, weight.dtype), parts

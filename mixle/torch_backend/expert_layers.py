@@ -18,7 +18,17 @@ The per-version cache and the STE are ``fake_quant.fake_quantized_weight``'s, on
 Parameter itself: a per-channel spec is given as its equal on this layout, groups of a whole
 input row (consecutive elements), which are exactly one expert's rows. Per-tensor scales (one
 per expert) are refused: mixle's files store 2-D ``(rows, cols)`` arrays, and an expert weight is
-stored as its ``(experts * out, in)`` rows.
+stored as its ``(experts * out, in)`` rows. The fake-quantized weights are saved for the backward
+by transformers' products (as by ``F.linear``), not rebuilt there as ``fake_quant.linear`` does: a
+second fake-quant per weight and step costs more than the memory's first touch it would spare
+(the freed buffers are reused by the allocator; ``benchmarks/moe_overhead.py`` counts the faults).
+
+``act_bits`` (experts and routers): the input of each product fake-quantized per token as the
+Linear layers do (``activations``; on q4_0 / q8_0 llama.cpp's Q8_0 blocks, what its CPU path
+makes of the input of every expert's product): the hidden states the module is called with, and
+the gated ``act_fn(gate) * up`` that ``down_proj`` multiplies, reached through transformers'
+``_apply_gate`` (its grouped_mm and batched_mm forwards); its eager loop computes that product
+inline, so act_bits there is refused with the reason.
 """
 
 import dataclasses
@@ -31,6 +41,7 @@ from torch import nn
 
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, block_shape
+from mixle.torch_backend.activations import fake_quant_activations
 from mixle.torch_backend.fake_quant import fake_quantized_weight, held_scale, numerics_input
 from mixle.torch_backend.layers import QATLayerMixin, check_supported, named_error
 from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight
@@ -169,7 +180,11 @@ def _share_state(dst, src, skip=()):
 
 
 class _FusedForward:
-    """Runs the base class's (transformers') forward with given weights read under the weight names."""
+    """Runs the base class's (transformers') forward with given weights read under the weight names
+    and, with ``spec.act_bits``, the input of each product fake-quantized per token
+    (``activations``, llama.cpp's Q8_0 blocks on its grids): the hidden states the forward is
+    called with (every expert's first product and the router read them, each token as it is) and,
+    for experts, the gated activations (``_apply_gate``'s output, the input of ``down_proj``)."""
 
     BATCH_AXES = 0
 
@@ -179,11 +194,41 @@ class _FusedForward:
         return fused_weight_names(self)
 
     def _run(self, weights, args, kwargs):
-        self.__dict__["_mixle_live"] = weights
+        act = self.spec if self.spec.act_bits is not None else None
+        if act is not None:
+            _check_act_route(self, act)
+            if args:
+                args = (fake_quant_activations(args[0], act),) + tuple(args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": fake_quant_activations(kwargs["hidden_states"], act)}
+        self.__dict__["_mixle_live"], self.__dict__["_mixle_act"] = weights, act
         try:
             return super().forward(*args, **kwargs)
         finally:
-            self.__dict__["_mixle_live"] = None
+            self.__dict__["_mixle_live"] = self.__dict__["_mixle_act"] = None
+
+    def _apply_gate(self, gate_up_out):
+        out = super()._apply_gate(gate_up_out)
+        act = self.__dict__.get("_mixle_act")
+        return out if act is None else fake_quant_activations(out, act)
+
+
+# transformers' expert forwards that gate through ``_apply_gate`` (its output is down_proj's input);
+# the eager loop computes ``act_fn(gate) * up`` inline, where nothing can quantize it.
+ACT_ROUTES = ("grouped_mm", "batched_mm")
+
+
+def _check_act_route(module, spec):
+    """Refuse ``spec.act_bits`` on an experts forward whose down_proj input mixle cannot reach."""
+    if spec.act_bits is None or ExpertsType.base_of(module) is None:
+        return
+    route = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if route not in ACT_ROUTES or not getattr(module, "has_gate", False):
+        raise ValueError(
+            f"act_bits={spec.act_bits} on a {ExpertsType.base_of(module).__name__} run by experts implementation "
+            f"{route!r}: transformers' eager expert loop computes act_fn(gate) * up inline, where mixle cannot "
+            f"quantize the input of down_proj; call model.set_experts_implementation('grouped_mm') (or "
+            f"'batched_mm') first, or leave act_bits=None for the experts")
 
 
 class _QATFused(_FusedForward, QATLayerMixin, nn.Module):
@@ -217,11 +262,10 @@ class _QATFused(_FusedForward, QATLayerMixin, nn.Module):
     def forward(self, *args, **kwargs):
         if not self.enabled:
             return super().forward(*args, **kwargs)
-        try:
-            weights = self.quantized_weights()
+        try:  # a scale that does not fit float16, a NaN weight, activations out of range: name the layer
+            return self._run(self.quantized_weights(), args, kwargs)
         except ValueError as err:
             raise named_error(self, err) from None
-        return self._run(weights, args, kwargs)
 
     def extra_repr(self):
         return self.qat_state()
@@ -374,6 +418,7 @@ def wrap_fused(module, spec, enabled):
     """
     check_supported(spec)
     _check_layout(module, spec)
+    _check_act_route(module, spec)
     qat, _, float_type = _mixins(module)
     return _built(qat, float_type.base_of(module), "QAT")(module, spec, enabled=enabled)
 

@@ -21,7 +21,11 @@ q5_0, q5_1, q4_k, q5_k, q6_k) float32 and bfloat16 CPU weights run ``_fused_ggml
 runs the kernel again), then the codes and one scale (and offset) per sub-block; the K-quants
 always keep them, since their rebuild would repeat the scale search. Without the kernels, q4_0 /
 q8_0 keep two scales per block (the unrounded one the codes are rounded with and the float16
-one they are multiplied by) and the other block grids run ``BLOCK_NUMERICS``. ``F.linear``
+one they are multiplied by) and the other block grids run ``BLOCK_NUMERICS``. With an
+importance matrix entry (``QATWrapper(importance=)``) a weight is fake-quantized by ggml's
+importance-weighted search, bit for bit ``quantize_array(w, spec, importance=)`` (``_fused_ggml``'s
+weighted kernels on CPU, keeping the codes; else the torch numerics); the cache key includes the
+importance tensor and its version. ``F.linear``
 would save the fake-quantized float weight for its backward, a second copy of every weight alive from forward to backward;
 ``linear`` instead rebuilds that weight in the backward, just for the input gradient, inside the
 buffer that then receives the weight gradient.
@@ -45,6 +49,7 @@ from mixle.torch_backend import fused_ggml as _fused_ggml
 from mixle.core.array_ops import TorchOps, array_ops
 from mixle.core.checks import check_array, check_block_max, not_finite_error
 from mixle.core.grids import GRIDS
+from mixle.core.stored import block_quantized_array
 from mixle.core.numerics import (
     QuantizedArray,
     block_shape,
@@ -120,13 +125,14 @@ class _Entry:
     codes were rounded with, when it differs (grids whose scale is stored in float16, such as
     llama.cpp's: codes use the unrounded scale), else None."""
 
-    __slots__ = ("key", "spec", "scale", "threshold", "codes", "code_scale", "offset", "fingerprint")
+    __slots__ = ("key", "spec", "scale", "threshold", "codes", "code_scale", "offset", "fingerprint", "importance")
 
-    def __init__(self, key, spec, scale, threshold, codes, code_scale=None, offset=None):
+    def __init__(self, key, spec, scale, threshold, codes, code_scale=None, offset=None, importance=None):
         self.key, self.spec, self.scale, self.threshold, self.codes = key, spec, scale, threshold, codes
         self.code_scale = code_scale
         self.offset = offset  # ``_fused_ggml``'s entries: per sub-block, value = code * scale + offset
         self.fingerprint = None
+        self.importance = importance  # the importance its codes were searched with (a float32 tensor), or None
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -169,10 +175,40 @@ _DEFAULT_BLOCK_NUMERICS = dict(BLOCK_NUMERICS)
 _SEARCHED = frozenset(name for name, grid in GRIDS.items() if grid.scale_search is not None)
 
 
-def _ggml_fused(x, spec):
-    """Whether ``_fused_ggml``'s kernel fake-quantizes x on spec (llama.cpp's grids)."""
+def _ggml_fused(x, spec, importance=None):
+    """Whether ``_fused_ggml``'s kernel fake-quantizes x on spec (llama.cpp's grids), with
+    ``importance`` when given (its weighted search)."""
+    if importance is not None and (spec.grid not in _fused_ggml.WEIGHTED or importance.device.type != "cpu"):
+        return False
     return (BLOCK_NUMERICS.get(spec.grid) is _DEFAULT_BLOCK_NUMERICS.get(spec.grid) and not spec.clip_gradient
             and _fused_ggml.applies_to(x, spec))
+
+
+def _quantize_weighted(x, spec, key, importance, out):
+    """``_quantize`` with an importance: ggml's weighted search (``quantize_array(x, spec,
+    importance=)``, bit for bit, then cast to x's dtype), by ``_fused_ggml``'s kernel where it
+    applies (its entry keeps the codes: a rebuild would repeat the search), else by the torch
+    numerics (its entry keeps nothing; a rebuild runs them again)."""
+    if _ggml_fused(x, spec, importance):
+        deq, codes, a, b, nonfinite, overflow = _fused_ggml.fake_quant(x, spec, want_codes=True, out=out,
+                                                                       importance=importance)
+        if nonfinite:
+            raise not_finite_error(x, "weight")
+        if not overflow:
+            shape = block_shape(x.shape, spec)
+            shape = (shape[0], shape[1], a.numel() // (shape[0] * shape[1]))
+            scale = a.reshape(shape)
+            if _fused_ggml.KINDS[spec.grid].hold_scale:  # q4_0 holds it as the torch path does (bf16-exact)
+                scale = held_scale(scale, x.dtype)
+            return deq, _Entry(key, spec, scale, None, codes, offset=None if b is None else b.reshape(shape),
+                               importance=importance)
+    check_block_max(x.detach().abs().amax(), x, "weight")  # the search would turn a NaN into codes
+    q = block_quantized_array(numerics_input(x.detach()), spec, importance=importance, check=_OPS.readable(x),
+                              name="weight")
+    if spec.grid_record.numerics is None:  # q4_0: its scale held in the weight's dtype, as convert holds it
+        q = QuantizedArray(q.codes, held_scale(q.scale, x.dtype), spec)
+    deq = q.dequantize().reshape(x.shape).to(x.dtype)
+    return deq if out is None else out.copy_(deq), _Entry(key, spec, None, None, None, importance=importance)
 
 
 def _quantize_ggml(x, spec, key, keep_codes, out):
@@ -194,9 +230,12 @@ def _quantize_ggml(x, spec, key, keep_codes, out):
     return deq, _Entry(key, spec, scale, None, codes, offset=None if b is None else b.reshape(shape))
 
 
-def _quantize(x, spec, key=None, keep_codes=False, out=None):
+def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
-    The fused kernel writes into ``out`` when given (a dead buffer shaped like x)."""
+    The fused kernel writes into ``out`` when given (a dead buffer shaped like x). ``importance``:
+    the weighted search's (``_quantize_weighted``), or None."""
+    if importance is not None:
+        return _quantize_weighted(x, spec, key, importance, out)
     if _ggml_fused(x, spec):
         done = _quantize_ggml(x, spec, key, keep_codes, out)
         if done is not None:
@@ -227,7 +266,7 @@ def _rebuild(entry, x, keep_codes=False, out=None):
     written into ``out`` (shaped like x) when given."""
     fused = _fused_cpu.applies_to(x, entry.spec)
     if entry.scale is None:  # a grid of BLOCK_NUMERICS, or fused on llama.cpp's grids without codes kept
-        deq = _quantize(x, entry.spec, out=out)[0]
+        deq = _quantize(x, entry.spec, out=out, importance=entry.importance)[0]
     elif entry.codes is not None and _is_ggml(entry):
         offset = None if entry.offset is None else entry.offset.reshape(-1)
         return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset, x.dtype, out=out)
@@ -275,8 +314,9 @@ class _WeightCache:
         self.param = weakref.ref(param, functools.partial(_forget, id(param)))
         self.entry, self.uses = None, 0
 
-    def lookup(self, x, spec, shared, out=None):
-        """``(fake-quantized x, entry)``, reusing the entry while x is unchanged.
+    def lookup(self, x, spec, shared, out=None, importance=None):
+        """``(fake-quantized x, entry)``, reusing the entry while x is unchanged (and the
+        ``importance`` it was searched with, if any, is the same tensor, unchanged).
 
         The int8 codes are kept only once a version is used twice (or the weight is ``shared``
         by several layers, or the previous version was reused), so a plain training loop, which
@@ -285,9 +325,10 @@ class _WeightCache:
         """
         if not _OPS.readable(x):
             self.entry, self.uses = None, 0
-            deq, self.entry = _quantize(x, spec)
+            deq, self.entry = _quantize(x, spec, importance=importance)
             return deq, self.entry
-        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride(), spec)
+        key = (_generation, x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride(), spec,
+               None if importance is None else (id(importance), importance._version, importance.data_ptr()))
         entry = self.entry
         if entry is not None and entry.key == key:
             self.uses += 1
@@ -299,7 +340,7 @@ class _WeightCache:
         else:
             uses, keep = 1, shared or self.uses > 1
         self.entry = None  # free a stale entry's codes before quantizing again
-        deq, self.entry = _quantize(x, spec, key, keep, out)
+        deq, self.entry = _quantize(x, spec, key, keep, out, importance)
         if keep:
             self.entry.fingerprint = _fingerprint(x)
         self.uses = uses
@@ -326,11 +367,11 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Forward: quantize-dequantize. Backward: identity, or masked where percentile-clipped."""
 
     @staticmethod
-    def forward(ctx, x, spec, cache=None, shared=False):
+    def forward(ctx, x, spec, cache=None, shared=False, importance=None):
         if cache is None:
-            deq, entry = _quantize(x, spec)
+            deq, entry = _quantize(x, spec, importance=importance)
         else:
-            deq, entry = cache.lookup(x, spec, shared)
+            deq, entry = cache.lookup(x, spec, shared, importance=importance)
         ctx.spec = spec
         if spec.clip_gradient:
             # The mask is recomputed in backward from x (saved, no copy) and the tiny thresholds.
@@ -343,7 +384,7 @@ class _FakeQuantSTE(torch.autograd.Function):
         if ctx.spec.clip_gradient:
             (x,) = ctx.saved_tensors
             grad = _clip_mask_grad(grad, x, ctx.spec, ctx.threshold)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def fake_quantize(x, spec):
@@ -357,8 +398,12 @@ def fake_quantize(x, spec):
     return _FakeQuantSTE.apply(x, spec)
 
 
-def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
+def fake_quantized_weight(param, spec, *, shared=False, output_axis=0, importance=None):
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
+
+    ``importance`` (a float32 tensor, one value per input column; llama.cpp's grids with a
+    weighted search, see ``mixle.core.ggml_weighted``): the weight is quantized by ggml's
+    importance-weighted search, bit for bit ``quantize_array(param, spec, importance=...)``.
 
     ``output_axis=1`` (a weight stored ``(in, out)``, e.g. transformers' Conv1D) quantizes and
     returns the ``(out, in)`` transpose. Under ``torch.compile`` the cache is bypassed (the
@@ -370,9 +415,9 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0):
     check_array(param, "weight", finite=False)
     x = param.t() if output_axis == 1 else param
     if not _OPS.readable(param) or param.is_inference():  # not readable also while compiling
-        return _FakeQuantSTE.apply(x, spec), None
+        return _FakeQuantSTE.apply(x, spec, None, False, importance), None
     cache = _cache_of(param)
-    return _FakeQuantSTE.apply(x, spec, cache, shared), cache.entry
+    return _FakeQuantSTE.apply(x, spec, cache, shared, importance), cache.entry
 
 
 class _SpareBuffer(threading.local):
@@ -438,10 +483,13 @@ class _QATLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec, cache, dtype):
-        fused = _fused_cpu.applies_to(weight, spec) or _ggml_fused(weight, spec)
+    def forward(ctx, x, weight, bias, spec, cache, dtype, importance=None):
+        if importance is None:
+            fused = _fused_cpu.applies_to(weight, spec) or _ggml_fused(weight, spec)
+        else:
+            fused = _ggml_fused(weight, spec, importance)
         out = _spare.take(weight)[0] if fused else None
-        deq, entry = cache.lookup(weight, spec, False, out)
+        deq, entry = cache.lookup(weight, spec, False, out, importance)
         x_dtype, x = x.dtype, x.to(dtype)  # autocast's cast of x, saved below as autocast saves it
         y = F.linear(x, deq, bias)  # under autocast: the bf16 cast of the fake-quantized weight
         if fused:
@@ -468,7 +516,8 @@ class _QATLinear(torch.autograd.Function):
             (x,) = ctx.saved_tensors
             x = x.reshape(-1, x.shape[-1])
         if torch.is_grad_enabled():  # backward(create_graph=True): differentiable torch ops
-            grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec).to(dtype)) if need_x else None
+            grad_x = grad.matmul(_FakeQuantSTE.apply(weight, entry.spec, None, False, entry.importance).to(dtype)) \
+                if need_x else None
             grad_w = flat.t().mm(x).to(weight.dtype) if need_w else None
         else:
             grad_x, grad_w = _backward_products(ctx, grad, flat, x if need_w else None, need_x)
@@ -476,7 +525,7 @@ class _QATLinear(torch.autograd.Function):
             grad_w = _clip_mask_grad(grad_w, weight.detach(), entry.spec, entry.threshold, out=grad_w)
         grad_x = None if grad_x is None else grad_x.to(ctx.x_dtype)
         grad_b = flat.sum(0).to(ctx.bias_dtype) if need_b else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _backward_products(ctx, grad, flat, x, need_x):
@@ -517,8 +566,9 @@ def _matmul_dtype(x, weight, bias):
     return None
 
 
-def linear(x, weight, bias, spec):
+def linear(x, weight, bias, spec, importance=None):
     """``F.linear`` with a fake-quantized ``weight``, keeping no float copy of it for backward.
+    ``importance``: as for ``fake_quantized_weight``.
 
     The quantized weight comes from the per-version cache; training runs as one autograd node
     (``_QATLinear``), under autocast too (the products see autocast's cast of the fake-quantized
@@ -533,6 +583,6 @@ def linear(x, weight, bias, spec):
     """
     if (torch.compiler.is_compiling() or weight.is_inference() or not torch.is_grad_enabled() or weight.is_meta
             or x.is_meta or (dtype := _matmul_dtype(x, weight, bias)) is None):
-        return F.linear(x, fake_quantized_weight(weight, spec)[0], bias)
+        return F.linear(x, fake_quantized_weight(weight, spec, importance=importance)[0], bias)
     check_array(weight, "weight", finite=False)
-    return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight), dtype)
+    return _QATLinear.apply(x, weight, bias, spec, _cache_of(weight), dtype, importance)

@@ -10,6 +10,7 @@ separate torch ops. ``MIXLE_FUSED_KERNELS=0`` turns the kernels off.
 
 import contextlib
 import ctypes
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +33,18 @@ _OPS = TorchOps()
 _cache_dir = kernel_cache.cache_dir
 
 
+def local_headers(source):
+    """The headers ``source`` includes from its own directory (``#include "name.h"``): part of its
+    build key, so a changed header rebuilds the library.
+
+    >>> [header.name for header in local_headers(SOURCE)]
+    []
+    """
+    source = Path(source)
+    names = re.findall(rb'^#include "([^"]+)"', source.read_bytes(), re.M)
+    return [source.parent / name.decode() for name in names]
+
+
 def build_library(compiler, source=SOURCE, flags=FLAGS):
     """Path of the verified library built from ``source`` (building it if no recorded build of this
     source, compiler command, flags and CPU checks out), or raise RuntimeError with the reason.
@@ -39,7 +52,7 @@ def build_library(compiler, source=SOURCE, flags=FLAGS):
     A recorded build is found without running the compiler; see ``kernel_cache``.
     """
     source = Path(source)
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(header.read_bytes() for header in local_headers(source))
     directory = kernel_cache.private_dir(_cache_dir())
     # Without OpenMP (e.g. Apple clang) the kernels still build, and run on one thread.
     keyed = [(variant, kernel_cache.build_key(code, compiler, variant))

@@ -8,9 +8,12 @@ quantizers): the fake-quantized weight and, when asked, its int8 codes with one 
 cheap pass (``dequantize``). A bfloat16 weight is read exactly as float32 and its result written
 rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)`` (on q4_0 /
 q8_0 the float16 scale is held in bfloat16 first, as the torch path holds a scale in the
-weight's dtype). Built and cached like ``fused_cpu``'s kernels (their flags, see ``FLAGS``; the
-same private cache); off whenever those are off (``MIXLE_FUSED_KERNELS=0``, ``fused_cpu.switched_off``,
-no compiler), and then the torch numerics run instead.
+weight's dtype). With an importance matrix entry the kernels run ggml's importance-weighted
+searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: every grid but q8_0, whose ggml
+quantizer ignores it), bit for bit ``quantize_array(..., importance=)``. Built and cached like
+``fused_cpu``'s kernels (their flags, see ``FLAGS``; the same private cache); off whenever
+those are off (``MIXLE_FUSED_KERNELS=0``, ``fused_cpu.switched_off``, no compiler), and then the
+torch numerics run instead.
 """
 
 import ctypes
@@ -48,6 +51,8 @@ KINDS = {
     "q5_k": _Kind(6, 256, 32, True, False),
     "q6_k": _Kind(7, 256, 16, False, False),
 }
+# The grids whose importance-weighted search (``mixle.core.ggml_weighted``) the kernels run.
+WEIGHTED = frozenset(name for name in KINDS if name != "q8_0")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _loaded = {}  # "ggml" -> _Kernels or None, once decided
 _OPS = TorchOps()
@@ -61,6 +66,9 @@ class _Kernels:
         self.fake_quant = lib.mixle_ggml_fake_quant
         self.fake_quant.argtypes = [i32, i32, p, i64, p, p, p, p, i32, p, i32]
         self.fake_quant.restype = i64
+        self.weighted = lib.mixle_ggml_fake_quant_weighted
+        self.weighted.argtypes = [i32, i32, p, i64, i64, p, p, p, p, p, i32, p, i32]
+        self.weighted.restype = i64
         self.dequantize = lib.mixle_ggml_dequantize
         self.dequantize.argtypes = [i32, p, p, p, i64, i64, p, i32]
         self.dequantize.restype = None
@@ -105,8 +113,13 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def fake_quant(x, spec, *, want_codes=False, out=None):
+def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     """One pass over x's blocks: ``(deq, codes, a, b, nonfinite, overflow)``.
+
+    With ``importance`` (a float32 CPU tensor, one value per column of x's last axis; grids of
+    ``WEIGHTED``) the blocks are ggml's importance-weighted quantizer's, bit for bit
+    ``quantize_array(x, spec, importance=importance)`` (on q4_0 a bfloat16 weight's float16 scale
+    is held in bfloat16 first, as without an importance).
 
     ``deq`` is the fake-quantized x in x's dtype (written into ``out`` when given, contiguous
     and shaped like x); ``codes`` (int8, x's shape), ``a`` and ``b`` (float32, one per sub-block;
@@ -123,6 +136,13 @@ def fake_quant(x, spec, *, want_codes=False, out=None):
         a = torch.empty(x.numel() // kind.sub, dtype=torch.float32)
         b = torch.empty_like(a) if kind.offset else None
     overflow = ctypes.c_int64(0)
+    if importance is not None:
+        qw = importance.detach().to(torch.float32).contiguous()
+        nonfinite = _kernels().weighted(
+            kind.id, _DTYPES[x.dtype], x.data_ptr(), x.numel(), x.shape[-1], qw.data_ptr(), deq.data_ptr(),
+            _ptr(codes), _ptr(a), _ptr(b), int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow),
+            torch.get_num_threads())
+        return deq, codes, a, b, nonfinite, overflow.value
     nonfinite = _kernels().fake_quant(
         kind.id, _DTYPES[x.dtype], x.data_ptr(), x.numel(), deq.data_ptr(), _ptr(codes), _ptr(a), _ptr(b),
         int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow), torch.get_num_threads())

@@ -4,14 +4,24 @@
 matrix layer and adds, as ``llama-imatrix``'s ``collect_imatrix`` does for every product of a
 weight with a batch of at least 16 input rows, the squares of each row's inputs to one sum per
 input column and the row count to the layer's count (``mixle.core.imatrix.Imatrix``, keyed by
-model path). mixle sums in float64 and stores float32; llama.cpp sums float32 as it goes, and its
+model path). Fused experts (``expert_layers``) are llama.cpp's ``MUL_MAT_ID`` products, which
+``llama-imatrix`` collects at any batch size, per expert: for ``<experts>.gate_up_proj`` (its
+``ffn_gate_exps`` and ``ffn_up_exps``, which share an input) the squared hidden states of the
+tokens routed to each expert, for ``<experts>.down_proj`` the squared ``act(gate) * up`` of each,
+and per expert the (token, expert) pairs routed: sums ``(E, in)``, counts ``(E,)``. A forward hook
+on the experts module reads its inputs (hidden states and the router's top-k indices) and
+recomputes ``act(gate) * up`` with the weights the module's forward reads (float, fake-quantized
+or dequantized), as transformers' expert loop does. mixle sums in float64 and stores float32; llama.cpp sums float32 as it goes, and its
 activations come from ggml's forward, so the two files agree to rounding, not bit for bit.
 
 ``with_importance`` re-quantizes a converted model's ``QuantizedLinear`` layers from the float
 weights with an importance per layer (``quantize_array(..., importance=)``: ggml's weighted
 search, bit for bit as ``llama-quantize --imatrix``). Layers of other kinds (fused experts,
-convolutions, embeddings) are refused.
+embeddings) are refused; converted fused experts are re-quantized per expert with one
+importance vector each (``quantize_array(..., batch_ndim=1, importance=(E, in))``).
 """
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -19,6 +29,7 @@ from torch import nn
 
 from mixle.core.imatrix import Imatrix
 from mixle.core.numerics import quantize_array
+from mixle.torch_backend.expert_layers import ExpertsType, QuantizedFusedWeight, fused_weight_names, is_fused
 from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import QuantizedLinear, to_storage
 from mixle.torch_backend.swap import Change
@@ -29,17 +40,89 @@ MIN_ROWS = 16  # llama-imatrix skips products with fewer input rows ("small batc
 
 
 def _matrix_layers(model, layers):
+    """``({path: dense matrix module}, {experts module path: (module, [weight attributes])})``."""
     modules = dict(model.named_modules())
-    found = {}
+    found, experts = {}, {}
     for path in layers:
         module = modules.get(path)
+        parent, _, attr = path.rpartition(".")
+        owner = modules.get(parent)
+        if module is None and _is_experts(owner) and attr in fused_weight_names(owner):
+            experts.setdefault(parent, (owner, []))[1].append(attr)
+            continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             what = "no such module" if module is None else f"a {type(module).__name__} without a 2-D weight"
             raise ValueError(f"calibrate_importance: layer {path!r} is {what}: only matrix layers (nn.Linear and their "
-                             f"QAT wrappers) are calibrated; fused expert weights are not handled yet")
+                             f"QAT wrappers) and fused expert weights ('<experts>.gate_up_proj', '<experts>.down_proj')"
+                             f" are calibrated")
         found[path] = module
-    return found
+    return found, experts
+
+
+def _is_experts(module):
+    return module is not None and is_fused(module) and ExpertsType.base_of(module) is not None
+
+
+def _forward_weights(module):
+    """``{attribute: weight}`` a fused experts module's forward multiplies with now: the float
+    Parameters, a QAT layer's fake-quantized weights (while enabled) or a converted layer's
+    dequantized ones."""
+    names = fused_weight_names(module)
+    stored = {name: module._modules.get(name) for name in names}
+    if all(isinstance(child, QuantizedFusedWeight) for child in stored.values()):
+        dtype = getattr(module, "float_dtype", torch.float32)
+        return {name: child.dequantized_weight().reshape(child.array_shape).to(dtype) for name, child in stored.items()}
+    if getattr(module, "enabled", False) and hasattr(module, "quantized_weights"):
+        return module.quantized_weights()
+    return {name: module._parameters[name] for name in names}
+
+
+def _accumulators(found, experts):
+    """Zero float64 sums ``(n_mat, in)`` and int64 counts ``(n_mat,)`` per collected path."""
+    sums = {path: torch.zeros(1, m.weight.shape[1], dtype=torch.float64) for path, m in found.items()}
+    counts = {path: np.zeros(1, np.int64) for path in found}
+    for parent, (module, attrs) in experts.items():
+        for attr in attrs:
+            weight = getattr(module, attr)  # (E, out, in): a Parameter, or a converted layer's stored weight
+            shape = tuple(getattr(weight, "array_shape", None) or weight.shape)
+            sums[f"{parent}.{attr}"] = torch.zeros(shape[0], shape[-1], dtype=torch.float64)
+            counts[f"{parent}.{attr}"] = np.zeros(shape[0], np.int64)
+    return sums, counts
+
+
+def _dense_hook(path, sums, counts):
+    """A forward pre-hook adding a matrix's squared input rows (batches of ``MIN_ROWS`` or more)."""
+    def hook(_module, inputs):
+        rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+        if rows.shape[0] >= MIN_ROWS:
+            sums[path][0] += rows.to(torch.float64).square().sum(0).cpu()
+            counts[path][0] += rows.shape[0]
+    return hook
+
+
+def _expert_hook(module, attrs, sums, counts, prefix):
+    """A forward hook adding each expert's squared inputs of ``attrs`` (and its routed pairs) to
+    ``sums[prefix + attr]`` (``(E, in)``) and ``counts[...]`` (``(E,)``), as llama-imatrix's MUL_MAT_ID."""
+    def hook(_module, args, kwargs, _output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        hidden = hidden.detach().reshape(-1, hidden.shape[-1])
+        index = index.reshape(hidden.shape[0], -1)
+        weights = _forward_weights(module) if "down_proj" in attrs else None
+        for expert in range(counts[prefix + attrs[0]].shape[0]):
+            rows = torch.where(index == expert)[0]
+            if rows.numel() == 0:
+                continue
+            x = hidden[rows]
+            inputs = {"gate_up_proj": x}
+            if weights is not None:
+                gate, up = nn.functional.linear(x, weights["gate_up_proj"][expert]).chunk(2, dim=-1)
+                inputs["down_proj"] = module.act_fn(gate) * up
+            for attr in attrs:
+                sums[prefix + attr][expert] += inputs[attr].to(torch.float64).square().sum(0).cpu()
+                counts[prefix + attr][expert] += rows.numel()
+    return hook
 
 
 def calibrate_importance(model, batches, *, layers, dataset="mixle.calibrate_importance"):
@@ -50,12 +133,14 @@ def calibrate_importance(model, batches, *, layers, dataset="mixle.calibrate_imp
             left in the mode it had.
         batches: an iterable of inputs: a tensor (e.g. token ids ``(B, T)``) is called as
             ``model(batch)``, a dict as ``model(**batch)``.
-        layers: the model paths of the matrix layers to collect (``mixle.calibrate_importance``
-            passes every matrix ``save_gguf`` writes).
+        layers: the model paths of the matrix layers to collect, and of fused expert weights
+            (``"<experts>.gate_up_proj"``, ``"<experts>.down_proj"``); ``mixle.calibrate_importance``
+            passes every matrix ``save_gguf`` writes.
         dataset: the calibration text's name, recorded as the file's ``imatrix.datasets``.
 
     Returns:
-        ``Imatrix`` keyed by path: float32 sums ``(1, in)``, int64 counts ``(1,)``, ``chunk_count``
+        ``Imatrix`` keyed by path: float32 sums ``(1, in)`` (experts: ``(E, in)``), int64 counts
+        ``(1,)`` (experts: ``(E,)``, the tokens routed to each), ``chunk_count``
         the batches run and ``chunk_size`` the first batch's last dimension.
 
     Raises:
@@ -66,20 +151,12 @@ def calibrate_importance(model, batches, *, layers, dataset="mixle.calibrate_imp
     >>> m.sums["0"].tolist(), m.counts["0"].tolist()
     ([[16.0, 16.0, 16.0, 16.0]], [16])
     """
-    found = _matrix_layers(model, layers)
-    sums = {path: torch.zeros(m.weight.shape[1], dtype=torch.float64) for path, m in found.items()}
-    counts = dict.fromkeys(found, 0)
-
-    def hook_for(path):
-        def hook(_module, inputs):
-            rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-            if rows.shape[0] >= MIN_ROWS:
-                sums[path] += rows.to(torch.float64).square().sum(0).cpu()
-                counts[path] += rows.shape[0]
-        return hook
-
+    found, experts = _matrix_layers(model, layers)
+    sums, counts = _accumulators(found, experts)
     modes = {m: m.training for m in model.modules()}
-    handles = [module.register_forward_pre_hook(hook_for(path)) for path, module in found.items()]
+    handles = [module.register_forward_pre_hook(_dense_hook(path, sums, counts)) for path, module in found.items()] + [
+        module.register_forward_hook(_expert_hook(module, attrs, sums, counts, f"{parent}."), with_kwargs=True)
+        for parent, (module, attrs) in experts.items()]
     n_batches, chunk = 0, 0
     try:
         model.eval()
@@ -93,12 +170,13 @@ def calibrate_importance(model, batches, *, layers, dataset="mixle.calibrate_imp
             handle.remove()
         for module, mode in modes.items():
             module.train(mode)
-    empty = sorted(path for path, count in counts.items() if count == 0)
+    empty = sorted(path for path, count in counts.items() if not count.any())
     if empty:
         raise ValueError(f"calibrate_importance: layers {empty[:3]} saw no batch of at least {MIN_ROWS} input rows "
-                         f"(llama-imatrix skips smaller ones): pass batches of at least {MIN_ROWS} tokens")
-    return Imatrix({p: s.to(torch.float32).numpy()[None] for p, s in sums.items()},
-                   {p: np.array([c], np.int64) for p, c in counts.items()}, (str(dataset),), n_batches, chunk)
+                         f"(llama-imatrix skips smaller ones), or no token was routed to them: pass batches of at "
+                         f"least {MIN_ROWS} tokens")
+    sums = {path: total.to(torch.float32).numpy() for path, total in sums.items()}
+    return Imatrix(sums, counts, (str(dataset),), n_batches, chunk)
 
 
 def with_importance(converted, float_model, importance):
@@ -117,17 +195,42 @@ def with_importance(converted, float_model, importance):
     modules, floats = dict(converted.named_modules()), dict(float_model.named_modules())
     replacements = {}
     for path, values in importance.items():
+        parent, _, attr = path.rpartition(".")
+        if isinstance(modules.get(parent), nn.Module) and isinstance(modules[parent]._modules.get(attr),
+                                                                     QuantizedFusedWeight):
+            _requantize_experts(modules[parent], attr, getattr(floats[parent], attr), values, path)
+            continue
         layer = modules.get(path)
         if type(layer) is not QuantizedLinear or any(b is layer.codes for m in modules.values()
                                                      if m is not layer for b in m.buffers(recurse=False)):
             raise ValueError(f"importance given for layer {path!r}, which quantize_model did not make a QuantizedLinear "
                              f"of its own ({type(layer).__name__}): only untied linear layers take an importance")
-        weight = floats[path].weight.detach().to(torch.float32)
-        q = quantize_array(weight, layer.spec, importance=values, name=f"layer {path!r}")
-        codes, scale, parts = to_storage(q)
+        codes, scale, parts = to_storage(_weighted(floats[path].weight, layer.spec, values, path, 0))
         new = QuantizedLinear(codes, scale, layer.spec, layer.weight_shape, bias=layer.bias, **parts)
         new.train(layer.training)
         setattr(new, PATH_ATTRIBUTE, path)
         replacements[id(layer)] = new
     with Change() as change:
         return change.swap(converted, replacements)
+
+
+def _weighted(weight, spec, values, path, batch_ndim):
+    """``weight`` quantized by ggml's weighted search with ``values``, fields as torch tensors.
+
+    The search runs on numpy (the same float32 operations as on torch, bit for bit, ~30x faster on CPU)."""
+    array = weight.detach().to(torch.float32).cpu().numpy()
+    values = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    q = quantize_array(array, spec, batch_ndim=batch_ndim, out_ndim=1, importance=values, name=f"layer {path!r}")
+    fields = {name: torch.from_numpy(np.ascontiguousarray(getattr(q, name)))
+              for name in ("codes", "scale", "offset", "sub_scales", "sub_offsets") if getattr(q, name) is not None}
+    return dataclasses.replace(q, **fields)
+
+
+def _requantize_experts(layer, attr, weight, values, path):
+    """Replace converted experts ``layer``'s stored ``attr`` by ``weight`` quantized per expert with
+    ``values`` ``(E, in)`` (one importance vector each), in place (a private copy's child)."""
+    old = layer._modules[attr]
+    codes, scale, parts = to_storage(_weighted(weight, old.spec, values, path, 1))
+    new = QuantizedFusedWeight(codes, scale, old.spec, old.array_shape, old.KIND, **parts)
+    new.train(old.training)
+    layer._modules[attr] = new

@@ -13,11 +13,13 @@ from typing import Callable
 from torch import nn
 
 from mixle.core.layer_weights import quantize_embedding_weight, quantize_linear_weight
+from mixle.core.numerics import quantize_array
 from mixle.torch_backend.expert_layers import (ExpertsType, QATExperts, QATRouter, QuantizedExperts, QuantizedRouter,
                                                RouterType, assemble_fused, check_fused_spec, fused_weight_names,
                                                quantize_experts, wrap_fused)
 from mixle.torch_backend.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
 from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
+from mixle.torch_backend.fake_quant import numerics_input
 from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
 from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.mha_layers import OPTIONS as MHA_OPTIONS
@@ -97,7 +99,8 @@ class LayerKind:
         if fused:
             raise ValueError(fused)
         if unhonoured:
-            raise ValueError(f"a {self.name} QAT layer fake-quantizes its weight only, so it cannot honour "
+            article = "an" if self.name[0] in "aeiou" else "a"
+            raise ValueError(f"{article} {self.name} QAT layer fake-quantizes its weight only, so it cannot honour "
                              f"{', '.join(unhonoured)}: leave {'it' if len(unhonoured) == 1 else 'them'} at "
                              f"{'its default' if len(unhonoured) == 1 else 'their defaults'} for this layer (give "
                              f"it its own spec with patterns=[(path, QuantSpec(...))]) or exclude it")
@@ -204,10 +207,10 @@ KINDS = (
               follows_tie=True),
     LayerKind(name="experts", float_types=(ExpertsType,), qat_type=QATExperts, wrap=wrap_fused,
               quantize=quantize_experts, quantized_type=QuantizedExperts, weight_names=fused_weight_names,
-              batch_axes=1, assemble=assemble_fused, spec_options=(), options=("array_shape",)),
+              batch_axes=1, assemble=assemble_fused, spec_options=("act_bits",), options=("array_shape",)),
     LayerKind(name="router", float_types=(RouterType,), qat_type=QATRouter, wrap=wrap_fused,
               quantize=quantize_linear_weight, quantized_type=QuantizedRouter, weight_names=fused_weight_names,
-              assemble=assemble_fused, spec_options=(), opt_in=True, options=("array_shape",),
+              assemble=assemble_fused, spec_options=("act_bits",), opt_in=True, options=("array_shape",),
               opt_in_reason="router stays float by default; opt in with opt_in=('router',)"),
 )
 OPT_IN = tuple(kind.name for kind in KINDS if kind.opt_in)
@@ -230,6 +233,38 @@ def kind_of_float(module):
 def kind_of_qat(layer):
     """The kind of a QAT layer (None for other modules)."""
     return next((kind for kind in KINDS if isinstance(layer, kind.qat_type)), None)
+
+
+def qat_importance(layer):
+    """The importance a QAT layer's forward searches with (``QATWrapper(importance=)``), or None."""
+    return layer._buffers.get("importance") if isinstance(layer, QATWrapper) else None
+
+
+def stored_array(kind, weight, spec, importance=None):
+    """The QuantizedArray of ``weight`` (a Parameter of a ``kind`` layer) that the fake-quant forward
+    dequantizes: bfloat16/float16 weights quantized in float32 (``numerics_input``); with an
+    ``importance`` (linear layers), ggml's importance-weighted search."""
+    weight = numerics_input(weight.detach())
+    if importance is not None:
+        return quantize_array(weight, spec, importance=importance)
+    return kind.quantize(weight, spec)
+
+
+def qat_stored_array(layer):
+    """The QuantizedArray ``convert`` stores for a QAT layer's (first) weight: the codes and scales
+    its fake-quant forward trains on, importance included (what ``save_gguf`` writes).
+
+    Raises:
+        TypeError: ``layer`` is not a QAT layer.
+
+    >>> layer = QATWrapper(nn.Linear(32, 2), grid="q4_0", bits=4, importance=[1.0] * 32)
+    >>> qat_stored_array(layer).codes.shape
+    torch.Size([2, 32])
+    """
+    kind = kind_of_qat(layer)
+    if kind is None:
+        raise TypeError(f"qat_stored_array takes a QAT layer (apply_qat's), got {type(layer).__name__}")
+    return stored_array(kind, kind.weight_of(layer), layer.spec, qat_importance(layer))
 
 
 def kind_named(name):

@@ -4,9 +4,11 @@ Both reuse the original module's Parameter objects, so ties, ``state_dict`` keys
 built before wrapping keep working.
 """
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixle.core.ggml_weighted import check_importance, importance_grid
 from mixle.core.numerics import block_shape
 from mixle.core.spec import WEIGHT_FIELDS, resolve_spec
 from mixle.torch_backend import fused_cpu
@@ -105,6 +107,27 @@ class QATLayerMixin:
         return f"{super().extra_repr()}, {self.qat_state()}"
 
 
+def checked_importance(spec, values, weight_shape, name="weight", learned=False):
+    """The importance a ``QATWrapper`` holds for a weight of ``weight_shape`` on ``spec``: a float32
+    tensor ``(in,)``, or None where llama.cpp ignores an importance (``q8_0``, ``mxfp4``: checked,
+    then dropped, as ``quantize_array`` does).
+
+    Raises:
+        ValueError: a grid without ggml's weighted search (``importance_grid``), a learned scale
+            (its scales are trained, not searched), or values that do not fit (``check_importance``).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> checked_importance(QuantSpec(grid="q4_0"), [1.0] * 32, (2, 32)).shape
+    torch.Size([32])
+    """
+    if learned:
+        raise ValueError(f"{name}: importance= needs the fixed-scale ggml search, but spec.scale={spec.scale!r} "
+                         f"trains the scales: drop importance= or use scale='absmax'")
+    how = importance_grid(spec.grid, name)
+    values = check_importance(values, tuple(weight_shape), name=name)
+    return None if how == "ignored" else torch.from_numpy(values.reshape(-1).copy())
+
+
 class QATWrapper(QATLayerMixin, nn.Linear):
     """An ``nn.Linear`` whose weight is fake-quantized in the forward while enabled.
 
@@ -116,13 +139,19 @@ class QATWrapper(QATLayerMixin, nn.Linear):
         linear: the ``nn.Linear`` to wrap (not itself a QATWrapper).
         spec: QuantSpec; or pass its fields as keywords (default int4 per-channel symmetric).
         enabled: fake-quantize in the forward (False computes exactly ``nn.Linear``).
+        importance: llama.cpp's importance matrix entry of the weight (one value per input column,
+            fixed from calibration, e.g. ``calibrate_importance``), on a grid with ggml's weighted
+            search: the forward then fake-quantizes exactly as ``llama-quantize --imatrix``
+            quantizes (``quantize_array(weight, spec, importance=...)``). Held as the
+            non-persistent float32 buffer ``importance`` (``state_dict`` keys do not change);
+            ``set_importance`` changes it.
 
     >>> layer = QATWrapper(nn.Linear(4, 2), bits=8)
     >>> layer.weight.shape, layer.spec.bits
     (torch.Size([2, 4]), 8)
     """
 
-    def __init__(self, linear, spec=None, *, enabled=True, **spec_fields):
+    def __init__(self, linear, spec=None, *, enabled=True, importance=None, **spec_fields):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"QATWrapper wraps an nn.Linear, got {type(linear).__name__}")
         if isinstance(linear, QATWrapper):
@@ -136,9 +165,28 @@ class QATWrapper(QATLayerMixin, nn.Linear):
         adopt(self, linear, ("in_features", "out_features", "weight", "bias"))
         self.spec = spec
         self.enabled = enabled
+        self.register_buffer("importance", None, persistent=False)
+        if importance is not None:
+            self.set_importance(importance)
         if learned_scale.is_learned(spec):
             learned_scale.attach(self)
         _decide_kernels(self.weight)
+
+    def set_importance(self, values):
+        """Hold ``values`` (or None: none) as this layer's importance, validated (``checked_importance``)."""
+        if values is not None:
+            values = checked_importance(self.spec, values, tuple(self.weight.shape), learned=learned_scale.is_learned(
+                self.spec)).to(self.weight.device)
+        self.importance = values
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        keep = self._buffers.get("importance")  # model.to(torch.bfloat16) must not round the importance
+        result = super()._apply(fn, *args, **kwargs)
+        moved = self._buffers.get("importance")
+        if keep is not None and moved is not None and moved.dtype != torch.float32:
+            self._buffers["importance"] = keep.to(moved.device)
+        return result
 
     def quantized_weight(self):
         """The fake-quantized weight (with STE gradient) this layer uses while enabled.
@@ -148,7 +196,7 @@ class QATWrapper(QATLayerMixin, nn.Linear):
         """
         if learned_scale.is_learned(self.spec):
             return learned_scale.learned_weight(self)
-        return fake_quantized_weight(self.weight, self.spec)[0]
+        return fake_quantized_weight(self.weight, self.spec, importance=self.importance)[0]
 
     def forward(self, x):
         if not self.enabled:
@@ -157,7 +205,7 @@ class QATWrapper(QATLayerMixin, nn.Linear):
             x = fake_quant_activations(x, self.spec)
             if learned_scale.is_learned(self.spec):
                 return F.linear(x, learned_scale.learned_weight(self), self.bias)
-            return linear(x, self.weight, self.bias, self.spec)
+            return linear(x, self.weight, self.bias, self.spec, self.importance)
         except ValueError as err:
             raise named_error(self, err) from None
 

@@ -10,7 +10,8 @@ from torch import nn
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
 from mixle.torch_backend.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
-from mixle.torch_backend.layers import PATH_ATTRIBUTE, check_supported
+from mixle.torch_backend import learned_scale
+from mixle.torch_backend.layers import PATH_ATTRIBUTE, QATWrapper, check_supported, checked_importance
 from mixle.torch_backend.lora import LoRALinear
 from mixle.torch_backend.mha_layers import unsupported_reason
 from mixle.torch_backend.swap import Change
@@ -174,8 +175,9 @@ def _decide(path, module, selector, opt_in, naming):
                                         f"or a pattern matching only them)")
 
 
-def apply(model, selector, reconfigure, example_inputs=None):
-    """Torch half of ``apply_qat``: plan every decision, then swap, so failures change nothing."""
+def apply(model, selector, reconfigure, example_inputs=None, importance=None):
+    """Torch half of ``apply_qat``: plan every decision, then swap, so failures change nothing.
+    ``importance``: ``{layer path: values}`` the linear layers hold (``QATWrapper(importance=)``)."""
     if example_inputs is not None:
         raise ValueError(
             "example_inputs is only used for Flax models: the PyTorch backend wraps nn.Linear layers "
@@ -214,13 +216,51 @@ def apply(model, selector, reconfigure, example_inputs=None):
     asked = lambda path, module: _decide(path, module, selector, opt_in, naming)[0] is not None  # noqa: E731
     decisions += _plan_tied(tied, layers, decisions, replacements, respecs, selector, enabled, asked)
     decisions += _unquantizable(model, counted)
+    held = _plan_importance(importance or {}, decisions, dict(layers), replacements, reconfigure)
 
     with Change() as change:
         root = change.swap(model, replacements)
         for layer, spec in respecs:
             change.set(layer, "spec", spec)
+        for layer, values in held:
+            change.set(layer, "importance", values)
         change.set(root, REPORT_ATTRIBUTE, QATReport(decisions))
     return root
+
+
+def _plan_importance(importance, decisions, modules, replacements, reconfigure):
+    """``[(QAT linear layer, float32 importance or None)]`` for ``importance``'s entries, each checked
+    (layer, grid, values) before anything changes."""
+    planned, held = {d.path: d for d in decisions}, []
+    for path, values in importance.items():
+        decision, module = planned.get(path), modules.get(path)
+        if decision is None or decision.spec is None or module is None:
+            why = "no layer apply_qat takes has this path" if decision is None else decision.reason
+            raise ValueError(f"importance has an entry for layer {path!r}, which apply_qat does not fake-quantize "
+                             f"({why}): drop the entry or select the layer")
+        layer = replacements.get(id(module), module)
+        if type(layer) is not QATWrapper or decision.note:
+            what = decision.note or f"a {type(module).__name__} ({_kind(module).name} layer)"
+            if not isinstance(layer, QATWrapper) and isinstance(module, nn.Linear) and not decision.note:
+                what = decision.reason
+            raise ValueError(f"layer {path!r}: importance= is taken only by plain linear layers, quantized on their "
+                             f"own as llama-quantize --imatrix quantizes one matrix, and this one is {what}: drop "
+                             f"its entry")
+        try:
+            values = checked_importance(decision.spec, values, tuple(layer.weight.shape), name="weight",
+                                        learned=learned_scale.is_learned(decision.spec))
+        except ValueError as err:
+            raise ValueError(f"layer {path!r}: {err}") from None
+        old = layer._buffers.get("importance")
+        if id(module) not in replacements and not reconfigure and not _same(old, values):
+            raise ValueError(f"layer {path!r} is already fake-quantized with another importance (or none): pass "
+                             f"reconfigure=True to change it")
+        held.append((layer, None if values is None else values.to(layer.weight.device)))
+    return held
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and bool((a.cpu() == b).all()))
 
 
 def _out_proj_decision(path, module, attention, selector, counted):
