@@ -53,6 +53,15 @@ from mixle.lm.training import window_density  # what GradLeaf trains: windows of
 module = window_density(mixle.build_causal_lm(vocab=16, d_model=16, n_layer=1, n_head=2, block=8),
                         torch.randint(0, 16, (64,)))
 """
+IMATRIX = """
+import torch, mixle
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+model = LlamaForCausalLM(config)
+calibration_batches = [torch.randint(0, 128, (4, 32)) for _ in range(2)]
+"""
 
 # (a line that identifies the block, the packages it needs, its placeholders)
 CASES = (
@@ -65,6 +74,7 @@ CASES = (
     ("from transformers import LlamaConfig, LlamaForCausalLM", ("torch", "transformers"), ""),
     ("mixle.save_pretrained_compressed(model", ("torch", "transformers", "compressed_tensors"), HF_LLAMA),
     ("mixle.save_gguf(lm", ("torch", "gguf"), GGUF_SETUP),
+    ("imatrix = mixle.calibrate_importance(model, calibration_batches)", ("torch", "transformers", "gguf"), IMATRIX),
     ("DistributedDataParallel(model)", ("torch",), ""),
     ("mesh = jax.make_mesh", ("flax", "qwix"), FLAX_MLP),
 )

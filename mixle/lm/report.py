@@ -138,7 +138,8 @@ def _recovery(row, name, tuned, baseline, entry, label, tuned_method):
         result["llama_cpp_recovered_percent"] = (
             None if cpp_degradation < MIN_DEGRADATION else 100 * (cpp[1] - cpp[2]) / cpp_degradation)
         result["note"] += "; in llama.cpp " + (
-            "PTQ loses nothing measurable" if cpp_degradation < MIN_DEGRADATION else
+            f"PTQ loses only {cpp_degradation:+.4f} nats ({100 * math.expm1(cpp_degradation):+.2f}% perplexity) and "
+            f"{name} is at {100 * math.expm1(cpp[2] - cpp[0]):+.2f}%" if cpp_degradation < MIN_DEGRADATION else
             f"{result['llama_cpp_recovered_percent']:.1f}% recovered, perplexity "
             f"{100 * math.expm1(cpp[2] - cpp[0]):+.2f}% (PTQ: {100 * math.expm1(cpp_degradation):+.2f}%)")
     return result
