@@ -298,7 +298,7 @@ def _fp32_variants(compile_rows):
     rows.append(Variant("mixle q4_0", _mixle_grid(bits=4, grid="q4_0")))
     rows.append(Variant("mixle q8_0", _mixle_grid(bits=8, grid="q8_0")))
     rows.append(Variant("mixle q4_0 a8", _mixle_grid(bits=4, grid="q4_0", act_bits=8)))
-    for grid in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):  # llama.cpp's other block types
+    for grid in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4", "nf4"):  # the other block types
         rows.append(Variant(f"mixle {grid}", _mixle_grid(grid=grid)))
     rows.append(Variant("mixle q4_0 torch ops", _mixle_grid(bits=4, grid="q4_0"), torch_ops=True))
     for grid in ("q4_0", "q4_k", "q6_k"):  # with an importance matrix: the weighted search in every forward
