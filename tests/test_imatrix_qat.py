@@ -207,3 +207,12 @@ def test_reapplying_needs_reconfigure_to_change_the_importance():
     ref = quantize_array(w, grid="q4_0", importance=imp).dequantize()
     first, again = net[0].quantized_weight(), net[0].quantized_weight()  # the second from the kept codes
     assert np.array_equal(bits(first), bits(ref)) and torch.equal(first, again)
+
+
+def test_apply_lora_refuses_a_layer_holding_an_importance_and_changes_nothing():
+    net = nn.Sequential(nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 4))
+    mixle.apply_qat(net, grid="q4_0", bits=4, patterns=["0"], importance={"0": np.ones(64, np.float32)})
+    before = [type(m) for m in net.modules()]
+    with pytest.raises(ValueError, match="layer '0' is fake-quantized with an importance matrix"):
+        mixle.apply_lora(net, rank=2, alpha=2)
+    assert [type(m) for m in net.modules()] == before and net[0].importance is not None

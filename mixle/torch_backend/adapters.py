@@ -86,6 +86,10 @@ def apply_lora(model, selector, train_base):
                     f"{lora.short()}: merge_lora(model) first, then apply_lora with the new settings"
                 )
             return LayerDecision(path=path, kind=kind, action="unchanged", reason=reason, spec=lora)
+        if isinstance(module, QATWrapper) and getattr(module, "importance", None) is not None:
+            raise ValueError(f"layer {path!r} is fake-quantized with an importance matrix, which LoRA layers do not "
+                             f"carry: apply_lora before apply_qat(importance=) is refused too, so leave this layer "
+                             f"out (exclude=[{path!r}]) or apply_qat without importance")
         if isinstance(module, QATWrapper):
             replacements[id(module)] = QATLoRALinear(plain_linear(module), lora, module.spec, enabled=module.enabled)
         else:
