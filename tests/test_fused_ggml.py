@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
+from mixle.core.ggml_quants import KVALUES_MXFP4, NF4_THRESHOLDS
 from mixle.core.numerics import fake_quant_forward, quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.models.qat import apply_qat
 from mixle.torch_backend import fake_quant, fused_cpu, fused_ggml
 
-GRIDS = {"q4_0": 4, "q8_0": 8, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+GRIDS = {"q4_0": 4, "q8_0": 8, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "mxfp4": 4, "nf4": 4}
 needs_kernels = pytest.mark.skipif(not fused_ggml.available(), reason="no C++ compiler: the kernels could not be built")
 
 
@@ -54,11 +55,53 @@ def test_kernel_equals_the_numpy_numerics_bit_for_bit(grid, cols):
         differ = int((deq.numpy().view(np.int32) != want.view(np.int32)).sum())
         assert bits_equal(deq.numpy(), want), f"{grid}: {differ} values differ"
         # The kept codes and per-sub-block multipliers rebuild the same bits (kernel and torch ops).
-        assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32).numpy(), want)
+        assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32, grid=grid).numpy(), want)
         with fused_cpu.switched_off():
-            assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32).numpy(), want)
-        # Codes as mixle's stored array holds them.
-        np.testing.assert_array_equal(codes.numpy(), np.asarray(quantize_array(w, spec).codes))
+            assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32, grid=grid).numpy(), want)
+        # Codes as mixle's stored array holds them (on mxfp4 the table's value, not its index).
+        stored = np.asarray(quantize_array(w, spec).codes)
+        if grid == "mxfp4":
+            stored = np.asarray(KVALUES_MXFP4)[stored]
+        np.testing.assert_array_equal(codes.numpy(), stored)
+
+
+@needs_kernels
+def test_mxfp4_exponents_at_powers_of_two_subnormals_and_wrapped_blocks():
+    """The E8M0 exponent where log2 rounds up (just below a power of two), on subnormal and
+    wrapped exponents (amax below 2**-125) and at the float32 top."""
+    spec = spec_of("mxfp4")
+    below = np.float32(1 - 2.0**-24)
+    w = np.zeros((6, 64), np.float32)
+    w[0] = np.float32(2.0) ** np.arange(-32, 32, dtype=np.float32) * below
+    w[1] = np.float32(2.0) ** np.arange(-32, 32, dtype=np.float32) * np.float32(1 + 2.0**-23)
+    w[2] = np.linspace(-1, 1, 64, dtype=np.float32) * np.float32(2.0**-124)  # e = 0 and 1
+    w[3] = np.linspace(-1, 1, 64, dtype=np.float32) * np.float32(1e-40)  # subnormal x, wrapped e
+    w[4] = np.linspace(-1, 1, 64, dtype=np.float32) * np.float32(3e38)
+    w[5, ::2], w[5, 1::2] = -3.0, 2.9999998  # ties between levels take the first
+    for row in range(6):
+        w[row] = np.where(np.arange(64) % 3 == 0, -w[row], w[row])
+    want = fake_quant_forward(w, spec)[0]
+    deq, codes, a, b, nonfinite, overflow = fused_ggml.fake_quant(torch.from_numpy(w), spec, want_codes=True)
+    assert (nonfinite, overflow) == (0, 0) and bits_equal(deq.numpy(), want)
+    assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32).numpy(), want)
+
+
+@needs_kernels
+def test_nf4_at_the_midpoints_and_with_a_subnormal_absmax():
+    """Values exactly at the decision tree's midpoints (strictly above takes the upper code), and a
+    block whose absmax is subnormal (1 / absmax is infinite: its zeros become NaN, code 0)."""
+    spec = spec_of("nf4")
+    w = np.zeros((3, 64), np.float32)
+    w[0, :15] = np.asarray(NF4_THRESHOLDS, np.float32)
+    w[0, 15:30] = np.nextafter(w[0, :15], np.float32(1))
+    w[0, 30] = 1.0
+    w[1, :5] = np.float32(1e-39) * np.arange(-2, 3, dtype=np.float32)
+    w[2] = np.linspace(-3, 5, 64, dtype=np.float32)
+    want = fake_quant_forward(w, spec)[0]
+    deq, codes, a, b, *_ = fused_ggml.fake_quant(torch.from_numpy(w), spec, want_codes=True)
+    assert bits_equal(deq.numpy(), want)
+    assert bits_equal(fused_ggml.dequantize(codes, a, b, torch.float32, grid="nf4").numpy(), want)
+    np.testing.assert_array_equal(codes.numpy(), np.asarray(quantize_array(w, spec).codes))
 
 
 @needs_kernels
@@ -76,7 +119,8 @@ def test_a_bf16_weight_is_the_float32_path_then_cast(grid):
         want = torch.from_numpy(fake_quant_forward(w32, spec)[0]).bfloat16()
     deq, codes, a, b, *_ = fused_ggml.fake_quant(w, spec, want_codes=True)
     assert deq.dtype == torch.bfloat16 and torch.equal(deq.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(fused_ggml.dequantize(codes, a, b, torch.bfloat16).view(torch.int16), want.view(torch.int16))
+    rebuilt = fused_ggml.dequantize(codes, a, b, torch.bfloat16, grid=grid)
+    assert torch.equal(rebuilt.view(torch.int16), want.view(torch.int16))
 
 
 def test_the_kernels_leave_what_they_cannot_take_to_the_torch_ops():
@@ -85,7 +129,7 @@ def test_the_kernels_leave_what_they_cannot_take_to_the_torch_ops():
     assert not fused_ggml.applies_to(torch.ones(2, 256, dtype=torch.float16), spec)
     assert not fused_ggml.applies_to(torch.ones(2, 96), spec)  # rows not a multiple of 256
     assert not fused_ggml.applies_to(torch.ones(512, 2).t(), spec)  # not contiguous
-    assert not fused_ggml.applies_to(torch.ones(2, 256), QuantSpec(grid="mxfp4"))
+    assert not fused_ggml.applies_to(torch.ones(2, 96), spec_of("nf4"))  # rows not a multiple of 64
     assert not fused_ggml.applies_to(torch.ones(2, 256), QuantSpec(bits=4))
     with fused_cpu.switched_off():
         assert not fused_ggml.available() and not fused_ggml.applies_to(torch.ones(2, 256), spec)
@@ -128,7 +172,7 @@ def train(grid, dtype, steps=2):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("grid", ["q4_0", "q8_0", "q5_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("grid", ["q4_0", "q8_0", "q5_1", "q4_k", "q6_k", "mxfp4", "nf4"])
 def test_qat_layers_are_identical_with_the_kernels_on_and_off(grid, dtype, monkeypatch):
     calls = []
     kernel = fused_ggml.fake_quant

@@ -16,7 +16,7 @@ the host: a NaN weight is refused by an asynchronous device assert.
 
 Memory: the entry keeps only the per-block scales until the same version is used a second time,
 then its int8 codes (a quarter of a float32 weight). On llama.cpp's grids (q4_0, q8_0, q4_1,
-q5_0, q5_1, q4_k, q5_k, q6_k) float32 and bfloat16 CPU weights run ``_fused_ggml``'s kernels
+q5_0, q5_1, q4_k, q5_k, q6_k, mxfp4) and nf4 float32 and bfloat16 CPU weights run ``_fused_ggml``'s kernels
 (bit for bit the numpy numerics); their entry keeps nothing until a version is reused (a rebuild
 runs the kernel again), then the codes and one scale (and offset) per sub-block; the K-quants
 always keep them, since their rebuild would repeat the scale search. Without the kernels, q4_0 /
@@ -269,7 +269,8 @@ def _rebuild(entry, x, keep_codes=False, out=None):
         deq = _quantize(x, entry.spec, out=out, importance=entry.importance)[0]
     elif entry.codes is not None and _is_ggml(entry):
         offset = None if entry.offset is None else entry.offset.reshape(-1)
-        return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset, x.dtype, out=out)
+        return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset, x.dtype, out=out,
+                                      grid=entry.spec.grid)
     elif entry.codes is not None:
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)

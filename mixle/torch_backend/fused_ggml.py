@@ -2,15 +2,15 @@
 
 One pass per block over a float32 or bfloat16 CPU weight computes, bit for bit, what the numpy
 numerics give (``mixle.core.numerics`` for ``q4_0`` / ``q8_0``; ``mixle.core.ggml_quants`` for
-``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``, themselves ggml's reference
+``q4_1``, ``q5_0``, ``q5_1``, ``mxfp4``, ``nf4``, ``q4_k``, ``q5_k``, ``q6_k``, themselves ggml's reference
 quantizers): the fake-quantized weight and, when asked, its int8 codes with one multiplier
 ``a`` (and offset ``b``) per sub-block, ``value = code * a (+ b)``, from which a rebuild is one
 cheap pass (``dequantize``). A bfloat16 weight is read exactly as float32 and its result written
 rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)`` (on q4_0 /
 q8_0 the float16 scale is held in bfloat16 first, as the torch path holds a scale in the
 weight's dtype). With an importance matrix entry the kernels run ggml's importance-weighted
-searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: every grid but q8_0, whose ggml
-quantizer ignores it), bit for bit ``quantize_array(..., importance=)``. Built and cached like
+searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: every grid but q8_0 and mxfp4,
+whose ggml quantizers ignore it, and nf4), bit for bit ``quantize_array(..., importance=)``. Built and cached like
 ``fused_cpu``'s kernels (their flags, see ``FLAGS``; the same private cache); off whenever
 those are off (``MIXLE_FUSED_KERNELS=0``, ``fused_cpu.switched_off``, no compiler), and then the
 torch numerics run instead.
@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from mixle.core.array_ops import TorchOps
+from mixle.core.ggml_quants import NF4_TABLE
 from mixle.torch_backend import fused_cpu, kernel_cache
 
 SOURCE = Path(__file__).with_name("fused_ggml_quant.cpp")
@@ -50,9 +51,12 @@ KINDS = {
     "q4_k": _Kind(5, 256, 32, True, False),
     "q5_k": _Kind(6, 256, 32, True, False),
     "q6_k": _Kind(7, 256, 16, False, False),
+    "mxfp4": _Kind(8, 32, 32, False, False),  # code = the E2M1 value doubled, a = 2**(e - 128)
+    "nf4": _Kind(9, 64, 64, False, False),  # code = the NF4_TABLE index, a = absmax: value = NF4_TABLE[code] * a
 }
 # The grids whose importance-weighted search (``mixle.core.ggml_weighted``) the kernels run.
-WEIGHTED = frozenset(name for name in KINDS if name != "q8_0")
+# ggml's q8_0 and mxfp4 quantizers ignore an importance; nf4 has none.
+WEIGHTED = frozenset(name for name in KINDS if name not in ("q8_0", "mxfp4", "nf4"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _loaded = {}  # "ggml" -> _Kernels or None, once decided
 _OPS = TorchOps()
@@ -70,7 +74,7 @@ class _Kernels:
         self.weighted.argtypes = [i32, i32, p, i64, i64, p, p, p, p, p, i32, p, i32]
         self.weighted.restype = i64
         self.dequantize = lib.mixle_ggml_dequantize
-        self.dequantize.argtypes = [i32, p, p, p, i64, i64, p, i32]
+        self.dequantize.argtypes = [i32, p, p, p, i64, i64, p, i32, i32]
         self.dequantize.restype = None
 
 
@@ -149,10 +153,10 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     return deq, codes, a, b, nonfinite, overflow.value
 
 
-def dequantize(codes, a, b, dtype, out=None):
+def dequantize(codes, a, b, dtype, out=None, grid=None):
     """``codes * a (+ b)`` per sub-block in ``dtype`` (float32 or bfloat16; rounded once from the
-    float32 value), into ``out`` when given; the torch ops compute the same where the kernels
-    are off.
+    float32 value), into ``out`` when given; on ``grid="nf4"`` ``NF4_TABLE[codes] * a``. The torch
+    ops compute the same where the kernels are off.
 
     >>> dequantize(torch.tensor([2, -1], dtype=torch.int8), torch.tensor([0.5]), None, torch.float32).tolist()
     [1.0, -0.5]
@@ -160,11 +164,14 @@ def dequantize(codes, a, b, dtype, out=None):
     if out is None or not out.is_contiguous():
         out = torch.empty(codes.shape, dtype=dtype)
     kernels = _kernels()
+    nf4 = grid == "nf4"
     if kernels is None or dtype not in _DTYPES:
-        values = codes.reshape(a.numel(), -1).float() * a[:, None]
+        values = codes.reshape(a.numel(), -1)
+        values = torch.tensor(NF4_TABLE, dtype=torch.float32)[values.long()] if nf4 else values.float()
+        values = values * a[:, None]
         if b is not None:
             values = values + b[:, None]
         return out.copy_(values.reshape(codes.shape))
     kernels.dequantize(_DTYPES[dtype], codes.data_ptr(), a.data_ptr(), _ptr(b), codes.numel(),
-                       codes.numel() // a.numel(), out.data_ptr(), torch.get_num_threads())
+                       codes.numel() // a.numel(), out.data_ptr(), torch.get_num_threads(), int(nf4))
     return out

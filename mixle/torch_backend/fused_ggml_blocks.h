@@ -1,5 +1,5 @@
 // The block quantizers of fused_ggml_quant.cpp without an importance: q4_0, q8_0 (the numerics of
-// mixle/core/numerics.py), q4_1, q5_0, q5_1 (mixle/core/ggml_quants.py) and the K-quants' scale
+// mixle/core/numerics.py), q4_1, q5_0, q5_1, mxfp4, nf4 (mixle/core/ggml_quants.py) and the K-quants' scale
 // searches (mixle/core/ggml_kquants.py), with the float16 / bfloat16 / rounding helpers they share.
 // Included once, by fused_ggml_quant.cpp (see its head for the numerics rules both follow).
 
@@ -13,7 +13,7 @@
 
 namespace {
 
-enum Grid { Q4_0 = 0, Q8_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+enum Grid { Q4_0 = 0, Q8_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, MXFP4 = 8, NF4 = 9 };
 
 inline uint32_t bits_of(float f) {
     uint32_t u;
@@ -174,6 +174,56 @@ void block_q5_0(const float* x, Block& o) {
         o.y[j] = (float)code * d16;
     }
     o.a[0] = d16;
+}
+
+// ggml's MXFP4 (mixle.core.ggml_quants.quantize_mxfp4): the E8M0 exponent from the first largest
+// |x|, then per value the first kvalue (E2M1 doubled) of smallest |kvalue * d - x|; code = kvalue.
+void block_mxfp4(const float* x, Block& o) {
+    static const float kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = amax < std::fabs(x[j]) ? std::fabs(x[j]) : amax;
+    // log2f as the numpy port computes it: the float64 log2 rounded to float32
+    const float lg = (float)std::log2((double)amax);
+    const int32_t e = amax > 0 ? (c_int((std::floor(lg) - 2.0f) + 127.0f) & 0xff) : 0;
+    const float d = float_of(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);  // 2**(e - 128)
+    for (int j = 0; j < 32; ++j) {
+        int best = 0;
+        float best_err = std::fabs(kvalues[0] * d - x[j]);
+        for (int i = 1; i < 16; ++i) {
+            const float err = std::fabs(kvalues[i] * d - x[j]);
+            if (err < best_err) best = i, best_err = err;
+        }
+        o.q[j] = (int8_t)kvalues[best];
+        o.y[j] = kvalues[best] * d;
+    }
+    o.a[0] = d;
+}
+
+// QLoRA's NF4 (mixle.core.ggml_quants.quantize_nf4) on a block of 64: the code of x * (1 / absmax)
+// counts the decision tree's midpoints below it; value = kNf4Table[code] * absmax. Hex literals:
+// the float32 values exactly as the numpy port holds them.
+const float kNf4Table[16] = {
+    -0x1.0000000000000p+0f, -0x1.6473620000000p-1f, -0x1.0cd6600000000p-1f, -0x1.9465400000000p-2f,
+    -0x1.23449a0000000p-2f, -0x1.7a6a7e0000000p-3f, -0x1.74f0e20000000p-4f, 0x0.0p+0f, 0x1.45f5fe0000000p-4f,
+    0x1.4995c60000000p-3f, 0x1.f809ba0000000p-3f, 0x1.5a06740000000p-2f, 0x1.c349700000000p-2f,
+    0x1.200f560000000p-1f, 0x1.7227660000000p-1f, 0x1.0000000000000p+0f};
+void block_nf4(const float* x, Block& o) {
+    static const float midpoints[15] = {
+        -0x1.b239b00000000p-1f, -0x1.38a4e00000000p-1f, -0x1.d709000000000p-2f, -0x1.5bd4ec0000000p-2f,
+        -0x1.e079d80000000p-3f, -0x1.1a71780000000p-3f, -0x1.74f0e20000000p-5f, 0x1.45f5fe0000000p-5f,
+        0x1.ec90c40000000p-4f, 0x1.a0cfc00000000p-3f, 0x1.2b05a80000000p-2f, 0x1.8ea7f20000000p-2f,
+        0x1.00da080000000p-1f, 0x1.491b5e0000000p-1f, 0x1.b913b40000000p-1f};
+    float amax = 0.0f;
+    for (int j = 0; j < 64; ++j) amax = amax < std::fabs(x[j]) ? std::fabs(x[j]) : amax;
+    const float inverse = amax != 0 ? 1.0f / amax : 0.0f;
+    for (int j = 0; j < 64; ++j) {
+        const float v = x[j] * inverse;
+        int32_t code = 0;
+        for (int t = 0; t < 15; ++t) code += v > midpoints[t];
+        o.q[j] = (int8_t)code;
+        o.y[j] = kNf4Table[code] * amax;
+    }
+    o.a[0] = amax;
 }
 
 // ------------------------------------------------------- K-quants (mixle.core.ggml_kquants)

@@ -1,5 +1,5 @@
 // Fused CPU fake-quant of llama.cpp's block grids for mixle's torch QAT (built by fused_ggml.py,
-// called via ctypes): q4_0, q8_0 (the numerics of mixle/core/numerics.py), q4_1, q5_0, q5_1 and
+// called via ctypes): q4_0, q8_0 (the numerics of mixle/core/numerics.py), q4_1, q5_0, q5_1, mxfp4, nf4 and
 // the K-quants q4_k, q5_k, q6_k (mixle/core/ggml_quants.py and ggml_kquants.py, themselves bit
 // for bit ggml's reference quantizers, ggml/src/ggml-quants.c). Every value is computed with the
 // same float32 operations in the same order as that numpy code (sums as sequential loops from 0,
@@ -188,18 +188,19 @@ struct GridInfo {
 
 GridInfo info(int grid) {
     switch (grid) {
-        case Q4_0: case Q8_0: case Q5_0: return {256, 32, false};  // units of up to 8 blocks of 32
+        case Q4_0: case Q8_0: case Q5_0: case MXFP4: return {256, 32, false};  // units of up to 8 blocks of 32
         case Q4_1: case Q5_1: return {256, 32, true};
+        case NF4: return {256, 64, false};  // units of up to 4 blocks of 64
         case Q4_K: case Q5_K: return {256 * NL / 8, 32, true};
         default: return {256 * NL / 16, 16, false};  // Q6_K
     }
 }
 
-// Blocks of 32 in turn over n values at x.
-template <void (*F)(const float*, Block&)>
-void blocks_of_32(const float* x, int64_t n, Block& o) {
-    for (int64_t k = 0; k < n; k += 32) {
-        Block one{o.y + k, o.q + k, o.a + k / 32, o.b + k / 32, o.hold_bf16, 0};
+// Blocks of N in turn over n values at x.
+template <void (*F)(const float*, Block&), int N = 32>
+void blocks_of(const float* x, int64_t n, Block& o) {
+    for (int64_t k = 0; k < n; k += N) {
+        Block one{o.y + k, o.q + k, o.a + k / N, o.b + k / N, o.hold_bf16, 0};
         F(x + k, one);
         o.overflow += one.overflow;
     }
@@ -208,11 +209,13 @@ void blocks_of_32(const float* x, int64_t n, Block& o) {
 // One unit of `n` values (n <= info.block) at x; the outputs at the same offsets.
 void quantize_unit(int grid, const float* x, int64_t n, Block& o) {
     switch (grid) {
-        case Q4_0: return blocks_of_32<block_q4_0>(x, n, o);
-        case Q8_0: return blocks_of_32<block_q8_0>(x, n, o);
-        case Q4_1: return blocks_of_32<block_affine<4>>(x, n, o);
-        case Q5_0: return blocks_of_32<block_q5_0>(x, n, o);
-        case Q5_1: return blocks_of_32<block_affine<5>>(x, n, o);
+        case Q4_0: return blocks_of<block_q4_0>(x, n, o);
+        case Q8_0: return blocks_of<block_q8_0>(x, n, o);
+        case Q4_1: return blocks_of<block_affine<4>>(x, n, o);
+        case Q5_0: return blocks_of<block_q5_0>(x, n, o);
+        case Q5_1: return blocks_of<block_affine<5>>(x, n, o);
+        case MXFP4: return blocks_of<block_mxfp4>(x, n, o);
+        case NF4: return blocks_of<block_nf4, 64>(x, n, o);
         case Q4_K: return superblocks_qk<15>(x, (int)(n / 256), o);
         case Q5_K: return superblocks_qk<31>(x, (int)(n / 256), o);
         default: return superblocks_q6k(x, (int)(n / 256), o);
@@ -279,7 +282,7 @@ void quantize_unit_weighted(int grid, const float* x, const float* qw, const flo
 }
 
 // run() with an importance: qw holds one value per column of the rows of row_len values of x
-// (llama-quantize --imatrix's quantizers). Not for q8_0 (ggml ignores the importance there).
+// (llama-quantize --imatrix's quantizers). Not for q8_0 / mxfp4 (ggml ignores the importance there).
 template <typename T>
 int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const float* qw, T* deq, int8_t* codes,
                      float* a, float* b, bool hold_bf16, int64_t* overflow, int threads) {
@@ -335,15 +338,19 @@ int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const flo
     return bad;
 }
 
-// out = code * a (+ b) per sub-block of `sub` values: the rebuild from kept codes.
+// out = code * a (+ b) per sub-block of `sub` values (nf4: kNf4Table[code] * a): the rebuild from
+// kept codes.
 template <typename T>
-void dequantize(const int8_t* codes, const float* a, const float* b, int64_t n, int64_t sub, T* out, int threads) {
+void dequantize(const int8_t* codes, const float* a, const float* b, int64_t n, int64_t sub, T* out, int threads,
+                bool nf4) {
     const int64_t subs = n / sub;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
     for (int64_t s = 0; s < subs; ++s) {
         const float m = a[s];
         const int8_t* q = codes + s * sub;
-        if (b) {
+        if (nf4) {
+            for (int64_t i = 0; i < sub; ++i) store(out, s * sub + i, kNf4Table[q[i] & 15] * m);
+        } else if (b) {
             const float c = b[s];
             for (int64_t i = 0; i < sub; ++i) store(out, s * sub + i, (float)q[i] * m + c);
         } else {
@@ -374,7 +381,7 @@ extern "C" int64_t mixle_ggml_fake_quant_weighted(int grid, int dtype, const voi
 }
 
 extern "C" void mixle_ggml_dequantize(int dtype, const int8_t* codes, const float* a, const float* b, int64_t n,
-                                      int64_t sub, void* out, int threads) {
-    if (dtype == 1) dequantize(codes, a, b, n, sub, (uint16_t*)out, threads);
-    else dequantize(codes, a, b, n, sub, (float*)out, threads);
+                                      int64_t sub, void* out, int threads, int nf4) {
+    if (dtype == 1) dequantize(codes, a, b, n, sub, (uint16_t*)out, threads, nf4 != 0);
+    else dequantize(codes, a, b, n, sub, (float*)out, threads, nf4 != 0);
 }
