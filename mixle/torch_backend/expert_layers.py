@@ -47,8 +47,8 @@ from mixle.torch_backend.layers import QATLayerMixin, check_supported, named_err
 from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight
 
 __all__ = ["EXPERTS", "ROUTERS", "FusedClass", "ExpertsType", "RouterType", "QATExperts", "QATRouter",
-           "QuantizedExperts", "QuantizedRouter", "QuantizedFusedWeight", "stored_arrays", "is_fused",
-           "fused_weight_names", "LORA_REASON", "wrap_fused", "check_fused_spec", "quantize_experts",
+           "QuantizedExperts", "QuantizedRouter", "QuantizedFusedWeight", "forward_weights", "stored_arrays",
+           "is_fused", "fused_weight_names", "LORA_REASON", "wrap_fused", "check_fused_spec", "quantize_experts",
            "assemble_fused", "loaded_fused"]
 
 
@@ -259,6 +259,13 @@ class _QATFused(_FusedForward, QATLayerMixin, nn.Module):
         return {name: fake_quantized_weight(self._parameters[name], spec)[0]
                 for name, spec in self._weight_specs().items()}
 
+    def forward_weights(self):
+        """``{name: the weight}`` the forward multiplies with: fake-quantized while enabled, else the
+        Parameter."""
+        if self.enabled:
+            return self.quantized_weights()
+        return {name: self._parameters[name] for name in self.weight_names}
+
     def forward(self, *args, **kwargs):
         if not self.enabled:
             return super().forward(*args, **kwargs)
@@ -336,12 +343,13 @@ class _QuantizedFused(_FusedForward, nn.Module):
         for name, child in stored.items():
             self._modules[name] = child  # not setattr: the class's property holds the name
 
+    def forward_weights(self):
+        """``{name: the dequantized weight}`` the forward multiplies with."""
+        return {name: self._modules[name].dequantized_weight().reshape(self._modules[name].array_shape)
+                .to(self.float_dtype) for name in self.weight_names}
+
     def forward(self, *args, **kwargs):
-        weights = {}
-        for name in self.weight_names:
-            child = self._modules[name]
-            weights[name] = child.dequantized_weight().reshape(child.array_shape).to(self.float_dtype)
-        return self._run(weights, args, kwargs)
+        return self._run(self.forward_weights(), args, kwargs)
 
     def extra_repr(self):
         return self.spec.short()
@@ -453,6 +461,23 @@ def _array_of(weight, spec, batch_axes):
     if spec.grid_record.numerics is not None:
         return q
     return dataclasses.replace(q, scale=held_scale(q.scale, weight.dtype))
+
+
+def forward_weights(module):
+    """``{attribute: weight}`` a fused module's forward multiplies with now: a float module's
+    Parameters, a QAT layer's fake-quantized weights (while enabled), a converted layer's
+    dequantized ones.
+
+    >>> forward_weights(nn.Linear(2, 2))
+    Traceback (most recent call last):
+    ...
+    TypeError: forward_weights takes a fused experts or router module, got Linear
+    """
+    if hasattr(module, "forward_weights"):
+        return module.forward_weights()
+    if not is_fused(module):
+        raise TypeError(f"forward_weights takes a fused experts or router module, got {type(module).__name__}")
+    return {name: getattr(module, name) for name in fused_weight_names(module)}
 
 
 def stored_arrays(module):

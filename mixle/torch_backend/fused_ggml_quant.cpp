@@ -229,6 +229,17 @@ template <> inline float load(const uint16_t* x, int64_t j) { return float_of((u
 inline void store(float* y, int64_t j, float v) { y[j] = v; }
 inline void store(uint16_t* y, int64_t j, float v) { y[j] = to_bf16(v); }
 
+// A unit's outputs (len values from begin) into the caller's arrays; codes / a / b may be null.
+template <typename T>
+inline void write_unit(const GridInfo& g, int64_t begin, int64_t len, const float* yf, const int8_t* qf,
+                       const float* af, const float* bf, T* deq, int8_t* codes, float* a, float* b) {
+    for (int64_t j = 0; j < len; ++j) store(deq, begin + j, yf[j]);
+    if (codes) std::memcpy(codes + begin, qf, len);
+    const int64_t subs = len / g.sub, first = begin / g.sub;
+    if (a) std::memcpy(a + first, af, subs * sizeof(float));
+    if (b && g.offset) std::memcpy(b + first, bf, subs * sizeof(float));
+}
+
 // Returns the number of units holding NaN or infinity; *overflow: units whose stored float16
 // scale (or min) is not finite. codes / a / b may be null (not kept).
 template <typename T>
@@ -256,11 +267,7 @@ int64_t run(int grid, const T* x, int64_t n, T* deq, int8_t* codes, float* a, fl
             Block o{yf, qf, af, bf, hold_bf16, 0};
             quantize_unit(grid, xf, len, o);
             over += o.overflow;
-            for (int64_t j = 0; j < len; ++j) store(deq, begin + j, yf[j]);
-            if (codes) std::memcpy(codes + begin, qf, len);
-            const int64_t subs = len / g.sub, first = begin / g.sub;
-            if (a) std::memcpy(a + first, af, subs * sizeof(float));
-            if (b && g.offset) std::memcpy(b + first, bf, subs * sizeof(float));
+            write_unit(g, begin, len, yf, qf, af, bf, deq, codes, a, b);
         }
     }
     *overflow = over;
@@ -327,11 +334,7 @@ int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const flo
             Block o{yf, qf, af, bf, hold_bf16, 0};
             quantize_unit_weighted(grid, xf, wf, sf, len, o);
             over += o.overflow;
-            for (int64_t j = 0; j < len; ++j) store(deq, begin + j, yf[j]);
-            if (codes) std::memcpy(codes + begin, qf, len);
-            const int64_t subs = len / g.sub, first = begin / g.sub;
-            if (a) std::memcpy(a + first, af, subs * sizeof(float));
-            if (b && g.offset) std::memcpy(b + first, bf, subs * sizeof(float));
+            write_unit(g, begin, len, yf, qf, af, bf, deq, codes, a, b);
         }
     }
     *overflow = over;

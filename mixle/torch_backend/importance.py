@@ -29,7 +29,8 @@ from torch import nn
 
 from mixle.core.imatrix import Imatrix
 from mixle.core.numerics import quantize_array
-from mixle.torch_backend.expert_layers import ExpertsType, QuantizedFusedWeight, fused_weight_names, is_fused
+from mixle.torch_backend.expert_layers import (ExpertsType, QuantizedFusedWeight, forward_weights, fused_weight_names,
+                                               is_fused)
 from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import QuantizedLinear, to_storage
 from mixle.torch_backend.swap import Change
@@ -64,20 +65,6 @@ def _is_experts(module):
     return module is not None and is_fused(module) and ExpertsType.base_of(module) is not None
 
 
-def _forward_weights(module):
-    """``{attribute: weight}`` a fused experts module's forward multiplies with now: the float
-    Parameters, a QAT layer's fake-quantized weights (while enabled) or a converted layer's
-    dequantized ones."""
-    names = fused_weight_names(module)
-    stored = {name: module._modules.get(name) for name in names}
-    if all(isinstance(child, QuantizedFusedWeight) for child in stored.values()):
-        dtype = getattr(module, "float_dtype", torch.float32)
-        return {name: child.dequantized_weight().reshape(child.array_shape).to(dtype) for name, child in stored.items()}
-    if getattr(module, "enabled", False) and hasattr(module, "quantized_weights"):
-        return module.quantized_weights()
-    return {name: module._parameters[name] for name in names}
-
-
 def _accumulators(found, experts):
     """Zero float64 sums ``(n_mat, in)`` and int64 counts ``(n_mat,)`` per collected path."""
     sums = {path: torch.zeros(1, m.weight.shape[1], dtype=torch.float64) for path, m in found.items()}
@@ -109,7 +96,7 @@ def _expert_hook(module, attrs, sums, counts, prefix):
         index = args[1] if len(args) > 1 else kwargs["top_k_index"]
         hidden = hidden.detach().reshape(-1, hidden.shape[-1])
         index = index.reshape(hidden.shape[0], -1)
-        weights = _forward_weights(module) if "down_proj" in attrs else None
+        weights = forward_weights(module) if "down_proj" in attrs else None
         for expert in range(counts[prefix + attrs[0]].shape[0]):
             rows = torch.where(index == expert)[0]
             if rows.numel() == 0:
