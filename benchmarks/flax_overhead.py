@@ -20,7 +20,6 @@ Usage::
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixle.api import apply_qat  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 PERCENTILE = 99.9
 WIDTHS = (512, 2048, 512, 2048, 512)
@@ -107,14 +107,6 @@ def torch_step(spec, x, y):
     return step
 
 
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main():

@@ -27,7 +27,6 @@ import argparse
 from importlib import metadata
 import math
 import os
-import platform
 import tempfile
 import time
 
@@ -43,6 +42,7 @@ from mixle.lm.data import load_splits
 from mixle.models.qat import apply_qat
 from mixle.models.transformer import build_causal_lm
 from mixle.task.quantize import save_gguf
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 
 def parse_args(argv=None):
@@ -211,12 +211,6 @@ def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
     return rows
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main(argv=None):

@@ -34,7 +34,6 @@ Usage::
 import argparse
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from mixle.api import quantize_model  # noqa: E402
 from mixle.core.packing import unpack_int4  # noqa: E402
 from mixle.lm.transformer import build_causal_lm  # noqa: E402
 from mixle.torch_backend import packed_linear  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 LAYERS = [(1408, 512), (4096, 4096), (11008, 4096)]
 BATCHES = [1, 8, 64]
@@ -62,17 +62,6 @@ GGUF_SPECS = {"q4_0": dict(bits=4, grid="q4_0"), "q8_0": dict(bits=8, grid="q8_0
 TORCHAO = "torchao int4 g32 bf16"
 
 
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                flags = Path("/proc/cpuinfo").read_text()
-                isa = "avx512f" if " avx512f" in flags else "avx2" if " avx2" in flags else "no avx2"
-                return f"{name} ({isa}, {os.cpu_count()} logical CPUs)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def clock_fn(kind):
@@ -356,7 +345,7 @@ def main():
     clock = clock_fn(args.clock)
     kernel = (f"packed kernel {packed_linear.isa()} ({packed_linear._library().path})"
               if packed_linear.available() else "packed kernel OFF (exact dequantize path)")
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}; {kernel}; clock: {args.clock}")
+    print(f"CPU: {cpu_name(isa=True)}; torch {torch.__version__}; {kernel}; clock: {args.clock}")
     print(f"layers (out x in): {', '.join(f'{o}x{i}' for o, i in LAYERS)}; batches {args.batches}; "
           f"{args.rounds} rounds per cell (fewer past {args.budget:.0f} s); "
           + ("weights stay cached between calls" if args.warm else

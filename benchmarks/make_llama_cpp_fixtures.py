@@ -15,7 +15,6 @@ writes the same tensors and that mixle's forward still matches llama.cpp's logit
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 from importlib import metadata
@@ -25,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tests.gguf_parity_cases import CASES, FIXTURE, IDS, save_options, tensor_digests  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 
 def llama_cpp_logits(path):
@@ -37,15 +37,6 @@ def llama_cpp_logits(path):
     return np.array(llm.scores[: len(IDS)], dtype=np.float32)
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None):

@@ -24,7 +24,6 @@ import contextlib
 import copy
 import io
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixle.api import apply_qat, get_qat_report  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.torch_backend import fused_cpu  # noqa: E402
+from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
@@ -104,14 +104,6 @@ def trainer(model, batch):
     return step
 
 
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None):
