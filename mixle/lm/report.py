@@ -291,10 +291,11 @@ def _calibration_notes(results):
         return []
     used = [what for what, method in (("GPTQ", FINETUNE_GPTQ), ("imatrix", GGUF_PTQ_IMATRIX))
             if any(row["method"] == method for row in results["rows"])]
+    how = ("; imatrix PTQ = quantize_model(fine-tune, importance=calibrate_importance(fine-tune)), imatrix QAT = "
+           "apply_qat(importance=calibrate_importance(its starting checkpoint)), trained like the plain QAT row"
+           if "imatrix" in used else "")
     return [f"{' and '.join(used) or 'calibration'} rows: calibrated on {calibration['windows']:,} evenly spaced windows "
-            f"({calibration['tokens']:,} tokens) of the training text, never the held-out text; imatrix PTQ = "
-            f"quantize_model(fine-tune, importance=calibrate_importance(fine-tune)), imatrix QAT = apply_qat("
-            f"importance=calibrate_importance(its starting checkpoint)), trained like the plain QAT row"]
+            f"({calibration['tokens']:,} tokens) of the training text, never the held-out text{how}"]
 
 
 def plot_training_curve(axis, curve, label):
