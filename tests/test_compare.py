@@ -88,7 +88,8 @@ def test_recovered_percent_and_the_int8_note():
 # A tiny model trained long enough that int4 PTQ visibly hurts it: seconds on two cores.
 FAST = CompareConfig(steps=400, finetune_steps=200, bits=(4,), d_model=64, n_layer=1, n_head=4, block=32,
                      batch_size=16, lr=3e-3, finetune_lr=1e-3, warmup=40, eval_windows=200, curve_every=200,
-                     curve_windows=8, threads=1, gguf_mixes=())  # the mix rows: test_q4_k_m_rows_...
+                     curve_windows=8, threads=1, gguf_mixes=(),  # the mix rows: test_q4_k_m_rows_...
+                     imatrix=False)  # the imatrix rows: test_gptq_and_imatrix_rows_...
 
 
 def test_qat_beats_ptq_at_int4_on_the_embedded_corpus():
@@ -98,6 +99,9 @@ def test_qat_beats_ptq_at_int4_on_the_embedded_corpus():
     assert baseline - tuned > 0.01  # PTQ really loses something at this size (about 0.02 nats)
     assert qat < baseline - 0.5 * (baseline - tuned)  # QAT recovers more than half of it (about 80%)
     assert qat < loss[("PTQ", 4)]
+    assert loss[("fine-tune + GPTQ", 4)] < baseline  # GPTQ loses less than round to nearest, still more than QAT
+    assert qat < loss[("fine-tune + GPTQ", 4)] and results["summary"]["int4_gptq"]["QAT"]["recovered_percent"] > 0
+    assert_recovered_is_the_formula(results)
     # The llama.cpp rows, from the GGUF files' weights: QAT on q4_0 vs fine-tune + PTQ into Q4_0.
     rows = {r["method"]: r for r in results["rows"]}
     tuned, baseline = loss[("fp32 fine-tune (tanh GELU)", 32)], loss[("fine-tune + PTQ (GGUF q4_0)", 4)]
@@ -122,9 +126,12 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     methods = [(r["method"], r["bits"]) for r in results["rows"]]
     assert methods == [("fp32", 32), ("PTQ", 4), ("PTQ", 8), ("fp32 fine-tune", 32),
-                       ("fine-tune + PTQ", 4), ("fine-tune + PTQ", 8), ("QAT", 4), ("QAT", 8),
+                       ("fine-tune + PTQ", 4), ("fine-tune + PTQ", 8), ("fine-tune + GPTQ", 4), ("fine-tune + GPTQ", 8),
+                       ("QAT", 4), ("QAT", 8),
                        ("fp32 fine-tune (tanh GELU)", 32), ("fine-tune + PTQ (GGUF q4_0)", 4), ("QAT (GGUF q4_0)", 4),
-                       ("fine-tune + PTQ (GGUF Q4_K_M)", 4), ("QAT (GGUF Q4_K_M)", 4)]
+                       ("fine-tune + PTQ imatrix (GGUF q4_0)", 4), ("QAT imatrix (GGUF q4_0)", 4),
+                       ("fine-tune + PTQ (GGUF Q4_K_M)", 4), ("QAT (GGUF Q4_K_M)", 4),
+                       ("fine-tune + PTQ imatrix (GGUF Q4_K_M)", 4), ("QAT imatrix (GGUF Q4_K_M)", 4)]
     smoke = PRESETS["smoke"]
     vocab = results["data"]["vocab"]
     for row in results["rows"]:
@@ -144,12 +151,16 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
             assert row["loss"] == pytest.approx(row["fake_quant_loss"], rel=bound)
     n_params = results["model"]["parameters"]
     assert results["model"]["fp32_bytes"] == 4 * n_params
-    assert set(results["summary"]) == {"int4", "int8", "gguf_q4_0", "gguf_Q4_K_M"}
+    assert set(results["summary"]) == {"int4", "int8", "int4_gptq", "int8_gptq", "gguf_q4_0", "gguf_q4_0_imatrix",
+                                       "gguf_Q4_K_M", "gguf_Q4_K_M_imatrix"}
     assert set(results["curves"]) == {"fp32", "fp32 fine-tune", "QAT int4", "QAT int8", "fp32 fine-tune (tanh GELU)",
-                                      "QAT (GGUF q4_0)", "QAT (GGUF Q4_K_M)"}
+                                      "QAT (GGUF q4_0)", "QAT (GGUF Q4_K_M)", "QAT imatrix (GGUF q4_0)",
+                                      "QAT imatrix (GGUF Q4_K_M)"}
+    assert_recovered_is_the_formula(results)
     assert len(results["curves"]["QAT int4"]["train_loss"]) == smoke.finetune_steps
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for line in ("QAT", "fine-tune + PTQ", "int4:", "int8:", "gguf_q4_0:", "evaluated from the GGUF file's weights"):
+    for line in ("QAT", "fine-tune + PTQ", "int4:", "int8:", "gguf_q4_0:", "evaluated from the GGUF file's weights",
+                 "gguf_q4_0_imatrix:", "int4_gptq:", "4,096 tokens) of the training text, never the held-out text"):
         assert line in table
 
 
@@ -335,7 +346,7 @@ def test_q4_k_m_rows_are_llama_quantizes_file_vs_qat_on_the_mix(tmp_path):
     assert "(GGUF Q4_K_M) rows: PTQ = save_gguf(fp32 fine-tune, gguf_mix='Q4_K_M')" in table
     if results["llama_cpp"] is not None:  # issue 24: llama.cpp's perplexity of each file within 1% of mixle's
         measured = [row for row in results["rows"] if "llama_cpp_loss" in row]
-        assert len(measured) == 5
+        assert len(measured) == 9  # the F32 file, Q4_0's and the mix's PTQ, QAT, imatrix PTQ, imatrix QAT
         for row in measured:
             assert row["llama_cpp_vs_mixle_percent"] == pytest.approx(100 * math.expm1(row["llama_cpp_loss"] - row["loss"]))
             assert abs(row["llama_cpp_vs_mixle_percent"]) < 1.0, row["method"]
@@ -349,6 +360,131 @@ def test_gguf_mixes_are_checked_and_none_leaves_the_rows_out(capsys):
         CompareConfig(gguf_mixes=("Q3_K_M",))
     with pytest.raises(ValueError, match="names a mix twice"):
         CompareConfig(gguf_mixes=("Q4_K_M", "q4_k_m"))
-    rows = run_compare(PRESETS["smoke"].replace(steps=2, finetune_steps=2, bits=(4,), eval_windows=2, gguf_mixes=()),
-                       progress=False)["rows"]
-    assert [r["method"] for r in rows][-2:] == ["fine-tune + PTQ (GGUF q4_0)", "QAT (GGUF q4_0)"]
+    parse = lambda *flags: cli.config_from_args(cli.build_parser().parse_args(["compare", *flags]))  # noqa: E731
+    assert (parse().imatrix, parse().gptq, parse("--no-imatrix", "--no-gptq").imatrix) == (True, True, False)
+    assert not parse("--no-gptq").gptq and parse("--calibration-windows", "7").calibration_windows == 7
+    with pytest.raises(ValueError, match=r"calibration_windows=1 x block=8 gives fewer than 16 calibration tokens"):
+        CompareConfig(calibration_windows=1, block=8)
+    with pytest.raises(ValueError, match="calibration_windows=10000000 exceeds the .* training windows of block 32"):
+        run_compare(PRESETS["smoke"].replace(calibration_windows=10**7), progress=False)
+    config = PRESETS["smoke"].replace(steps=2, finetune_steps=2, bits=(4,), eval_windows=2, gguf_mixes=())
+    rows = run_compare(config.replace(imatrix=False, gptq=False), progress=False)["rows"]
+    assert [r["method"] for r in rows] == ["fp32", "PTQ", "fp32 fine-tune", "fine-tune + PTQ", "QAT",
+                                           "fp32 fine-tune (tanh GELU)", "fine-tune + PTQ (GGUF q4_0)", "QAT (GGUF q4_0)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The strong PTQ baselines (issue 26): GPTQ and importance-matrix PTQ, QAT with the importance,
+# calibrated on training windows only; recovered % against each PTQ.
+
+# summary key -> (its PTQ baseline row, the float row both start from, the QAT rows measured), as the README states
+COMPARED = {"int4": ("fine-tune + PTQ", "fp32 fine-tune", {"QAT"}),
+            "int4_gptq": ("fine-tune + GPTQ", "fp32 fine-tune", {"QAT"}),
+            "gguf_q4_0": ("fine-tune + PTQ (GGUF q4_0)", "fp32 fine-tune (tanh GELU)",
+                          {"QAT (GGUF q4_0)", "QAT imatrix (GGUF q4_0)"}),
+            "gguf_q4_0_imatrix": ("fine-tune + PTQ imatrix (GGUF q4_0)", "fp32 fine-tune (tanh GELU)",
+                                  {"QAT (GGUF q4_0)", "QAT imatrix (GGUF q4_0)"}),
+            "gguf_Q4_K_M": ("fine-tune + PTQ (GGUF Q4_K_M)", "fp32 fine-tune (tanh GELU)",
+                            {"QAT (GGUF Q4_K_M)", "QAT imatrix (GGUF Q4_K_M)"}),
+            "gguf_Q4_K_M_imatrix": ("fine-tune + PTQ imatrix (GGUF Q4_K_M)", "fp32 fine-tune (tanh GELU)",
+                                    {"QAT (GGUF Q4_K_M)", "QAT imatrix (GGUF Q4_K_M)"})}
+COMPARED |= {key.replace("4", "8", 1): value for key, value in COMPARED.items() if key.startswith("int")}
+
+
+def assert_recovered_is_the_formula(results):
+    """Every summary entry of COMPARED is (L_ptq - L_qat) / (L_ptq - L_tuned) of its rows (None below MIN_DEGRADATION)."""
+    loss = {(r["method"], r["bits"]): r["loss"] for r in results["rows"]}
+    for key, entry in results["summary"].items():
+        if key not in COMPARED:
+            continue
+        baseline, tuned, methods = COMPARED[key]
+        bits = 8 if key.startswith("int8") else 4
+        assert entry["baseline"] == baseline
+        assert {m for m, v in entry.items() if isinstance(v, dict)} == {m for m in methods if (m, bits) in loss}
+        lost = loss[(baseline, bits)] - loss[(tuned, 32)]
+        for method in methods & {m for m, _ in loss}:
+            want = None if lost < MIN_DEGRADATION else 100 * (loss[(baseline, bits)] - loss[(method, bits)]) / lost
+            assert entry[method]["recovered_percent"] == want, (key, method)
+
+
+def test_recovered_percent_against_each_ptq_is_the_formula():
+    losses = {("fp32 fine-tune", 32): 1.0, ("fine-tune + PTQ", 4): 1.2, ("fine-tune + GPTQ", 4): 1.1, ("QAT", 4): 1.05,
+              ("fine-tune + PTQ", 8): 1.001, ("fine-tune + GPTQ", 8): 1.0004, ("QAT", 8): 1.0002,
+              ("fp32 fine-tune (tanh GELU)", 32): 2.0, ("fine-tune + PTQ (GGUF q4_0)", 4): 2.3,
+              ("QAT (GGUF q4_0)", 4): 2.05, ("fine-tune + PTQ imatrix (GGUF q4_0)", 4): 2.2,
+              ("QAT imatrix (GGUF q4_0)", 4): 2.04, ("fine-tune + PTQ (GGUF Q4_K_M)", 4): 2.1,
+              ("QAT (GGUF Q4_K_M)", 4): 2.03, ("fine-tune + PTQ imatrix (GGUF Q4_K_M)", 4): 2.08,
+              ("QAT imatrix (GGUF Q4_K_M)", 4): 2.01}
+    rows = [{"method": m, "bits": b, "loss": v, **({"gguf_mix": "Q4_K_M"} if "Q4_K_M" in m else {})}
+            for (m, b), v in losses.items()]
+    results = {"rows": rows, "summary": summarize(rows, (4, 8))}
+    assert set(results["summary"]) == set(COMPARED)
+    assert_recovered_is_the_formula(results)
+    imatrix = results["summary"]["gguf_q4_0_imatrix"]["QAT imatrix (GGUF q4_0)"]
+    assert imatrix["recovered_percent"] == pytest.approx(80.0)  # (2.2 - 2.04) / (2.2 - 2.0)
+    assert "with an importance matrix (calibrated on training windows)" in imatrix["note"]
+
+
+def test_gptq_and_imatrix_rows_are_the_independent_constructions(tmp_path):
+    """The imatrix PTQ files are calibrate_importance on the training windows + quantize_model + save_gguf, tensor by
+    tensor; the importance counted every calibration token and only those; GPTQ is gptq_quantize on the same windows."""
+    from mixle import apply_qat, calibrate_importance, gptq_quantize, load_gguf_weights, quantize_model, save_gguf
+    from mixle.lm.compare import CompareRun
+    from tests.test_gguf_mixes import read_tensors, sha
+
+    pytest.importorskip("gguf")
+    config = PRESETS["smoke"].replace(steps=12, finetune_steps=2, bits=(4,), eval_windows=4, curve_every=100,
+                                      curve_windows=2, calibration_windows=48)
+    results = run_compare(config, progress=False, gguf_dir=tmp_path)
+    rows = {r["method"]: r for r in results["rows"]}
+    data = prepare_data(config)
+    # The calibration windows, built here from the training ids: evenly spaced window starts of the training text.
+    starts = np.linspace(0, len(data.train_ids) - config.block - 1, 48).round().astype(int)
+    windows = torch.stack([data.train_ids[s : s + config.block] for s in starts])
+    batches = [{"idx": windows[i : i + 8], "all_positions": True} for i in range(0, 48, 8)]
+    tokens = 48 * config.block
+    assert results["calibration"]["tokens"] == tokens and results["calibration"]["windows"] == 48
+    template = build_causal_lm(data.tokenizer.vocab_size, config.d_model, config.n_layer, config.n_head, config.block,
+                               activation="gelu_tanh")
+    tuned = load_gguf_weights(template, tmp_path / "fp32.gguf")  # the tanh-GELU fine-tune, exactly (F32)
+    importance = calibrate_importance(tuned, batches)
+    layers = ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc", "blocks.0.out"]
+    assert {path: int(c.sum()) for path, c in importance.counts.items()} == dict.fromkeys(layers, tokens)
+    assert results["calibration"]["imatrix_counts"] == {
+        "fp32 fine-tune (tanh GELU)": dict.fromkeys(layers, tokens), "fp32 (tanh GELU)": dict.fromkeys(layers, tokens)}
+    (tmp_path / "mine").mkdir()
+    for mix, name in ((None, "fine-tune_+_PTQ_imatrix_GGUF_q4_0"), ("Q4_K_M", "fine-tune_+_PTQ_imatrix_GGUF_Q4_K_M")):
+        target = {"grid": "q4_0"} if mix is None else {"gguf_mix": mix}
+        mine = tmp_path / "mine" / f"{name}.gguf"
+        save_gguf(quantize_model(tuned, importance=importance, **target), mine, tokenizer=data.tokenizer,
+                  gguf_mix=mix, importance=importance if mix else None)
+        theirs, ours = read_tensors(tmp_path / f"{name}.gguf"), read_tensors(mine)
+        assert {k: (t, sha(d)) for k, (t, _, d) in theirs.items()} == {k: (t, sha(d)) for k, (t, _, d) in ours.items()}
+        plain = read_tensors(tmp_path / f"{name.replace('_imatrix', '')}.gguf")  # the weighted search changed blocks
+        assert sha(plain["blk.0.ffn_up.weight"][2]) != sha(theirs["blk.0.ffn_up.weight"][2])
+    for method in ("QAT imatrix (GGUF q4_0)", "QAT imatrix (GGUF Q4_K_M)"):  # the files hold what QAT trained on
+        assert rows[method]["loss"] == rows[method]["fake_quant_loss"]
+        assert rows[method]["calibration_tokens"] == tokens
+    # GPTQ: the job's fine-tune (rebuilt: same seeds, same batches) through gptq_quantize on the same windows.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)  # as run_compare: the same float sums
+    try:
+        run = CompareRun(config, data, progress=False)
+        lm = run.pretrain(run.build_model())
+        fine_tune = run.finetune(lm, "fp32 fine-tune")
+        assert run.loss(fine_tune) == rows["fp32 fine-tune"]["loss"]
+        gptq = gptq_quantize(fine_tune, batches, config.spec(4))
+        assert rows["fine-tune + GPTQ"]["loss"] == held_out_loss(gptq, data.eval_windows)
+        # QAT imatrix: the tanh-GELU checkpoint's importance, fixed while QAT trains like the plain GGUF QAT row.
+        for block in lm.blocks:
+            block.activation = "gelu_tanh"
+        base_importance = calibrate_importance(lm, batches)
+        qat = run.finetune(lm, "QAT imatrix", lambda m: apply_qat(m, grid="q4_0", importance=base_importance))
+        save_gguf(qat, tmp_path / "mine" / "qat.gguf", tokenizer=data.tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+    assert rows["fine-tune + GPTQ"]["loss"] < rows["fine-tune + PTQ"]["loss"]
+    theirs, ours = read_tensors(tmp_path / "QAT_imatrix_GGUF_q4_0.gguf"), read_tensors(tmp_path / "mine" / "qat.gguf")
+    assert {k: (t, sha(d)) for k, (t, _, d) in theirs.items()} == {k: (t, sha(d)) for k, (t, _, d) in ours.items()}
+    assert sha(read_tensors(tmp_path / "QAT_GGUF_q4_0.gguf")["blk.0.ffn_up.weight"][2]) != sha(
+        theirs["blk.0.ffn_up.weight"][2])

@@ -201,8 +201,10 @@ def test_the_compare_flags_are_the_config_fields_with_help():
                      "--block", "--batch-size", "--lr", "--finetune-lr", "--group-size", "--clip-percentile",
                      "--corpus", "--tokenizer", "--eval-windows", "--seed", "--threads", "--distill",
                      "--distill-temperature", "--distill-weight", "--learned-scales", "--scale-lr", "--act8",
-                     "--no-gguf", "--gguf-mixes", "--out-dir", "--no-progress"]
+                     "--no-gguf", "--gguf-mixes", "--no-imatrix", "--no-gptq", "--calibration-windows", "--out-dir",
+                     "--no-progress"]
     flagged = [f.name for f in dataclasses.fields(CompareConfig) if "flag" in f.metadata]
-    assert ["--" + ("no-" if name == "gguf" else "") + name.replace("_", "-") for name in flagged] == flags[1:-2]
+    assert ["--" + ("no-" if name in ("gguf", "imatrix", "gptq") else "") + name.replace("_", "-")
+            for name in flagged] == flags[1:-2]
     args = compare.parse_args(["--bits", "4", "--no-gguf", "--group-size", "32", "--seed", "3"])
     assert changes_from_args(args, CompareConfig) == {"bits": (4,), "gguf": False, "group_size": 32, "seed": 3}

@@ -19,7 +19,7 @@ def test_compare_adds_every_option_row_with_real_int_models():
     for method in ("QAT + learned scales", "QAT + learned + distill", "8da4w QAT"):
         assert math.isclose(rows[method]["loss"], rows[method]["fake_quant_loss"], rel_tol=1e-5)
     assert rows["8da4w QAT"]["spec"] == "int4/group32/qwix/a8asym"
-    assert set(results["summary"]) == {"int4", "8da4w"} and "8da4w QAT" in results["summary"]["8da4w"]
+    assert set(results["summary"]) == {"int4", "int4_gptq", "8da4w"} and "8da4w QAT" in results["summary"]["8da4w"]
 
 
 def test_summary_measures_8da4w_against_its_own_baseline():

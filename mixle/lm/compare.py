@@ -20,6 +20,17 @@ same tanh-GELU fp32 fine-tune: PTQ is that fine-tune as ``llama-quantize`` write
 llama.cpp picks, with its fallbacks for rows that 256 does not divide), QAT trains on
 ``apply_qat(gguf_mix=...)``; both are evaluated from their files, and in llama.cpp.
 
+The strong PTQ baselines (``config.gptq``, ``config.imatrix``) calibrate on
+``config.calibration_windows`` windows of the training text, never the held-out text
+(``mixle.lm.windows.calibration_windows``; no random draw, so every other row is as without them):
+fine-tune + GPTQ at each width (``gptq_quantize`` of the fp32 fine-tune, beside its
+round-to-nearest PTQ), and after the Q4_0 rows and each mix's, the imatrix rows: PTQ with the
+importance matrix of the tanh-GELU fine-tune (``calibrate_importance``, then
+``quantize_model(importance=)``: ``llama-quantize --imatrix``'s file) and QAT with the importance
+of the checkpoint it starts from (``apply_qat(importance=)``, trained like the plain GGUF QAT row),
+both evaluated from their files. The summary measures each QAT row against each PTQ row it can be
+compared with (``mixle.lm.report.comparisons``).
+
 The config is ``mixle.lm.config``, the data ``mixle.lm.windows``, the summary, table, plot and
 files ``mixle.lm.report``; their names used by callers of this module are importable from it.
 """
@@ -38,10 +49,11 @@ from mixle._optional import require
 from mixle.core.spec import QuantSpec
 from mixle.lm.config import GGUF_ACTIVATION, GGUF_SPEC, PRESETS, CompareConfig
 from mixle.lm.llama_cpp_eval import gguf_loss, llama_cpp_loss, llama_cpp_module
-from mixle.lm.report import (ACT8_PTQ, ACT8_QAT, FINETUNE, FINETUNE_PTQ, FP32, GGUF_FINETUNE, GGUF_PTQ, GGUF_QAT,
-                             PTQ, QAT, QAT_BOTH, QAT_DISTILL, QAT_LEARNED, gguf_mix_ptq, gguf_mix_qat, summarize)
+from mixle.lm.report import (ACT8_PTQ, ACT8_QAT, FINETUNE, FINETUNE_GPTQ, FINETUNE_PTQ, FP32, GGUF_FINETUNE, GGUF_PTQ,
+                             GGUF_PTQ_IMATRIX, GGUF_QAT, GGUF_QAT_IMATRIX, PTQ, QAT, QAT_BOTH, QAT_DISTILL, QAT_LEARNED,
+                             gguf_mix_ptq, gguf_mix_ptq_imatrix, gguf_mix_qat, gguf_mix_qat_imatrix, summarize)
 from mixle.lm.training import held_out_loss, train, warmup_cosine
-from mixle.lm.windows import data_key, prepare_data
+from mixle.lm.windows import calibration_batches, calibration_windows, data_key, prepare_data
 
 # The names callers import from here, where they lived before the job was split into modules.
 from mixle.lm.report import (ACT8_METHODS, COMPLETE, GGUF_METHODS, MIN_DEGRADATION, OPTION_METHODS,  # noqa: F401
@@ -89,6 +101,8 @@ class CompareRun:
         rows: one dict per evaluated model (method, bits, held-out loss, perplexity, bytes, ...).
         curves, seconds: per training phase, its curves and its training seconds.
         llama_cpp_info: llama-cpp-python's version and settings once llama.cpp evaluated a file.
+        calibration: what the imatrix and GPTQ rows calibrated on (``calibration_batches``; None
+            before any did): the text, windows and tokens, and the importance matrices' counts.
 
     >>> run = CompareRun(PRESETS["smoke"], prepare_data(PRESETS["smoke"]), progress=False)
     >>> run.build_model().block
@@ -98,7 +112,29 @@ class CompareRun:
     def __init__(self, config, data, progress=True, gguf_dir=None):
         self.config, self.data, self.progress, self.gguf_dir = config, data, progress, gguf_dir
         self.rows, self.curves, self.seconds = [], {}, {}
-        self.llama_cpp_info = None
+        self.llama_cpp_info = self.calibration = None
+        self._batches = None
+
+    def calibration_batches(self):
+        """The calibration batches of the imatrix and GPTQ rows: ``config.calibration_windows`` windows of
+        the training text (``mixle.lm.windows.calibration_windows``), never the held-out text."""
+        if self._batches is None:
+            config = self.config
+            self._batches = calibration_batches(calibration_windows(self.data, config.calibration_windows),
+                                                config.batch_size)
+            self.calibration = {"text": "training (never the held-out text)", "windows": config.calibration_windows,
+                                "tokens": config.calibration_windows * config.block}
+        return self._batches
+
+    def importance(self, model, which):
+        """``calibrate_importance`` of ``model`` on the calibration batches; its counts are recorded
+        under ``calibration["imatrix_counts"][which]``."""
+        from mixle.api import calibrate_importance
+
+        importance = calibrate_importance(model, self.calibration_batches(), dataset="mixle compare: training windows")
+        counts = {path: int(count.sum()) for path, count in importance.counts.items()}
+        self.calibration.setdefault("imatrix_counts", {})[which] = counts
+        return importance
 
     def build_model(self):
         """The fp32 model before training: ``build_causal_lm`` of the config's size, seeded by its seed."""
@@ -200,6 +236,13 @@ def _finetune_rows(run, lm):
     run.add(FINETUNE, 32, tuned)
     for bits in run.config.bits:
         run.add(FINETUNE_PTQ, bits, quantize_model(tuned, run.config.spec(bits)))
+    if run.config.gptq:  # after the round-to-nearest rows: theirs stay as they were
+        from mixle.api import gptq_quantize
+
+        for bits in run.config.bits:
+            spec = run.config.spec(bits)
+            run.add(FINETUNE_GPTQ, bits, gptq_quantize(tuned, run.calibration_batches(), spec), spec=spec.short(),
+                    calibration_tokens=run.calibration["tokens"])
     return tuned
 
 
@@ -256,32 +299,63 @@ def _gguf_rows(run, lm):
         _add_from_gguf(run, GGUF_PTQ, quantize_model(tuned, GGUF_SPEC), base, folder)
         qat = run.finetune(base, GGUF_QAT, lambda m: apply_qat(m, spec=GGUF_SPEC))
         _add_from_gguf(run, GGUF_QAT, qat, base, folder, fake_quant_loss=run.loss(qat))
+        importances = None
+        if run.config.imatrix:  # after the rows they extend: those stay as they were
+            importances = (run.importance(tuned, GGUF_FINETUNE), run.importance(base, "fp32 (tanh GELU)"))
+            _imatrix_rows(run, (GGUF_PTQ_IMATRIX, GGUF_QAT_IMATRIX), tuned, base, folder, importances)
         for mix in run.config.gguf_mixes:  # after the q4_0 rows: theirs stay as they were
-            _mix_rows(run, mix, tuned, base, folder)
+            _mix_rows(run, mix, tuned, base, folder, importances)
 
 
-def _mix_rows(run, mix, tuned, base, folder):
+def _mix_rows(run, mix, tuned, base, folder, importances=None):
     """A llama.cpp mix: the fp32 fine-tune as llama-quantize writes it (PTQ) vs QAT on the mix, from their files.
 
     ``save_gguf(tuned, gguf_mix=mix)`` quantizes each float matrix to the block type llama.cpp's
     quantizer gives it, bit for bit as it does; ``apply_qat(gguf_mix=mix)`` trains each on that type.
+    ``importances`` (of ``tuned``, of ``base``): then the mix's imatrix rows follow (``_imatrix_rows``).
     """
     from mixle.api import apply_qat
 
     _add_from_gguf(run, gguf_mix_ptq(mix), tuned, base, folder, gguf_mix=mix)
     qat = run.finetune(base, gguf_mix_qat(mix), lambda m: apply_qat(m, gguf_mix=mix))
     _add_from_gguf(run, gguf_mix_qat(mix), qat, base, folder, gguf_mix=mix, fake_quant_loss=run.loss(qat))
+    if importances is not None:
+        _imatrix_rows(run, (gguf_mix_ptq_imatrix(mix), gguf_mix_qat_imatrix(mix)), tuned, base, folder, importances,
+                      gguf_mix=mix)
 
 
-def _add_from_gguf(run, method, model, template, folder, gguf_mix=None, **extra):
+def _imatrix_rows(run, names, tuned, base, folder, importances, gguf_mix=None):
+    """PTQ with an importance matrix and QAT with one, on Q4_0 (``gguf_mix=None``) or a mix, from their files.
+
+    PTQ: ``quantize_model(tuned, importance=)`` with ``tuned``'s importance (what ``llama-quantize
+    --imatrix`` writes of it); QAT: ``apply_qat(importance=)`` with the importance of ``base``, the
+    checkpoint it starts from, fixed while it trains, on the plain GGUF QAT row's steps and batches.
+    Both importances come from the training windows only (``CompareRun.calibration_batches``).
+    """
+    from mixle.api import apply_qat, quantize_model
+
+    ptq_name, qat_name = names
+    tuned_importance, base_importance = importances
+    target = {"spec": GGUF_SPEC} if gguf_mix is None else {"gguf_mix": gguf_mix}
+    tokens = {"calibration_tokens": run.calibration["tokens"]}
+    _add_from_gguf(run, ptq_name, quantize_model(tuned, importance=tuned_importance, **target), base, folder,
+                   gguf_mix=gguf_mix, importance=tuned_importance, **tokens)
+    qat = run.finetune(base, qat_name, lambda m: apply_qat(m, importance=base_importance, **target))
+    _add_from_gguf(run, qat_name, qat, base, folder, gguf_mix=gguf_mix, importance=base_importance,
+                   fake_quant_loss=run.loss(qat), **tokens)
+
+
+def _add_from_gguf(run, method, model, template, folder, gguf_mix=None, importance=None, **extra):
     """A row evaluated from ``model``'s GGUF file: its weights read back into ``template``'s float copy.
 
     ``bytes`` is the file's tensor data; with llama-cpp-python installed the file is also run by
     llama.cpp on the same held-out windows (``llama_cpp_loss``). ``gguf_mix``: written in that
-    llama.cpp mix (the row records it and the file's quantized tensor types).
+    llama.cpp mix (the row records it and the file's quantized tensor types); ``importance``: with a
+    mix, the importance ``model`` was quantized or trained with (the mix's types with an imatrix).
     """
     path = os.path.join(folder, method.replace(" ", "_").replace("(", "").replace(")", "") + ".gguf")
-    result = gguf_loss(model, template, path, run.data.eval_windows, tokenizer=run.data.tokenizer, gguf_mix=gguf_mix)
+    result = gguf_loss(model, template, path, run.data.eval_windows, tokenizer=run.data.tokenizer, gguf_mix=gguf_mix,
+                       importance=importance if gguf_mix is not None else None)
     row = {"method": method, "bits": 4, "loss": result.loss, "perplexity": math.exp(result.loss),
            "bytes": result.nbytes, "spec": GGUF_SPEC.short() if gguf_mix is None else gguf_mix, **extra}
     if gguf_mix is not None:
@@ -347,6 +421,7 @@ def _results(run, lm, external, torch, threads, total):
         "summary": summarize(run.rows, run.config.bits, [e.name for e in external if e.spec.act_bits is None],
                              [e.name for e in external if e.spec.act_bits is not None]),
         "llama_cpp": run.llama_cpp_info,
+        "calibration": run.calibration,
         "curves": run.curves,
         "seconds": run.seconds,
     }
@@ -370,7 +445,7 @@ def run_compare(config=None, *, data=None, progress=True, external=(), gguf_dir=
 
     >>> config = PRESETS["smoke"].replace(steps=2, finetune_steps=2, bits=(4,), eval_windows=2, gguf=False)
     >>> [row["method"] for row in run_compare(config, progress=False)["rows"]]
-    ['fp32', 'PTQ', 'fp32 fine-tune', 'fine-tune + PTQ', 'QAT']
+    ['fp32', 'PTQ', 'fp32 fine-tune', 'fine-tune + PTQ', 'fine-tune + GPTQ', 'QAT']
     """
     config = PRESETS["default"] if config is None else config
     if not isinstance(config, CompareConfig):
@@ -382,6 +457,8 @@ def run_compare(config=None, *, data=None, progress=True, external=(), gguf_dir=
         raise ValueError(f"gguf_dir={os.fspath(gguf_dir)!r} is not a directory: create it first, or pass None")
     with _torch_threads(torch, config.threads) as previous_threads:
         run = CompareRun(config, _data_for(config, data), progress, gguf_dir)
+        if config.gptq or (config.gguf and config.imatrix):  # refused before any training
+            calibration_windows(run.data, config.calibration_windows)
         began = time.perf_counter()
         lm = _fp32_rows(run)
         tuned = _finetune_rows(run, lm)

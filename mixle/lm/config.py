@@ -8,6 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from mixle.core.gptq import check_gptq_spec
 from mixle.core.mixes import GGUF_MIXES, mix_named
 from mixle.core.spec import SUPPORTED_BITS, QuantSpec
 from mixle.lm.flags import option, positive_int
@@ -21,11 +22,13 @@ GGUF_ACTIVATION = "gelu_tanh"
 GGUF_MIX_DEFAULT = ("Q4_K_M",)
 
 _POSITIVE = ("steps", "finetune_steps", "d_model", "n_layer", "n_head", "block", "batch_size", "curve_every",
-             "curve_windows")
+             "curve_windows", "calibration_windows")
 _NON_NEGATIVE = ("warmup", "seed")
 _POSITIVE_OR_NONE = ("eval_windows", "threads")
 _RATES = ("lr", "finetune_lr", "distill_temperature", "distill_weight")
-_SWITCHES = ("distill", "learned_scales", "act8", "gguf")
+_SWITCHES = ("distill", "learned_scales", "act8", "gguf", "imatrix", "gptq")
+# llama-imatrix skips products of fewer input rows (mixle.torch_backend.importance.MIN_ROWS).
+_MIN_CALIBRATION_TOKENS = 16
 
 
 def _is_int(value):
@@ -75,6 +78,15 @@ class CompareConfig:
             fp32 fine-tune as ``llama-quantize`` writes it in the mix (``save_gguf(gguf_mix=)``)
             vs QAT on the mix (``apply_qat(gguf_mix=)``), both evaluated from their files;
             ``()`` (``--gguf-mixes none``) leaves them out.
+        imatrix: with ``gguf``, also the importance-matrix rows after the Q4_0 rows and after each
+            mix's: PTQ of the fp32 fine-tune with ``calibrate_importance`` of it
+            (``quantize_model(importance=)``, what ``llama-quantize --imatrix`` writes) and QAT
+            with the importance of the checkpoint it starts from (``apply_qat(importance=)``,
+            trained like the plain GGUF QAT row), both from their files.
+        gptq: also fine-tune + GPTQ at each width (``gptq_quantize`` of the fp32 fine-tune onto
+            the spec of the fine-tune + PTQ row).
+        calibration_windows: the imatrix and GPTQ calibrate on this many windows of ``block``
+            tokens of the training text (evenly spaced; never the held-out text).
 
     >>> CompareConfig(steps=10).replace(bits=[8]).bits
     (8,)
@@ -117,6 +129,11 @@ class CompareConfig:
     gguf_mixes: tuple[str, ...] = option(GGUF_MIX_DEFAULT, "llama.cpp mixes of the mix rows: llama-quantize's mix of "
                                          "the fp32 fine-tune vs QAT on the mix, both from their GGUF files; 'none' "
                                          f"leaves them out (one or more of {', '.join(GGUF_MIXES)}; default: Q4_K_M)")
+    imatrix: bool = option(True, "leave out the importance-matrix rows (llama-quantize --imatrix's PTQ and QAT with "
+                                 "the same importance, GGUF q4_0 and each mix; calibrated on training windows)")
+    gptq: bool = option(True, "leave out the fine-tune + GPTQ rows (GPTQ calibrated on training windows)")
+    calibration_windows: int = option(128, "training windows (never held-out text) the imatrix and GPTQ are "
+                                           "calibrated on", type=positive_int)
 
     def __post_init__(self):
         object.__setattr__(self, "bits", _checked_bits(self.bits))
@@ -161,6 +178,13 @@ class CompareConfig:
             raise ValueError(f"distill_weight={self.distill_weight!r} must be in (0, 1]")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if (self.imatrix or self.gptq) and self.calibration_windows * self.block < _MIN_CALIBRATION_TOKENS:
+            raise ValueError(f"calibration_windows={self.calibration_windows} x block={self.block} gives fewer than "
+                             f"{_MIN_CALIBRATION_TOKENS} calibration tokens (llama-imatrix skips smaller batches): "
+                             f"use more windows, or --no-imatrix --no-gptq")
+        if self.gptq:
+            for bits in self.bits:
+                check_gptq_spec(self.spec(bits), "gptq=True (the fine-tune + GPTQ rows, --no-gptq leaves them out)")
         if self.gguf and self.d_model % GGUF_SPEC.group_size:
             raise ValueError(f"gguf=True (the llama.cpp rows) needs d_model divisible by {GGUF_SPEC.group_size}, "
                              f"the Q4_0 block, got d_model={self.d_model}: use e.g. 128, or gguf=False "

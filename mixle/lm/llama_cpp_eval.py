@@ -115,7 +115,7 @@ class GGUFLoss:
     types: dict = dataclasses.field(default_factory=dict)
 
 
-def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None):
+def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None, importance=None):
     """Write ``model`` as the GGUF file ``path`` and evaluate the weights read back from it.
 
     Args:
@@ -127,6 +127,9 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None):
         tokenizer: written into the file (``save_gguf(tokenizer=...)``).
         gguf_mix: ``save_gguf``'s: a llama.cpp mix (``"Q4_K_M"``), in which a float ``model`` is
             written as ``llama-quantize`` writes it (and a QAT model must be trained on the mix).
+        importance: with ``gguf_mix``, ``save_gguf``'s: the importance matrix the model was quantized
+            or QAT-trained with (the mix's types with an imatrix; a float model is written as
+            ``llama-quantize --imatrix`` writes it).
 
     Returns:
         ``GGUFLoss(loss, nbytes, types)``: ``held_out_loss`` of the read-back model, the bytes of
@@ -145,7 +148,7 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None):
     gguf = require("gguf", extra="gguf", purpose="evaluating a model from its GGUF file")
     from mixle.exports.gguf import load_gguf_weights, save_gguf
 
-    save_gguf(model, path, tokenizer=tokenizer, gguf_mix=gguf_mix)
+    save_gguf(model, path, tokenizer=tokenizer, gguf_mix=gguf_mix, importance=importance)
     from_file = load_gguf_weights(template, path)
     tensors = gguf.GGUFReader(path).tensors
     nbytes = sum(int(t.n_bytes) for t in tensors)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from mixle._optional import require
 __all__ = ["MIN_DEGRADATION", "summarize", "plot_training_curve", "format_table", "save_plot", "write_outputs", "check_out_dir", "OUTPUTS",
            "COMPLETE", "FP32", "PTQ", "FINETUNE", "FINETUNE_PTQ", "QAT", "QAT_DISTILL", "QAT_LEARNED", "QAT_BOTH",
            "OPTION_METHODS", "ACT8_PTQ", "ACT8_QAT", "ACT8_METHODS", "GGUF_FINETUNE", "GGUF_PTQ", "GGUF_QAT",
-           "GGUF_METHODS", "gguf_mix_ptq", "gguf_mix_qat", "AGREEMENT_PERCENT"]
+           "GGUF_METHODS", "gguf_mix_ptq", "gguf_mix_qat", "AGREEMENT_PERCENT", "FINETUNE_GPTQ", "GGUF_PTQ_IMATRIX",
+           "GGUF_QAT_IMATRIX", "gguf_mix_ptq_imatrix", "gguf_mix_qat_imatrix", "Comparison", "comparisons"]
 
 # Below this loss increase (nats per token, ~0.5% perplexity) PTQ has nothing left to recover.
 MIN_DEGRADATION = 0.005
@@ -40,7 +42,12 @@ ACT8_METHODS = (ACT8_QAT,)
 GGUF_FINETUNE = "fp32 fine-tune (tanh GELU)"
 GGUF_PTQ = "fine-tune + PTQ (GGUF q4_0)"
 GGUF_QAT = "QAT (GGUF q4_0)"
-GGUF_METHODS = (GGUF_QAT,)
+# The strong PTQ baselines (issue 26), calibrated on training windows only: GPTQ of the fine-tune on
+# the int grids, and llama.cpp's importance-matrix quantization; QAT with the same importance.
+FINETUNE_GPTQ = "fine-tune + GPTQ"
+GGUF_PTQ_IMATRIX = "fine-tune + PTQ imatrix (GGUF q4_0)"
+GGUF_QAT_IMATRIX = "QAT imatrix (GGUF q4_0)"
+GGUF_METHODS = (GGUF_QAT, GGUF_QAT_IMATRIX)
 # llama.cpp's perplexity of a file and mixle's of the same weights agree within this (issue 24).
 AGREEMENT_PERCENT = 1.0
 
@@ -63,59 +70,122 @@ def gguf_mix_qat(mix):
     return f"QAT (GGUF {mix})"
 
 
+def gguf_mix_ptq_imatrix(mix):
+    """The row of ``llama-quantize --imatrix``'s ``mix`` of the tanh-GELU fp32 fine-tune.
+
+    >>> gguf_mix_ptq_imatrix("Q4_K_M")
+    'fine-tune + PTQ imatrix (GGUF Q4_K_M)'
+    """
+    return f"fine-tune + PTQ imatrix (GGUF {mix})"
+
+
+def gguf_mix_qat_imatrix(mix):
+    """The row (and training phase) of QAT on the llama.cpp ``mix`` with a fixed importance matrix.
+
+    >>> gguf_mix_qat_imatrix("Q4_K_M")
+    'QAT imatrix (GGUF Q4_K_M)'
+    """
+    return f"QAT imatrix (GGUF {mix})"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One entry of the summary: the QAT rows ``methods`` measured against the PTQ row ``baseline``.
+
+    Attributes:
+        key: the summary key (``{bits}`` is replaced by the width).
+        baseline: the PTQ row whose loss degradation from ``tuned`` the QAT rows recover.
+        methods: the QAT rows measured.
+        tuned: the float row both start from (same extra steps as QAT).
+        label: how the notes name the comparison (``{bits}`` as in ``key``).
+        external: which ``ExternalQAT`` names join ``methods``: ``"weights"``, ``"act8"`` or None.
+        per_width: one entry per bit width of the run (else int4 only).
+    """
+
+    key: str
+    baseline: str
+    methods: tuple
+    tuned: str = FINETUNE
+    label: str = "int{bits}"
+    external: str | None = None
+    per_width: bool = False
+
+
+_GPTQ_LABEL = "int{bits} by GPTQ (calibrated on training windows)"
+_IMATRIX_LABEL = " with an importance matrix (calibrated on training windows)"
+
+
+def comparisons(mixes=()):
+    """The summary's entries (``Comparison``): each QAT row against each PTQ row it can be compared with.
+
+    >>> [c.key for c in comparisons(("Q4_K_M",))]  # doctest: +NORMALIZE_WHITESPACE
+    ['int{bits}', 'int{bits}_gptq', '8da4w', 'gguf_q4_0', 'gguf_q4_0_imatrix', 'gguf_Q4_K_M',
+     'gguf_Q4_K_M_imatrix']
+    """
+    int_methods = (QAT, *OPTION_METHODS)
+    table = [Comparison("int{bits}", FINETUNE_PTQ, int_methods, external="weights", per_width=True),
+             Comparison("int{bits}_gptq", FINETUNE_GPTQ, int_methods, label=_GPTQ_LABEL, external="weights",
+                        per_width=True),
+             Comparison("8da4w", ACT8_PTQ, ACT8_METHODS, label="8da4w", external="act8"),
+             Comparison("gguf_q4_0", GGUF_PTQ, GGUF_METHODS, GGUF_FINETUNE, "GGUF q4_0"),
+             Comparison("gguf_q4_0_imatrix", GGUF_PTQ_IMATRIX, GGUF_METHODS, GGUF_FINETUNE,
+                        "GGUF q4_0" + _IMATRIX_LABEL)]
+    for mix in mixes:
+        methods = (gguf_mix_qat(mix), gguf_mix_qat_imatrix(mix))
+        table += [Comparison(f"gguf_{mix}", gguf_mix_ptq(mix), methods, GGUF_FINETUNE, f"GGUF {mix}"),
+                  Comparison(f"gguf_{mix}_imatrix", gguf_mix_ptq_imatrix(mix), methods, GGUF_FINETUNE,
+                             f"GGUF {mix}" + _IMATRIX_LABEL)]
+    return table
+
+
 def _row(rows, method, bits):
     return next((r for r in rows if r["method"] == method and r["bits"] == bits), None)
 
 
 def summarize(rows, bits_list, external_names=(), act8_external=()):
-    """Per bit width: how much of fine-tune + PTQ's held-out loss degradation QAT recovers.
+    """Per comparison (``comparisons``): how much of a PTQ row's held-out loss degradation QAT recovers.
 
     ``recovered = (L_ptq - L_qat) / (L_ptq - L_fp32)`` with L_ptq the fine-tuned model after PTQ
     and L_fp32 the fine-tuned fp32 model (same number of extra steps as QAT). When PTQ loses
     less than ``MIN_DEGRADATION`` nats the ratio is noise, so it is None and a note says why.
-    Rows of the 8da4w spec (and ``act8_external`` methods) are measured against the 8da4w
-    fine-tune + PTQ baseline, under the key ``"8da4w"``; the llama.cpp rows against their own
-    fine-tune + PTQ into Q4_0 and tanh-GELU fp32 fine-tune, under ``"gguf_q4_0"``; the rows of a
-    llama.cpp mix (their ``gguf_mix``) against llama-quantize's mix, under ``"gguf_<mix>"``.
+    Each QAT row is measured against every PTQ it can be compared with: at each width
+    fine-tune + PTQ (``"int<bits>"``) and fine-tune + GPTQ (``"int<bits>_gptq"``); rows of the
+    8da4w spec (and ``act8_external`` methods) against the 8da4w fine-tune + PTQ (``"8da4w"``);
+    the llama.cpp rows (plain and imatrix QAT) against their tanh-GELU fine-tune's PTQ into Q4_0
+    without (``"gguf_q4_0"``) and with the importance matrix (``"gguf_q4_0_imatrix"``); the
+    rows of a llama.cpp mix (their ``gguf_mix``) likewise (``"gguf_<mix>"``, ``"gguf_<mix>_imatrix"``).
+    Each entry names its ``baseline`` row.
 
     >>> rows = [{"method": "fp32 fine-tune", "bits": 32, "loss": 1.0}, {"method": "fine-tune + PTQ", "bits": 4, "loss": 1.2},
     ...         {"method": "QAT", "bits": 4, "loss": 1.02}]
     >>> round(summarize(rows, (4,))["int4"]["QAT"]["recovered_percent"], 6)
     90.0
     """
-    summary = _summarize(rows, bits_list, external_names)
-    act8 = _summarize(rows, (4,), act8_external, baseline_method=ACT8_PTQ, methods=ACT8_METHODS, label="8da4w")
-    if act8:
-        summary["8da4w"] = act8["int4"]
-    gguf = _summarize(rows, (4,), (), baseline_method=GGUF_PTQ, methods=GGUF_METHODS, label="GGUF q4_0",
-                      tuned_method=GGUF_FINETUNE)
-    if gguf:
-        summary["gguf_q4_0"] = gguf["int4"]
-    for mix in dict.fromkeys(r["gguf_mix"] for r in rows if r.get("gguf_mix")):
-        entry = _summarize(rows, (4,), (), baseline_method=gguf_mix_ptq(mix), methods=(gguf_mix_qat(mix),),
-                           label=f"GGUF {mix}", tuned_method=GGUF_FINETUNE)
-        if entry:
-            summary[f"gguf_{mix}"] = entry["int4"]
-    return summary
-
-
-def _summarize(rows, bits_list, external_names=(), baseline_method=FINETUNE_PTQ, methods=(QAT, *OPTION_METHODS),
-               label=None, tuned_method=FINETUNE):
-    tuned = _row(rows, tuned_method, 32)
+    externals = {"weights": tuple(external_names), "act8": tuple(act8_external), None: ()}
+    mixes = tuple(dict.fromkeys(r["gguf_mix"] for r in rows if r.get("gguf_mix")))
     summary = {}
-    for bits in bits_list:
-        baseline = _row(rows, baseline_method, bits)
-        if baseline is None:
-            continue
-        degradation = baseline["loss"] - tuned["loss"]
-        entry = {"ptq_degradation_nats": degradation,
-                 "ptq_perplexity_increase_percent": 100 * math.expm1(degradation)}
-        for name in (*methods, *external_names):
-            row = _row(rows, name, bits)
-            if row is not None:
-                entry[name] = _recovery(row, name, tuned, baseline, entry, label or f"int{bits}", tuned_method)
-        summary[f"int{bits}"] = entry
+    for comparison in comparisons(mixes):
+        for bits in bits_list if comparison.per_width else (4,):
+            entry = _entry(rows, bits, comparison, externals[comparison.external])
+            if entry is not None:
+                summary[comparison.key.format(bits=bits)] = entry
     return summary
+
+
+def _entry(rows, bits, comparison, external_names):
+    """``comparison``'s summary entry at ``bits`` (None without its baseline row)."""
+    tuned, baseline = _row(rows, comparison.tuned, 32), _row(rows, comparison.baseline, bits)
+    if baseline is None:
+        return None
+    label = comparison.label.format(bits=bits)
+    degradation = baseline["loss"] - tuned["loss"]
+    entry = {"baseline": comparison.baseline, "ptq_degradation_nats": degradation,
+             "ptq_perplexity_increase_percent": 100 * math.expm1(degradation)}
+    for name in (*comparison.methods, *external_names):
+        row = _row(rows, name, bits)
+        if row is not None:
+            entry[name] = _recovery(row, name, tuned, baseline, entry, label, comparison.tuned)
+    return entry
 
 
 def _recovery(row, name, tuned, baseline, entry, label, tuned_method):
@@ -178,6 +248,7 @@ def format_table(results):
             if isinstance(value, dict):
                 lines.append(f"{name}: {value['note']}")
     lines.extend(_gguf_notes(results))
+    lines.extend(_calibration_notes(results))
     data, env = results["data"], results["environment"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['corpus']} ({data['tokenizer']}-level, "
                  f"vocab {data['vocab']}); {results['model']['parameters']:,} parameters; torch {env['torch']}, "
@@ -211,6 +282,20 @@ def _gguf_notes(results):
         lines.append(f"llama.cpp vs mixle on the same files (F32 KV cache, context = the window, no BOS): largest "
                      f"difference {_agreement(worst):+.3f}% ({worst['method']}), {verdict} {AGREEMENT_PERCENT:g}%")
     return lines
+
+
+def _calibration_notes(results):
+    """The table's line on what the GPTQ and imatrix rows calibrated on (the training text only)."""
+    calibration = results.get("calibration")
+    if not calibration:
+        return []
+    used = [what for what, method in (("GPTQ", FINETUNE_GPTQ), ("imatrix", GGUF_PTQ_IMATRIX))
+            if any(row["method"] == method for row in results["rows"])]
+    how = ("; imatrix PTQ = quantize_model(fine-tune, importance=calibrate_importance(fine-tune)), imatrix QAT = "
+           "apply_qat(importance=calibrate_importance(its starting checkpoint)), trained like the plain QAT row"
+           if "imatrix" in used else "")
+    return [f"{' and '.join(used) or 'calibration'} rows: calibrated on {calibration['windows']:,} evenly spaced windows "
+            f"({calibration['tokens']:,} tokens) of the training text, never the held-out text{how}"]
 
 
 def plot_training_curve(axis, curve, label):

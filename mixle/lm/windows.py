@@ -6,7 +6,12 @@ import numpy as np
 
 from mixle._optional import require
 
-__all__ = ["held_out_windows", "CompareData", "prepare_data", "data_key", "DATA_FIELDS"]
+__all__ = ["held_out_windows", "CompareData", "prepare_data", "data_key", "DATA_FIELDS", "calibration_windows",
+           "calibration_batches", "MIN_BATCH_TOKENS"]
+
+# Calibration batches hold at least this many tokens: llama-imatrix (and calibrate_importance)
+# skips products of fewer input rows.
+MIN_BATCH_TOKENS = 16
 
 # The config fields that decide a run's data: data built for one config serves another only if
 # they agree on all of them.
@@ -87,3 +92,50 @@ def prepare_data(config):
     ValueError: block=10000000 is larger than the data: the training text has ... tokens but one training window needs block + 1 = 10000001; use a smaller block or a longer text
     """
     return CompareData(config)
+
+
+def calibration_windows(data, count):
+    """``count`` windows of ``data.block`` tokens of the training text, evenly spaced over it.
+
+    The importance matrix and GPTQ calibrate on these: they come from ``data.train_ids`` only
+    (never the held-out text) and are chosen without any random draw, so the rows that use them
+    leave every other row's random streams as they were.
+
+    Args:
+        data: a ``CompareData``.
+        count: how many windows (at most the number of training window starts).
+
+    Returns:
+        An int64 tensor ``(count, data.block)``.
+
+    Raises:
+        ValueError: ``count`` exceeds the training windows available.
+
+    >>> from mixle.lm.config import PRESETS
+    >>> data = prepare_data(PRESETS["smoke"])
+    >>> windows = calibration_windows(data, 4)
+    >>> windows.shape, bool((windows[0] == data.train_ids[:data.block]).all())
+    (torch.Size([4, 32]), True)
+    """
+    torch = require("torch", extra="torch", purpose="mixle compare")
+    available = len(data.train_starts)
+    if count > available:
+        raise ValueError(f"calibration_windows={count} exceeds the {available} training windows of block "
+                         f"{data.block}: use at most {available}, or a longer corpus")
+    starts = data.train_starts[np.linspace(0, available - 1, count).round().astype(np.int64)]
+    return data.train_ids[starts[:, None] + torch.arange(data.block)]
+
+
+def calibration_batches(windows, batch_size):
+    """``windows`` as calibration batches of about ``batch_size`` windows each, every one holding at
+    least ``MIN_BATCH_TOKENS`` tokens (so an importance matrix counts every token): model keywords
+    ``{"idx": (rows, block), "all_positions": True}``.
+
+    >>> import torch
+    >>> [b["idx"].shape[0] for b in calibration_batches(torch.zeros(10, 8, dtype=torch.int64), 3)]
+    [3, 3, 2, 2]
+    """
+    count, block = windows.shape
+    chunks = max(1, min(-(-count // batch_size), count * block // MIN_BATCH_TOKENS))
+    return [{"idx": part, "all_positions": True} for part in np.array_split(np.arange(count), chunks)
+            for part in (windows[part],)]
