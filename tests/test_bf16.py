@@ -61,12 +61,12 @@ def _bf16_steps(spec):
     torch.manual_seed(0)
     model = apply_qat(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 64)).bfloat16(),
                       spec=spec)
-    x = torch.randn(4, 64).bfloat16()
+    x = torch.randn(4, 64).bfloat16().requires_grad_()  # the first layer's backward needs its weight
     y = model(x)
     y.float().square().sum().backward()
     with torch.no_grad():
         outputs = [y.detach(), model(x), model(x)]
-    return outputs, [p.grad for p in model.parameters()]
+    return outputs, [x.grad] + [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("name", PLAIN)
