@@ -251,20 +251,23 @@ T block_scale(const Job<S>& job, int64_t b, std::vector<T>& scratch, int64_t& ba
     return s;
 }
 
-template <typename S, typename T = typename Elem<S>::T>
-void quantize_range(const Job<S>& job, int64_t begin, int64_t end, T s) {
+// K: the range's length when known at compile time (a whole block of the usual group sizes: the
+// loops then unroll into the caller), or 0 for end - begin.
+template <typename S, int64_t K = 0, typename T = typename Elem<S>::T>
+__attribute__((always_inline)) inline void quantize_range(const Job<S>& job, int64_t begin, int64_t end, T s) {
     using E = Elem<S>;
-    const S* __restrict x = job.x;
-    S* __restrict deq = job.deq;
-    int8_t* __restrict codes = job.codes;
+    const S* __restrict x = job.x + begin;
+    S* __restrict deq = job.deq + begin;
+    int8_t* __restrict codes = job.codes ? job.codes + begin : nullptr;
+    const int64_t n = K ? K : end - begin;
     const T lo = job.code_min, hi = job.code_max, held = E::held(s);
-    for (int64_t j = begin; j < end; ++j) {
+    for (int64_t j = 0; j < n; ++j) {
         T q = std::nearbyint(E::load(x, j) / s);
         q = q < lo ? lo : q;
         E::store(deq, j, (q > hi ? hi : q) * held);
     }
     if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
-        for (int64_t j = begin; j < end; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
             T q = std::nearbyint(E::load(x, j) / s);
             q = q < lo ? lo : q;
             codes[j] = (int8_t)(int32_t)(q > hi ? hi : q);
@@ -301,7 +304,7 @@ int64_t run_blocks(const Job<S>& job, int threads) {
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < job.nblocks; ++b) {
             T s = block_scale<S, K>(job, b, scratch, bad, 1);
-            quantize_range(job, b * n, b * n + n, s);
+            quantize_range<S, K>(job, b * n, b * n + n, s);
         }
     }
     return bad;
