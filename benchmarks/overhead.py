@@ -26,8 +26,9 @@ ops``: without them, the torch numerics). Under each table the step-time
 ratios the issues set targets for (``PAIRS``).
 
 ``--dtypes fp32,bf16`` also runs every variant under ``torch.autocast("cpu", torch.bfloat16)``
-(rows ``... +bf16``); each row's ratio is to the float step in the same dtype, measured in the
-same interleaved rounds.
+(rows ``... +bf16``); ``bf16model`` runs it on the model cast to bfloat16 before QAT is applied
+(bf16 weights, inputs and gradients; rows ``... bf16 model``). Each row's ratio is to the float
+step in the same dtype, measured in the same interleaved rounds.
 
 Usage::
 
@@ -153,11 +154,12 @@ class Variant:
     compiled: bool = False
     torch_ops: bool = False  # mixle's fused CPU kernels switched off: its numerics as torch ops
     autocast: bool = False  # the step under torch.autocast("cpu", dtype=torch.bfloat16)
+    bf16_model: bool = False  # the model (and its float inputs) cast to bfloat16 before prepare
 
     @property
     def baseline(self):
         """The float row this row's ratio is taken to (same dtype)."""
-        return "fp32 +bf16" if self.autocast else "fp32"
+        return "fp32 +bf16" if self.autocast else "fp32 bf16 model" if self.bf16_model else "fp32"
 
 
 def _mixle(bits, granularity, group_size=None, percentile=None):
@@ -271,12 +273,25 @@ def _installed(module):
     return True
 
 
+DTYPE_SUFFIXES = (" +bf16", " bf16 model")  # row-name suffixes of the autocast and bf16-model rows
+
+
 def variants(compile_rows, dtypes=("fp32",)):
     rows = _fp32_variants(compile_rows)
-    if "bf16" not in dtypes:
-        return rows
-    bf16 = [Variant(f"{row.name} +bf16", row.prepare, row.compiled, row.torch_ops, autocast=True) for row in rows]
-    return (rows if "fp32" in dtypes else []) + bf16
+    out = rows if "fp32" in dtypes else []
+    if "bf16" in dtypes:
+        out = out + [Variant(f"{row.name} +bf16", row.prepare, row.compiled, row.torch_ops, autocast=True)
+                     for row in rows]
+    if "bf16model" in dtypes:
+        out = out + [Variant(f"{row.name} bf16 model", row.prepare, row.compiled, row.torch_ops, bf16_model=True)
+                     for row in rows]
+    return out
+
+
+def _base_name(name):
+    for suffix in DTYPE_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _fp32_variants(compile_rows):
@@ -335,9 +350,13 @@ def _quiet():
 
 
 def _trainer(shape, variant, base, data):
-    model = variant.prepare(copy.deepcopy(base))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     inputs, targets = data
+    base = copy.deepcopy(base)
+    if variant.bf16_model:
+        base = base.bfloat16()
+        inputs, targets = (t.bfloat16() if t is not None and t.is_floating_point() else t for t in (inputs, targets))
+    model = variant.prepare(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
         with _fused_cpu.switched_off() if variant.torch_ops else contextlib.nullcontext():
@@ -441,7 +460,7 @@ PAIRS = (("mixle q4_0", "fp32"), ("mixle q8_0", "fp32"), ("mixle int4 group32", 
 
 def _pair_ratios(by_name):
     lines = []
-    for dtype in ("", " +bf16"):
+    for dtype in ("",) + DTYPE_SUFFIXES:
         for a, b in PAIRS:
             a, b = a + dtype, b + dtype
             if by_name.get(a) and by_name.get(b):
@@ -478,13 +497,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (median of these)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first")
     parser.add_argument("--shapes", default="mlp,transformer", help="comma list of: " + ", ".join(SHAPES))
-    parser.add_argument("--only", default=None, help="regex: keep variants whose name (without +bf16) matches "
+    parser.add_argument("--only", default=None, help="regex: keep variants whose name (without its dtype suffix) matches "
                         "(the float rows always kept)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     parser.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG")
-    parser.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (bf16: the step under "
-                        "torch.autocast('cpu', torch.bfloat16), ratios to the float step under it)")
+    parser.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16model (bf16: the step "
+                        "under torch.autocast('cpu', torch.bfloat16); bf16model: the model cast to bfloat16; "
+                        "ratios to the float step in the same dtype)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (use with --threads 1 on a busy machine)")
     parser.add_argument("--smollm2-gguf", default=None, help="the smollm2 shape loads this SmolLM2-135M .gguf")
@@ -495,12 +515,15 @@ def main(argv=None):
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}: choose from {list(SHAPES)}")
+    bad_dtypes = [d for d in args.dtypes.split(",") if d not in ("fp32", "bf16", "bf16model")]
+    if bad_dtypes:
+        parser.error(f"--dtypes: unknown {bad_dtypes}: choose from fp32, bf16, bf16model")
 
     torch.set_num_threads(args.threads)
     SMOLLM2.update(gguf=args.smollm2_gguf, layers=args.smollm2_layers)
     rows = variants(compile_rows=not args.no_compile, dtypes=args.dtypes.split(","))
     if args.only:
-        rows = [r for r in rows if r.name in ("fp32", "fp32 +bf16") or re.search(args.only, r.name.removesuffix(" +bf16"))]
+        rows = [r for r in rows if _base_name(r.name) == "fp32" or re.search(args.only, _base_name(r.name))]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"median of {args.steps} steps after {args.warmup} warm-up ({args.clock} clock), variants interleaved; "
           f"clipping percentile {PERCENTILE}; load average {os.getloadavg()[0]:.2f} at start")

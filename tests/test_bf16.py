@@ -13,7 +13,7 @@ from torch import nn
 
 from mixle.api import apply_qat, convert
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import packed_linear
+from mixle.torch_backend import fused_cpu, packed_linear
 from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches
 
 SPECS = {
@@ -25,6 +25,13 @@ SPECS = {
 }
 
 
+# Every plain grid (the fused kernel's) x granularity, and percentile clipping with its STE mask.
+PLAIN = {f"{grid} int{bits} {label}": QuantSpec(bits=bits, grid=grid, granularity=granularity, group_size=size)
+         for grid in ("symmetric", "qwix") for bits in (4, 8)
+         for granularity, size, label in (("tensor", None, "tensor"), ("channel", None, "channel"), ("group", 32, "g32"))}
+PLAIN["int4 g32 p99 clip_gradient"] = QuantSpec(bits=4, group_size=32, clip_percentile=99.0, clip_gradient=True)
+
+
 def codes_of(weight, spec):
     invalidate_caches()
     fake_quantized_weight(weight, spec)
@@ -32,9 +39,9 @@ def codes_of(weight, spec):
     return deq, entry
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", [*SPECS, *PLAIN])
 def test_a_bf16_weight_gets_the_codes_of_its_float32_copy(name, fake_quant_path):
-    spec = SPECS[name]
+    spec = {**SPECS, **PLAIN}[name]
     torch.manual_seed(0)
     bf16 = nn.Parameter((torch.randn(96, 256) * 0.02).bfloat16())
     deq, entry = codes_of(bf16, spec)
@@ -45,6 +52,37 @@ def test_a_bf16_weight_gets_the_codes_of_its_float32_copy(name, fake_quant_path)
     blocks = entry.codes.float().reshape(entry.scale.shape[0], entry.scale.shape[1], -1)
     assert deq.dtype == torch.bfloat16
     assert torch.equal(deq, (blocks * entry.scale.float()).reshape(deq.shape).bfloat16())
+
+
+def _bf16_steps(spec):
+    """A bf16 model's training forward and backward, then two eval forwards (the second rebuilds
+    from kept codes): ``(outputs, gradients)``. Three equal layers, so the first layer's backward
+    finds no recycled buffer holding its weight and rebuilds it from its scales."""
+    torch.manual_seed(0)
+    model = apply_qat(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 64)).bfloat16(),
+                      spec=spec)
+    x = torch.randn(4, 64).bfloat16().requires_grad_()  # the first layer's backward needs its weight
+    y = model(x)
+    y.float().square().sum().backward()
+    with torch.no_grad():
+        outputs = [y.detach(), model(x), model(x)]
+    return outputs, [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_bf16_weights_run_the_kernel_bit_identically_to_the_torch_path(name, monkeypatch):
+    if not fused_cpu.available():
+        pytest.skip("the fused CPU kernels could not be built here (no C++ compiler)")
+    spec = PLAIN[name]
+    ran = []
+    kernel = fused_cpu._fake_quant_kernel
+    monkeypatch.setattr(fused_cpu, "_fake_quant_kernel", lambda x, *args: ran.append(x.dtype) or kernel(x, *args))
+    outputs, grads = _bf16_steps(spec)
+    assert ran and set(ran) == {torch.bfloat16}  # the kernel, not the torch ops, quantized the bf16 weights
+    with fused_cpu.switched_off():
+        ref_outputs, ref_grads = _bf16_steps(spec)
+    for got, want in zip(outputs + grads, ref_outputs + ref_grads):
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_a_bf16_model_converts_to_exactly_its_qat_forward(exact_converted_layers):

@@ -148,10 +148,85 @@ def test_clip_mask_gradient_matches_numpy():
     assert np.array_equal(np.signbit(got.numpy()), np.signbit(expected))
 
 
+def bits_of(t):
+    """The bit patterns of a bfloat16 tensor (equal only where every bit is, NaN and -0 included)."""
+    return t.view(torch.int16)
+
+
+def held_bf16_values(codes, scale, deq):
+    """A bf16 weight's fake-quantized values from the numpy reference's ``(codes, scale, deq)`` of
+    its float32 copy: the codes times the scale held in bf16 (exact in float32; the codes signed
+    like deq, -0 included), rounded once to bf16."""
+    signed = torch.from_numpy(np.copysign(codes.astype(np.float32), deq))
+    held = torch.from_numpy(scale).bfloat16().float()
+    return (signed.reshape(held.shape[0], -1) * held).reshape(codes.shape).bfloat16()
+
+
+def bf16_weight():
+    """``weight``'s test cases in bfloat16, and their float32 copy (exactly the same values)."""
+    x = torch.from_numpy(weight(np.float32)).bfloat16()
+    return x, x.float().numpy()
+
+
+@pytest.mark.parametrize("grid", ["symmetric", "qwix"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", LAYOUTS)
+@pytest.mark.parametrize("percentile", [None, 99.9, 80.0, 30.0])
+def test_bf16_kernel_runs_the_float32_numerics_bit_for_bit(grid, bits, granularity, group_size, percentile):
+    x, w = bf16_weight()
+    spec = spec_for(bits, granularity, group_size, percentile, grid)
+    codes, scale, ref_deq = reference_codes_scales(w, bits, granularity, group_size, percentile, grid)
+    deq, got_codes, got_scale, threshold, nonfinite = _fused_cpu.fake_quant(x, spec, want_codes=True, want_threshold=True)
+    assert int(nonfinite) == 0
+    # Codes, scales and thresholds: the float32 copy's, kept in float32.
+    assert got_scale.dtype == threshold.dtype == torch.float32
+    np.testing.assert_array_equal(got_codes.numpy(), codes)
+    np.testing.assert_array_equal(got_scale.numpy().reshape(-1), scale.reshape(-1))
+    np.testing.assert_array_equal(threshold.numpy().reshape(-1), reference_threshold(w, granularity, group_size, percentile).reshape(-1))
+    # Values: the codes times the scale held in bf16 (exact in float32), rounded once to bf16.
+    expected = held_bf16_values(codes, scale, ref_deq)
+    assert deq.dtype == torch.bfloat16 and torch.equal(bits_of(deq), bits_of(expected))
+    # The rebuild on the float32 scales; the dequantize of the int8 codes (float32 or bf16-held
+    # scales; int8 codes have no -0, so values compare, as on float32).
+    assert torch.equal(bits_of(_fused_cpu.fake_quant(x, spec, scale=got_scale)[0]), bits_of(expected))
+    for kept in (got_scale, got_scale.bfloat16()):
+        got = _fused_cpu.dequantize(got_codes, kept, spec, dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_bf16_per_tensor_block_over_threads_and_nan_blocks():
+    # One large block (the all-threads statistics path) and a NaN block, in bf16.
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((256, 256)).astype(np.float32)).bfloat16()
+    w = x.float().numpy()
+    for percentile in (None, 99.99, 90.0):
+        spec = spec_for(8, "tensor", None, percentile)
+        deq, codes, *_ = _fused_cpu.fake_quant(x, spec, want_codes=True)
+        ref = reference_codes_scales(w, 8, "tensor", None, percentile)
+        np.testing.assert_array_equal(codes.numpy(), ref[0])
+        assert torch.equal(bits_of(deq), bits_of(held_bf16_values(*ref)))
+    x[10, 3] = float("nan")
+    assert int(_fused_cpu.fake_quant(x, spec_for(4, "group", 32, None))[4]) == 1
+
+
+def test_bf16_clip_mask_gradient_matches_numpy():
+    x, w = bf16_weight()
+    spec = spec_for(4, "group", 16, 80.0)
+    threshold = reference_threshold(w, "group", 16, 80.0)
+    g = torch.from_numpy(np.random.default_rng(3).standard_normal(w.shape).astype(np.float32)).bfloat16()
+    g[0, 0] = float("nan")
+    # g * mask is exact in bf16 (g, +-0 or NaN): numpy's float32 product, cast.
+    expected = (g.float().numpy().reshape(-1, 16) * (np.abs(w.reshape(-1, 16)) <= threshold)).reshape(w.shape)
+    got = _fused_cpu.clip_mask_grad(g, x, torch.from_numpy(threshold.reshape(1, -1, 1)), spec)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.float().numpy(), expected)
+    assert np.array_equal(np.signbit(got.float().numpy()), np.signbit(expected))
+
+
 def test_kernels_apply_only_where_they_are_exact():
     x = torch.zeros(4, 8)
-    assert _fused_cpu.applies_to(x) and _fused_cpu.applies_to(x.double())
-    assert not _fused_cpu.applies_to(x.half()) and not _fused_cpu.applies_to(x.bfloat16())
+    assert _fused_cpu.applies_to(x) and _fused_cpu.applies_to(x.double()) and _fused_cpu.applies_to(x.bfloat16())
+    assert not _fused_cpu.applies_to(x.half())
     assert not _fused_cpu.applies_to(x.t())  # not contiguous: the torch ops take it
 
 

@@ -1,7 +1,7 @@
 """The torch straight-through fake-quant op, its per-Parameter cache and memory-light saving.
 
 The numerics are ``mixle.core.numerics``'s (block view, scales, rounding, dequantize); this
-module only decides when they run, and on contiguous float32/float64 CPU weights runs them as
+module only decides when they run, and on contiguous float32/float64/bfloat16 CPU weights runs them as
 ``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). The
 numerics of a bfloat16/float16 weight run in float32 (it gets exactly the codes of its float32
 copy); the scale its codes are multiplied by is held in the weight's dtype, as a converted layer
@@ -249,7 +249,8 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
         deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
             x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
         _check_no_bad_blocks(nonfinite, x)
-        return deq, _Entry(key, spec, scale, threshold, codes)
+        stored = held_scale(scale, x.dtype)  # a bf16 weight: float32 scales, codes times their bf16
+        return deq, _Entry(key, spec, stored, threshold, codes, None if stored is scale else scale)
     ops, blocks = _blocks(numerics_input(x), spec)
     scale, threshold, block_max = block_stats(ops, blocks, spec, with_max=True)
     check_block_max(block_max, x, "weight")  # a device assert on accelerators and under torch.compile
@@ -273,10 +274,11 @@ def _rebuild(entry, x, keep_codes=False, out=None):
                                       grid=entry.spec.grid)
     elif entry.codes is not None:
         if fused:
-            return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out)
+            return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out, dtype=x.dtype)
         deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
-    elif fused:
-        deq, entry.codes, *_ = _fused_cpu.fake_quant(x, entry.spec, scale=entry.scale,
+    elif fused:  # rounded with the scale the codes were computed with (float32 for a bf16 weight)
+        code_scale = entry.scale if entry.code_scale is None else entry.code_scale
+        deq, entry.codes, *_ = _fused_cpu.fake_quant(x, entry.spec, scale=code_scale,
                                                      want_codes=keep_codes, out=out)
         return deq
     else:

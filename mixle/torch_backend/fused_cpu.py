@@ -1,7 +1,10 @@
 """Fused CPU fake-quant kernels, compiled from ``fused_fake_quant.cpp`` on first use.
 
 The kernels compute exactly ``mixle.core.numerics``'s numerics (tests compare both with numpy,
-bit for bit) in one pass over each block of a float32 or float64 CPU tensor. They are built
+bit for bit) in one pass over each block of a float32, float64 or bfloat16 CPU tensor (a
+bfloat16 one runs the float32 numerics: its scales, thresholds and codes are those of its
+float32 copy, kept in float32; its values are the codes times the scale held in bfloat16,
+rounded once to bfloat16, as the torch path computes them). They are built
 once per machine with the system C++ compiler into a private cache directory (``MIXLE_CACHE_DIR``,
 else ``~/.cache/mixle``; only libraries this user built and recorded are loaded, see
 ``kernel_cache``); without a compiler mixle warns once and QAT runs the same numerics as
@@ -25,7 +28,9 @@ SOURCE = Path(__file__).with_name("fused_fake_quant.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 SWITCH = kernel_cache.SWITCH
 
-_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+_DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+# The dtype a weight's scales and thresholds are computed and kept in (the numerics' dtype).
+_SCALE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
 _loaded = {}  # "kernels" -> _Kernels or None, once decided
 _OPS = TorchOps()
 
@@ -142,14 +147,14 @@ def available():
 
 def applies_to(x, spec=None):
     """Whether the fused kernels can take tensor x (quantized with ``spec``, when given): a
-    contiguous float32/float64 CPU tensor on a plain grid (``Grid.is_plain``: the only grids the
+    contiguous float32/float64/bfloat16 CPU tensor on a plain grid (``Grid.is_plain``: the only grids the
     kernels implement). Tensors on other devices (and fake ones) take the torch ops, and never
     make the kernels build.
 
     The kernels are torch custom operators (``torch.ops.mixle.*``) with fake implementations,
     so torch.compile traces them like any other op.
 
-    >>> applies_to(torch.ones(2, dtype=torch.bfloat16))
+    >>> applies_to(torch.ones(2, dtype=torch.float16))
     False
     """
     if spec is not None and not spec.grid_record.is_plain():
@@ -193,7 +198,7 @@ def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, 
 
 
 def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    _kernels().dequantize[_DTYPES[scale.dtype]](
+    _kernels().dequantize[_DTYPES[out.dtype]](
         codes.data_ptr(), scale.data_ptr(), scale.numel(), codes.numel() // scale.numel(), out.data_ptr(),
         torch.get_num_threads())
 
@@ -228,7 +233,10 @@ def _traced_or_direct(op, kernel):
 def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, out=None):
     """One pass over x's blocks: ``(deq, codes, scale, threshold, nonfinite)``.
 
-    ``scale`` (shape ``(B, S, 1)``) given: only the values/codes on those scales (a rebuild),
+    Scales and thresholds are in ``_SCALE_DTYPES[x.dtype]`` (float32 for a bfloat16 x, whose
+    values are the codes times ``scale.bfloat16()``, rounded once to bfloat16).
+
+    ``scale`` (shape ``(B, S, 1)``, in that dtype) given: only the values/codes on those scales (a rebuild),
     threshold None. Otherwise the scales are computed, and ``nonfinite`` (a 0-d int64 tensor)
     counts the blocks holding NaN or infinity (the other outputs are then meaningless; the
     caller raises). Codes and threshold not asked for are None; ``out`` (contiguous, shaped like
@@ -242,10 +250,10 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
     if scale is None:
         if percentile is not None and percentile != 100.0:
             lo, hi, frac = percentile_positions(width, percentile)
-        scale = computed = torch.empty((batch, blocks_per_batch, 1), dtype=x.dtype)
+        scale = computed = torch.empty((batch, blocks_per_batch, 1), dtype=_SCALE_DTYPES[x.dtype])
         threshold = torch.empty_like(scale) if want_threshold else None
     else:
-        given = scale.contiguous()
+        given = scale.to(_SCALE_DTYPES[x.dtype]).contiguous()
     deq = torch.empty_like(x) if out is None else out
     codes = torch.empty(x.shape, dtype=torch.int8) if want_codes else None
     nonfinite = _traced_or_direct(torch.ops.mixle.fused_fake_quant, _fake_quant_kernel)(
@@ -254,19 +262,22 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
     return deq, codes, scale, threshold, nonfinite
 
 
-def dequantize(codes, scale, spec, out=None):
-    """``codes * scale`` per block, in scale's dtype (codes int8 with the weight's shape), into
-    ``out`` when given."""
+def dequantize(codes, scale, spec, out=None, dtype=None):
+    """``codes * scale`` per block in ``dtype`` (default: scale's; codes int8 with the weight's
+    shape), into ``out`` when given (then in its dtype). A bfloat16 result takes float32 scales,
+    held in bfloat16 as ``fake_quant`` holds them."""
     if out is None:
-        out = torch.empty(codes.shape, dtype=scale.dtype)
+        out = torch.empty(codes.shape, dtype=scale.dtype if dtype is None else dtype)
+    scale = scale.to(_SCALE_DTYPES[out.dtype])
     _traced_or_direct(torch.ops.mixle.fused_dequantize, _dequantize_kernel)(codes.contiguous(), scale.contiguous(), out)
     return out
 
 
 def clip_mask_grad(grad, x, threshold, spec, out=None):
     """``grad * (|x| <= threshold)`` per block: the clip_gradient straight-through gradient, into
-    ``out`` when given (contiguous, shaped like x; may be ``grad`` itself)."""
+    ``out`` when given (contiguous, shaped like x; may be ``grad`` itself). grad has x's dtype;
+    threshold is ``fake_quant``'s (float32 for a bfloat16 x)."""
     if out is None or not out.is_contiguous():
         out = torch.empty_like(x)
-    _traced_or_direct(torch.ops.mixle.fused_clip_mask_grad, _clip_mask_grad_kernel)(grad.contiguous(), x, threshold.contiguous(), out)
+    _traced_or_direct(torch.ops.mixle.fused_clip_mask_grad, _clip_mask_grad_kernel)(grad.contiguous(), x, threshold.to(_SCALE_DTYPES[x.dtype]).contiguous(), out)
     return out

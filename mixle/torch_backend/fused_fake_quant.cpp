@@ -1,11 +1,17 @@
 // Fused CPU fake-quant passes for mixle's torch QAT (built by _fused_cpu.py, called via ctypes).
 //
-// The numerics are those of mixle/task/quantize.py, operation for operation and in the array's
+// The numerics are those of mixle/core/numerics.py, operation for operation and in the array's
 // own dtype, so results are bit-identical (tests compare against numpy): per block of K
 // contiguous elements, threshold = max|x| or the linear-interpolated percentile of |x|
 // (lo + (hi - lo) * frac), scale = threshold / divisor (1 where that is 0),
 // code = clamp(roundeven(x / scale), code_min, code_max), fake-quantized value = code * scale.
 // Built with -ffp-contract=off so that no multiply-add is fused (numpy rounds each step).
+//
+// A bfloat16 weight (stored as its 16 bits) is read exactly as float32 and its numerics run in
+// float32: scales, thresholds and codes are its float32 copy's, the scales and thresholds are
+// written as float32. Its fake-quantized value is code * bf16(scale) (the scale held in the
+// weight's dtype, as the torch path and a converted layer hold it), rounded to bfloat16 to
+// nearest even as torch casts.
 //
 // Why a kernel: with separate torch ops a weight is read and written about five times per
 // step; here a block (one row or group, a few KB) is read from memory once and stays in L1
@@ -15,38 +21,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
-
-template <typename T>
-struct Job {
-    const T* x;            // nblocks * K values
-    int64_t nblocks, K;
-    int64_t lo, hi;        // percentile ranks (ascending, 0-based); lo < 0: threshold = max|x|
-    T frac, divisor, code_min, code_max;
-    const T* scale_in;     // given scales (rebuild), or null to compute them
-    T* scale;              // out: per block (ignored when scale_in is given)
-    T* threshold;          // out: per block, or null
-    T* deq;                // out: fake-quantized values
-    int8_t* codes;         // out: int8 codes, or null
-};
-
-template <typename T> struct Bits;
-template <> struct Bits<float> { using U = uint32_t; };
-template <> struct Bits<double> { using U = uint64_t; };
-
-// Reductions over |x| run on the bit patterns with the sign bit cleared: for non-negative IEEE
-// values the integer order is the numeric order and every NaN pattern sorts above infinity, so
-// a maximum is NaN if the block holds one (as torch's amax gives). Integer reductions
-// vectorise; a float max reduction would not, without fast-math flags.
-template <typename T>
-typename Bits<T>::U magnitude_bits(const T* x, int64_t j) {
-    using U = typename Bits<T>::U;
-    U u;
-    std::memcpy(&u, x + j, sizeof(U));
-    return u & ~(U(1) << (8 * sizeof(U) - 1));
-}
 
 template <typename T, typename U>
 T from_bits(U u) {
@@ -55,21 +33,65 @@ T from_bits(U u) {
     return value;
 }
 
-template <typename T, typename U>
-U max_magnitude_below_serial(const T* __restrict x, int64_t begin, int64_t end, U below) {
+// float32 -> bfloat16 bits, round to nearest even (torch's cast), NaN -> 0x7fc0.
+inline uint16_t to_bf16(float f) {
+    const uint32_t u = from_bits<uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// How an element type S is read and written: T, the type the numerics run in; U, T's bit
+// pattern. mag(x, j): the bit pattern of |x[j]| as a T (sign bit cleared). Reductions over |x|
+// run on these patterns: for non-negative IEEE values the integer order is the numeric order and
+// every NaN pattern sorts above infinity, so a maximum is NaN if the block holds one (as torch's
+// amax gives). Integer reductions vectorise; a float max reduction would not, without fast-math
+// flags. held(s): the scale codes are multiplied by (in the weight's dtype).
+template <typename S> struct Elem {  // float32, float64: their own dtype
+    using T = S;
+    using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
+    static U mag(const S* x, int64_t j) { return from_bits<U>(x[j]) & ~(U(1) << (8 * sizeof(U) - 1)); }
+    static T load(const S* x, int64_t j) { return x[j]; }
+    static void store(S* y, int64_t j, T v) { y[j] = v; }
+    static T held(T s) { return s; }
+};
+template <> struct Elem<uint16_t> {  // bfloat16: the upper half of its float32 value
+    using T = float;
+    using U = uint32_t;
+    static U mag(const uint16_t* x, int64_t j) { return (U)(x[j] & 0x7fffu) << 16; }
+    static T load(const uint16_t* x, int64_t j) { return from_bits<float>((U)x[j] << 16); }
+    static void store(uint16_t* y, int64_t j, T v) { y[j] = to_bf16(v); }
+    static T held(T s) { return from_bits<float>((U)to_bf16(s) << 16); }
+};
+
+template <typename S>
+struct Job {
+    using T = typename Elem<S>::T;
+    const S* x;            // nblocks * K values
+    int64_t nblocks, K;
+    int64_t lo, hi;        // percentile ranks (ascending, 0-based); lo < 0: threshold = max|x|
+    T frac, divisor, code_min, code_max;
+    const T* scale_in;     // given scales (rebuild), or null to compute them
+    T* scale;              // out: per block (ignored when scale_in is given)
+    T* threshold;          // out: per block, or null
+    S* deq;                // out: fake-quantized values
+    int8_t* codes;         // out: int8 codes, or null
+};
+
+template <typename S, typename U>
+U max_magnitude_below_serial(const S* __restrict x, int64_t begin, int64_t end, U below) {
     U m = 0;
     for (int64_t j = begin; j < end; ++j) {
-        U u = magnitude_bits(x, j);
+        U u = Elem<S>::mag(x, j);
         u &= -U(u < below);  // branch-free, so that the loop vectorises
         m = u > m ? u : m;
     }
     return m;
 }
 
-template <typename T, typename U>
-int64_t count_magnitude_serial(const T* __restrict x, int64_t begin, int64_t end, U v) {
+template <typename S, typename U>
+int64_t count_magnitude_serial(const S* __restrict x, int64_t begin, int64_t end, U v) {
     int64_t count = 0;
-    for (int64_t j = begin; j < end; ++j) count += magnitude_bits(x, j) == v;
+    for (int64_t j = begin; j < end; ++j) count += Elem<S>::mag(x, j) == v;
     return count;
 }
 
@@ -78,8 +100,8 @@ int64_t count_magnitude_serial(const T* __restrict x, int64_t begin, int64_t end
 constexpr int64_t kChunk = 1 << 14;
 
 // The largest |x| bit pattern below `below` (0 if none).
-template <typename T, typename U>
-U max_magnitude_below(const T* x, int64_t n, U below, int threads) {
+template <typename S, typename U>
+U max_magnitude_below(const S* x, int64_t n, U below, int threads) {
     if (threads <= 1) return max_magnitude_below_serial(x, 0, n, below);
     U m = 0;
 #pragma omp parallel for num_threads(threads) reduction(max : m) schedule(static)
@@ -91,8 +113,8 @@ U max_magnitude_below(const T* x, int64_t n, U below, int threads) {
 }
 
 // How many elements have |x| bit pattern v.
-template <typename T, typename U>
-int64_t count_magnitude(const T* x, int64_t n, U v, int threads) {
+template <typename S, typename U>
+int64_t count_magnitude(const S* x, int64_t n, U v, int threads) {
     if (threads <= 1) return count_magnitude_serial(x, 0, n, v);
     int64_t count = 0;
 #pragma omp parallel for num_threads(threads) reduction(+ : count) schedule(static)
@@ -102,20 +124,20 @@ int64_t count_magnitude(const T* x, int64_t n, U v, int threads) {
 }
 
 // max|x| of a block (NaN if it holds one).
-template <typename T>
-T abs_max(const T* x, int64_t n, int threads) {
-    using U = typename Bits<T>::U;
-    return from_bits<T>(max_magnitude_below(x, n, ~U(0), threads));
+template <typename S>
+typename Elem<S>::T abs_max(const S* x, int64_t n, int threads) {
+    using U = typename Elem<S>::U;
+    return from_bits<typename Elem<S>::T>(max_magnitude_below(x, n, ~U(0), threads));
 }
 
 // Ranks lo <= hi of |x| (ascending) when few values lie at or above rank lo (the usual
 // clipping percentiles): walk down the distinct values from the largest, `max_bits` (the
 // block's maximum, already known), each step one vectorised max pass and, unless the value
 // must hold rank lo, one count pass over the block (in L1 for a row or group).
-template <typename T>
-void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, int threads,
-               typename Bits<T>::U max_bits) {
-    using U = typename Bits<T>::U;
+template <typename S, typename T = typename Elem<S>::T>
+void top_ranks(const S* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, int threads,
+               typename Elem<S>::U max_bits) {
+    using U = typename Elem<S>::U;
     U cur = max_bits;
     int64_t above = 0;  // values counted so far, all larger than cur
     bool have_hi = false;
@@ -140,17 +162,18 @@ void top_ranks(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, 
 
 // Appends every |x| of x[begin, end) whose bit pattern is at least `cut`; runs of 16 below it
 // are skipped after one vectorised test (the usual case, for a cut near the top).
-template <typename T>
-void collect_at_least(const T* x, int64_t begin, int64_t end, typename Bits<T>::U cut, std::vector<T>& out) {
+template <typename S, typename T = typename Elem<S>::T>
+void collect_at_least(const S* x, int64_t begin, int64_t end, typename Elem<S>::U cut, std::vector<T>& out) {
+    using E = Elem<S>;
     constexpr int kRun = 16;
     int64_t j = begin;
     for (; j + kRun <= end; j += kRun) {
-        if (cut > 0 && max_magnitude_below_serial(x, j, j + kRun, ~typename Bits<T>::U(0)) < cut) continue;
+        if (cut > 0 && max_magnitude_below_serial(x, j, j + kRun, ~typename E::U(0)) < cut) continue;
         for (int k = 0; k < kRun; ++k)
-            if (magnitude_bits(x, j + k) >= cut) out.push_back(std::fabs(x[j + k]));
+            if (E::mag(x, j + k) >= cut) out.push_back(std::fabs(E::load(x, j + k)));
     }
     for (; j < end; ++j)
-        if (magnitude_bits(x, j) >= cut) out.push_back(std::fabs(x[j]));
+        if (E::mag(x, j) >= cut) out.push_back(std::fabs(E::load(x, j)));
 }
 
 // The values of ranks lo and hi (ascending) of |x|, exact.
@@ -159,10 +182,10 @@ void collect_at_least(const T* x, int64_t begin, int64_t end, typename Bits<T>::
 // cut from a strided sample so that about twice the needed count of values lie above it,
 // collect those (one pass), and select in them; if the sample misjudged and too few pass, the
 // cut drops to 0 and every value is a candidate.
-template <typename T>
-void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch,
+template <typename S, typename T = typename Elem<S>::T>
+void order_stats(const S* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi, std::vector<T>& scratch,
                  int threads, T max_value) {
-    using U = typename Bits<T>::U;
+    using U = typename Elem<S>::U;
     const int64_t top = n - lo;  // values at or above rank lo
     if (top <= 8) {              // at most `top` distinct values to walk past
         U max_bits;
@@ -173,7 +196,7 @@ void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi
     U cut = 0;
     const int64_t stride = std::max<int64_t>(1, n / 8192);
     std::vector<U> sample;
-    for (int64_t j = 0; j < n; j += stride) sample.push_back(magnitude_bits(x, j));
+    for (int64_t j = 0; j < n; j += stride) sample.push_back(Elem<S>::mag(x, j));
     const int64_t wanted = 2 * top * (int64_t)sample.size() / n + 16;  // sample values above the cut
     if (wanted < (int64_t)sample.size()) {
         std::nth_element(sample.begin(), sample.end() - wanted, sample.end());
@@ -203,10 +226,10 @@ void order_stats(const T* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi
 }
 
 // K: the block width, or 0 for job.K (a compile-time width lets small groups unroll).
-template <typename T, int64_t K = 0>
-T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int threads) {
+template <typename S, int64_t K = 0, typename T = typename Elem<S>::T>
+T block_scale(const Job<S>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int threads) {
     const int64_t n = K ? K : job.K;
-    const T* x = job.x + b * n;
+    const S* x = job.x + b * n;
     if (job.scale_in) return job.scale_in[b];
     T m = abs_max(x, n, threads), t = m;
     if (job.lo >= 0 && m == m) {  // a NaN block fails the caller's finiteness check instead
@@ -228,20 +251,24 @@ T block_scale(const Job<T>& job, int64_t b, std::vector<T>& scratch, int64_t& ba
     return s;
 }
 
-template <typename T>
-void quantize_range(const Job<T>& job, int64_t begin, int64_t end, T s) {
-    const T* __restrict x = job.x;
-    T* __restrict deq = job.deq;
-    int8_t* __restrict codes = job.codes;
-    const T lo = job.code_min, hi = job.code_max;
-    for (int64_t j = begin; j < end; ++j) {
-        T q = std::nearbyint(x[j] / s);
+// K: the range's length when known at compile time (a whole block of the usual group sizes: the
+// loops then unroll into the caller), or 0 for end - begin.
+template <typename S, int64_t K = 0, typename T = typename Elem<S>::T>
+__attribute__((always_inline)) inline void quantize_range(const Job<S>& job, int64_t begin, int64_t end, T s) {
+    using E = Elem<S>;
+    const S* __restrict x = job.x + begin;
+    S* __restrict deq = job.deq + begin;
+    int8_t* __restrict codes = job.codes ? job.codes + begin : nullptr;
+    const int64_t n = K ? K : end - begin;
+    const T lo = job.code_min, hi = job.code_max, held = E::held(s);
+    for (int64_t j = 0; j < n; ++j) {
+        T q = std::nearbyint(E::load(x, j) / s);
         q = q < lo ? lo : q;
-        deq[j] = (q > hi ? hi : q) * s;
+        E::store(deq, j, (q > hi ? hi : q) * held);
     }
     if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
-        for (int64_t j = begin; j < end; ++j) {
-            T q = std::nearbyint(x[j] / s);
+        for (int64_t j = 0; j < n; ++j) {
+            T q = std::nearbyint(E::load(x, j) / s);
             q = q < lo ? lo : q;
             codes[j] = (int8_t)(int32_t)(q > hi ? hi : q);
         }
@@ -266,8 +293,9 @@ void for_block_ranges(int64_t nblocks, int64_t K, int threads, F fn) {
 
 // Rows or groups: each thread takes whole blocks, read once while they sit in L1. K: the
 // block width, or 0 for job.K.
-template <typename T, int64_t K = 0>
-int64_t run_blocks(const Job<T>& job, int threads) {
+template <typename S, int64_t K = 0>
+int64_t run_blocks(const Job<S>& job, int threads) {
+    using T = typename Elem<S>::T;
     const int64_t n = K ? K : job.K;
     int64_t bad = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : bad)
@@ -275,24 +303,25 @@ int64_t run_blocks(const Job<T>& job, int threads) {
         std::vector<T> scratch;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < job.nblocks; ++b) {
-            T s = block_scale<T, K>(job, b, scratch, bad, 1);
-            quantize_range(job, b * n, b * n + n, s);
+            T s = block_scale<S, K>(job, b, scratch, bad, 1);
+            quantize_range<S, K>(job, b * n, b * n + n, s);
         }
     }
     return bad;
 }
 
 // Returns the number of blocks holding NaN or infinity (0 when the scales are given).
-template <typename T>
-int64_t run(const Job<T>& job, int threads) {
+template <typename S>
+int64_t run(const Job<S>& job, int threads) {
+    using T = typename Elem<S>::T;
     const int64_t nb = job.nblocks, K = job.K;
     if (nb >= threads) {
         switch (K) {  // the usual group sizes, unrolled
-            case 16: return run_blocks<T, 16>(job, threads);
-            case 32: return run_blocks<T, 32>(job, threads);
-            case 64: return run_blocks<T, 64>(job, threads);
-            case 128: return run_blocks<T, 128>(job, threads);
-            default: return run_blocks<T>(job, threads);
+            case 16: return run_blocks<S, 16>(job, threads);
+            case 32: return run_blocks<S, 32>(job, threads);
+            case 64: return run_blocks<S, 64>(job, threads);
+            case 128: return run_blocks<S, 128>(job, threads);
+            default: return run_blocks<S>(job, threads);
         }
     }
     int64_t bad = 0;
@@ -307,46 +336,51 @@ int64_t run(const Job<T>& job, int threads) {
     return bad;
 }
 
-// out = codes * scale per block (dequantize kept int8 codes).
-template <typename T>
-void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, T* __restrict out,
+// out = codes * scale per block (dequantize kept int8 codes; the scale held as quantize_range
+// holds it).
+template <typename S, typename T = typename Elem<S>::T>
+void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, S* __restrict out,
                 int threads) {
     for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
-        const T s = scale[b];
-        for (int64_t j = begin; j < end; ++j) out[j] = (T)codes[j] * s;
+        const T s = Elem<S>::held(scale[b]);
+        for (int64_t j = begin; j < end; ++j) Elem<S>::store(out, j, (T)codes[j] * s);
     });
 }
 
 // out = grad * (|x| <= threshold) per block: the clip_gradient straight-through estimator
 // (out may be grad itself).
-template <typename T>
-void clip_mask_grad(const T* grad, const T* x, const T* threshold, int64_t nblocks, int64_t K, T* out,
+template <typename S, typename T = typename Elem<S>::T>
+void clip_mask_grad(const S* grad, const S* x, const T* threshold, int64_t nblocks, int64_t K, S* out,
                     int threads) {
+    using E = Elem<S>;
     for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
         const T t = threshold[b];
-        for (int64_t j = begin; j < end; ++j) out[j] = grad[j] * (T)(std::fabs(x[j]) <= t);
+        for (int64_t j = begin; j < end; ++j) E::store(out, j, E::load(grad, j) * (T)(std::fabs(E::load(x, j)) <= t));
     });
 }
 
 }  // namespace
 
-#define MIXLE_EXPORTS(T, SUFFIX)                                                                      \
-    extern "C" int64_t mixle_fake_quant_##SUFFIX(const T* x, int64_t nblocks, int64_t K, int64_t lo,      \
+// S: the element type of x, deq, grad and out (uint16_t: bfloat16 bits); T: that of the scales
+// and thresholds (float32 for bfloat16).
+#define MIXLE_EXPORTS(S, T, SUFFIX)                                                                   \
+    extern "C" int64_t mixle_fake_quant_##SUFFIX(const S* x, int64_t nblocks, int64_t K, int64_t lo,  \
                                               int64_t hi, double frac, double divisor, double code_min, \
                                               double code_max, const T* scale_in, T* scale,            \
-                                              T* threshold, T* deq, int8_t* codes, int threads) {     \
-        Job<T> job{x, nblocks, K, lo, hi, (T)frac, (T)divisor, (T)code_min, (T)code_max,                \
+                                              T* threshold, S* deq, int8_t* codes, int threads) {     \
+        Job<S> job{x, nblocks, K, lo, hi, (T)frac, (T)divisor, (T)code_min, (T)code_max,                \
                    scale_in, scale, threshold, deq, codes};                                            \
         return run(job, threads);                                                                     \
     }                                                                                                 \
     extern "C" void mixle_dequantize_##SUFFIX(const int8_t* codes, const T* scale, int64_t nblocks,   \
-                                              int64_t K, T* out, int threads) {                       \
+                                              int64_t K, S* out, int threads) {                       \
         dequantize(codes, scale, nblocks, K, out, threads);                                           \
     }                                                                                                 \
-    extern "C" void mixle_clip_mask_grad_##SUFFIX(const T* grad, const T* x, const T* threshold,      \
-                                                  int64_t nblocks, int64_t K, T* out, int threads) {  \
+    extern "C" void mixle_clip_mask_grad_##SUFFIX(const S* grad, const S* x, const T* threshold,      \
+                                                  int64_t nblocks, int64_t K, S* out, int threads) {  \
         clip_mask_grad(grad, x, threshold, nblocks, K, out, threads);                                 \
     }
 
-MIXLE_EXPORTS(float, f32)
-MIXLE_EXPORTS(double, f64)
+MIXLE_EXPORTS(float, float, f32)
+MIXLE_EXPORTS(double, double, f64)
+MIXLE_EXPORTS(uint16_t, float, bf16)
