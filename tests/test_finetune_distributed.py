@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="this torch build has no gloo backend")
 
 WORKER = "tests.dist_workers.finetune_worker"
-DEADLINE_S = 150  # each worker exits by itself after this; the launcher kills everything at +15 s
+DEADLINE_S = 120  # each worker exits by itself after this; the launcher kills everything at +15 s
 BLOCK, BATCH = 16, 2
 RTOL = BATCH * BLOCK * float(np.finfo(np.float32).eps)
 
