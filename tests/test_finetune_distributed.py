@@ -133,7 +133,8 @@ def test_what_cannot_run_sharded_is_refused_before_loading(monkeypatch, tmp_path
     config = FinetuneConfig(model="m", out=str(tmp_path))
     for changes, message in (({"batch_size": 1}, "--batch-size 1 under torchrun with 2 processes"),
                              ({"device": "cuda:1"}, "each process trains on cuda:LOCAL_RANK"),
-                             ({"device": "mps"}, "runs on cpu or cuda here")):
+                             ({"device": "mps"}, "runs on cpu or cuda here"),
+                             ({"lora": 4}, "sharded LoRA training does not reproduce the one-process run")):
         with pytest.raises(ValueError, match=message):
             check_distributed(config.replace(**changes), 2)
     check_distributed(config.replace(batch_size=3), 3)  # one window each

@@ -319,7 +319,7 @@ class FinetuneTrainer:
                     state.step, state.tokens = state.step + 1, state.tokens + tokens_per_step
                     state.curve["step"].append(state.step)
                     state.curve["train_loss"].append(loss)
-                    state.seconds, requested = self.ranks.agree(base + time.perf_counter() - began, signals.requested)
+                    state.seconds = self.ranks.slowest(base + time.perf_counter() - began)  # one clock for all
                     if budget is not None and state.step == _PROBE_STEPS and base == 0.0:
                         self._fit_horizon(budget)
                     if self._curve_due():
@@ -330,6 +330,7 @@ class FinetuneTrainer:
                         save()
                     if callback is not None:
                         callback(self)
+                    requested = self.ranks.stop_request(signals.requested)  # a signal to any process stops all
                     if requested:
                         save()
                         raise Stopped(state.step, requested)
