@@ -40,6 +40,7 @@ from mixle.lm.family import TRANSFORMERS
 from mixle.lm.finetune_checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
+from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_load import load_model
 from mixle.lm.finetune_report import FLOAT, GGUF_FILE, COMPRESSED_DIR, PTQ, QAT, summarize, write_outputs
 from mixle.lm.finetune_train import FinetuneTrainer
@@ -356,8 +357,9 @@ def _vm_hwm():
 class _Run:
     """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase."""
 
-    def __init__(self, config, resume, progress):
-        self.config, self.resume, self.progress = config, resume, progress
+    def __init__(self, config, resume, progress, ranks):
+        self.config, self.resume, self.progress, self.ranks = config, resume, progress, ranks
+        self.device = ranks.device(config.device)
         self.peaks = PeakMemory()
         self.out = Path(config.out)
         self.checkpoint_path = self.out / CHECKPOINT
@@ -382,25 +384,29 @@ class _Run:
         if self.payload is not None:
             self.evaluator.llama_cpp_info = self.payload.get("llama_cpp")
             return self.payload["rows"]
-        self.model.to(self.config.device)
+        self.model.to(self.device)
+        return self.ranks.from_main(self._evaluate_before)  # rank 0 evaluates; the others wait for its rows
+
+    def _evaluate_before(self):
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
             return _evaluate_before(self.model, self.config, self.outputs, self.evaluator, scratch)
 
     def save(self, trainer, rows):
         """Write the checkpoint (only from finite trained tensors: a diverged state is never saved)."""
-        torch = trainer.torch
-        if not all(bool(torch.isfinite(p).all()) for _, p in trainer.trainable):
+        if not trainer.weights_finite():
             return
-        write_checkpoint(self.checkpoint_path, {
+        state = trainer.state_dict()  # under torchrun every process gives its shards; rank 0 writes
+        self.ranks.on_main(lambda: write_checkpoint(self.checkpoint_path, {
             "config": dataclasses.asdict(self.config), "digests": self.digests, "rows": rows,
-            "llama_cpp": self.evaluator.llama_cpp_info, **trainer.state_dict()})
+            "llama_cpp": self.evaluator.llama_cpp_info, **state}))
 
     def train(self, rows, callback):
         """Prepare the student and teacher, continue from the checkpoint if any, and train."""
-        self.model.to(self.config.device)
+        self.model.to(self.device)
         self.peaks.end("loading and float / PTQ evaluation")
         student, teacher, sharing = _prepare_student(self.model, self.config)
-        trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config)
+        student, teacher, sharded = self.ranks.shard(student, teacher)  # FSDP2 under torchrun
+        trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config, self.ranks)
         if self.payload is not None:
             trainer.load_state_dict(self.payload, self.checkpoint_path)
             self.payload = None  # its tensors are in the model now
@@ -409,8 +415,9 @@ class _Run:
         state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
         trained = sum(p.numel() for _, p in trainer.trainable)
         trainer.release()  # AdamW's state and the teacher go before the files are written
+        student = self.ranks.gather(student)  # under torchrun: the whole model on rank 0, None elsewhere
         self.peaks.end("training")
-        return student, state, {"trained_parameters": trained, **sharing}
+        return student, state, {"trained_parameters": trained, **sharing, **sharded}
 
 
 def _training_info(state, config):
@@ -435,6 +442,9 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         mixle.lm.finetune_train.Stopped: Ctrl-C or SIGTERM; the checkpoint is written.
         NonFiniteLossError: training diverged; the last checkpoint is kept.
 
+    Under ``torchrun`` (``mixle.lm.finetune_distributed``) every process trains its shards of the
+    model; rank 0 writes the files and returns the results, the other processes return None.
+
     >>> run_finetune(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -444,10 +454,12 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
-    with _threads(torch, config.threads) as threads:
-        run = _Run(config, resume, progress)
+    with _threads(torch, config.threads) as threads, processes(config) as ranks:
+        run = _Run(config, resume, progress, ranks)
         rows = run.before()
         student, state, model_info = run.train(rows, callback)
+        if student is None:  # not rank 0 under torchrun: rank 0 evaluates the gathered model and writes
+            return None
         row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out)
         run.peaks.end("QAT evaluation and files")
     results = {

@@ -85,6 +85,8 @@ def finetune_command(args):
     except OSError as err:
         return _fail(f"could not write into {config.out} ({err.strerror or err}): free some space or choose another "
                      f"--out; the last checkpoint, if any, is kept")
+    if results is None:  # a process other than rank 0 under torchrun: rank 0 prints and writes
+        return 0
     print(format_table(results), flush=True)
     print(f"\nwrote {', '.join(sorted(results['files'].values()) + ['results.json', 'table.txt', 'finetune.png', 'README.md'])} "
           f"into {config.out}")

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from mixle._optional import require
 from mixle.lm.distill import distill_row_loss
 from mixle.lm.finetune_data import window_order
+from mixle.lm.finetune_distributed import SINGLE, scaled
 from mixle.lm.grad_leaf import NonFiniteLossError
 from mixle.lm.training import held_out_loss, warmup_cosine, window_density
 
@@ -136,14 +137,17 @@ class FinetuneTrainer:
         family: the models' ``ModelFamily``.
         data: the run's ``FinetuneData``.
         config: the run's ``FinetuneConfig``.
+        ranks: the run's processes (``mixle.lm.finetune_distributed``): each trains on its share
+            of every micro-batch, and they agree on every decision; default one process.
 
     >>> FinetuneTrainer.__name__
     'FinetuneTrainer'
     """
 
-    def __init__(self, student, teacher, family, data, config):
+    def __init__(self, student, teacher, family, data, config, ranks=SINGLE):
         torch = require("torch", extra="torch", purpose="mixle finetune")
         self.torch, self.student, self.teacher, self.family, self.config = torch, student, teacher, family, config
+        self.ranks = ranks
         self.device = next(student.parameters()).device
         self.ids = data.train_ids.to(self.device)
         self.curve_windows = data.curve_windows
@@ -174,9 +178,13 @@ class FinetuneTrainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"state": asdict(self.state), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rng,
-                "trainable": {name: p.detach().cpu() for name, p in self.trainable}}  # saved, not copied
+        tensors, optimizer = self.ranks.training_state(self.optimizer, self.trainable)  # whole, gathered from shards
+        return {"state": asdict(self.state), "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                "rng": rng, "trainable": tensors}
+
+    def weights_finite(self):
+        """Whether every trained tensor is finite (in every process)."""
+        return self.ranks.finite([p for _, p in self.trainable])
 
     def load_state_dict(self, payload, source):
         """Continue from ``state_dict()``'s ``payload``; ValueError naming ``source`` if it does not fit."""
@@ -186,10 +194,7 @@ class FinetuneTrainer:
         if set(saved) != set(mine) or any(tuple(saved[k].shape) != tuple(mine[k].shape) for k in mine):
             raise ValueError(f"resume: {str(source)!r} holds other trained tensors than this run trains "
                              f"(e.g. {sorted(set(saved) ^ set(mine))[:3]}): it belongs to another model or target")
-        with torch.no_grad():
-            for name, param in self.trainable:
-                param.copy_(saved[name].to(param.device))
-        self.optimizer.load_state_dict(payload["optimizer"])
+        self.ranks.load_training_state(self.optimizer, self.trainable, saved, payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         self.state = TrainState(**payload["state"])
         torch.set_rng_state(payload["rng"]["torch"])
@@ -220,7 +225,7 @@ class FinetuneTrainer:
             state.position += len(part)
             if state.position >= len(self._order):
                 state.epoch, state.position = state.epoch + 1, 0
-        return torch.cat(taken).to(self.device)
+        return self.ranks.share(torch.cat(taken)).to(self.device)  # the same windows, shared among the processes
 
     def _autocast(self):
         enabled = self.config.dtype == "bfloat16"
@@ -239,7 +244,7 @@ class FinetuneTrainer:
             try:
                 logits, targets = self.student_windows.logits(starts)
             except (ValueError, RuntimeError):
-                if not all(bool(torch.isfinite(p).all()) for _, p in self.trainable):
+                if not self.weights_finite():
                     raise self._diverged("the trained weights became non-finite") from None
                 raise
             if self.teacher_windows is not None:
@@ -250,10 +255,10 @@ class FinetuneTrainer:
         rows = row_loss(logits.float(), teacher_logits.float(), targets, config.temperature, config.distill_weight(),
                         overwrite_teacher=self.teacher_windows is not None)  # the teacher's logits are ours alone
         loss = rows.sum() * scale
-        value = loss.item()
+        value = self.ranks.total(loss.item())  # the whole batch's: every process takes the same decision
         if not math.isfinite(value):
             raise self._diverged(f"the training loss became {value}")
-        loss.backward()
+        scaled(loss, self.ranks).backward()
         return value
 
     def step(self):
@@ -299,7 +304,7 @@ class FinetuneTrainer:
         state, config = self.state, self.config
         budget = None if config.max_minutes is None else 60.0 * config.max_minutes
         tokens_per_step = config.batch_size * config.block * config.accumulate
-        bar = _bar(progress, state, config)
+        bar = _bar(progress and self.ranks.main, state, config)
         began, base = time.perf_counter(), state.seconds
         try:
             with StopSignals() as signals:
@@ -314,7 +319,7 @@ class FinetuneTrainer:
                     state.step, state.tokens = state.step + 1, state.tokens + tokens_per_step
                     state.curve["step"].append(state.step)
                     state.curve["train_loss"].append(loss)
-                    state.seconds = base + time.perf_counter() - began
+                    state.seconds = self.ranks.slowest(base + time.perf_counter() - began)  # one clock for all
                     if budget is not None and state.step == _PROBE_STEPS and base == 0.0:
                         self._fit_horizon(budget)
                     if self._curve_due():
@@ -325,9 +330,10 @@ class FinetuneTrainer:
                         save()
                     if callback is not None:
                         callback(self)
-                    if signals.requested:
+                    requested = self.ranks.stop_request(signals.requested)  # a signal to any process stops all
+                    if requested:
                         save()
-                        raise Stopped(state.step, signals.requested)
+                        raise Stopped(state.step, requested)
         finally:
             if bar is not None:
                 bar.close()

@@ -10,5 +10,7 @@ def _missing(*modules):
 collect_ignore = []
 if _missing("torch"):
     collect_ignore += ["torch_setup.py", "torch_train.py"]
+if _missing("torch", "transformers"):
+    collect_ignore += ["finetune_worker.py"]
 if _missing("jax", "flax", "qwix", "optax"):
     collect_ignore += ["jax_setup.py", "jax_train.py"]
