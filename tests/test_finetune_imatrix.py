@@ -23,7 +23,8 @@ from mixle.exports.gguf import load_gguf_weights  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.report import MIN_DEGRADATION  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
-from tests.test_finetune import BLOCK, FAST, byte_level_tokenizer, cross_entropy, finetune, results_of, tiny  # noqa: E402,E501
+from tests.test_finetune import (BLOCK, FAST, byte_level_tokenizer, cross_entropy, finetune,  # noqa: E402
+                                 results_of, tiny)
 from mixle.lm.data import default_text  # noqa: E402
 
 WINDOWS = 5  # --calibration-windows: batches of 2, 2 and 1 windows (--batch-size 2)

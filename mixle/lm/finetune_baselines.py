@@ -132,8 +132,8 @@ def calibrate(model, data, config, out):
     path = Path(out) / IMATRIX_FILE
     replace_atomically(path, lambda tmp: save_imatrix(model, imatrix, tmp))
     tokens = sum(int(b.numel()) for b in batches)
-    info = {"mode": "calibrate", "file": IMATRIX_FILE, "split": "training", "windows": sum(len(b) for b in batches), "tokens": tokens,
-            "seconds": round(time.perf_counter() - began, 3)}
+    info = {"mode": "calibrate", "file": IMATRIX_FILE, "split": "training", "windows": sum(len(b) for b in batches),
+            "tokens": tokens, "seconds": round(time.perf_counter() - began, 3)}
     return read_importance(path, model, info)
 
 
