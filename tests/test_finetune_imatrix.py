@@ -21,11 +21,12 @@ from mixle import api  # noqa: E402
 from mixle.core.numerics import quantize_array  # noqa: E402
 from mixle.exports.gguf import load_gguf_weights  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
+from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
 from mixle.lm.report import MIN_DEGRADATION  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
+from mixle.lm.data import default_text  # noqa: E402
 from tests.test_finetune import (BLOCK, FAST, byte_level_tokenizer, cross_entropy, finetune,  # noqa: E402
                                  results_of, tiny)
-from mixle.lm.data import default_text  # noqa: E402
 
 WINDOWS = 5  # --calibration-windows: batches of 2, 2 and 1 windows (--batch-size 2)
 
@@ -118,7 +119,7 @@ def q4_0_run(assets, tmp_path_factory):
         patch.setattr(api, "calibrate_importance", spy)
         config = finetune.FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(out),
                                          steps=3, block=BLOCK, batch_size=2, eval_windows=4, lr=5e-4,
-                                         llama_cpp=False, threads=1, imatrix="calibrate",
+                                         threads=1, imatrix="calibrate",
                                          calibration_windows=WINDOWS)
         results = finetune.run_finetune(config, progress=False, callback=keep)
     return {"out": out, "results": results, "spy": spy, "last": last}
@@ -150,6 +151,10 @@ def test_ptq_imatrix_is_quantize_model_with_importance_of_the_training_windows(a
     assert list(rows) == ["float", "PTQ", "PTQ imatrix", "QAT imatrix"]
     windows = eval_windows(assets, 4)
     assert rows["PTQ imatrix"]["loss"] == pytest.approx(cross_entropy(ptq, windows), rel=1e-6)
+    if llama_cpp_module() is not None:  # llama.cpp ran the row's file
+        loss, _ = llama_cpp_loss(out / "ptq-imatrix.gguf", windows, threads=1)
+        assert rows["PTQ imatrix"]["llama_cpp_loss"] == pytest.approx(loss, rel=1e-9)
+        assert loss == pytest.approx(rows["PTQ imatrix"]["loss"], rel=2e-3)
     against = results["summary"]["held-out"]["baselines"]
     for method in ("PTQ", "PTQ imatrix"):
         lost, qat = rows[method]["loss"] - rows["float"]["loss"], rows["QAT imatrix"]["loss"]
@@ -194,6 +199,13 @@ def test_q4_0_mix_with_imatrix_is_llama_quantizes_file_and_trains_its_types(asse
     mixle.save_gguf(model, tmp_path / "mine.gguf", tokenizer=assets["tokenizer"], gguf_mix="Q4_0", importance=imp)
     theirs, mine = tensors(out / "ptq-imatrix.gguf"), tensors(tmp_path / "mine.gguf")
     assert [n for n in mine if theirs[n] != mine[n]] == [] and sorted(theirs) == sorted(mine)
+    from tests.test_imatrix import build_dir, llama_quantize_imatrix
+
+    if build_dir() is not None:  # llama-quantize --imatrix with the run's imatrix.gguf: the same file
+        mixle.save_gguf(model, tmp_path / "f32.gguf", tokenizer=assets["tokenizer"], float_matrices="f32")
+        llama_quantize_imatrix(build_dir(), str(tmp_path / "f32.gguf"), str(tmp_path / "llama.gguf"), "Q4_0",
+                               str(out / "imatrix.gguf"))
+        assert {n: t for n, t in tensors(tmp_path / "llama.gguf").items()} == theirs
     trained = {name: kind for name, (kind, _) in tensors(out / "model.gguf").items()}
     assert trained == {name: kind for name, (kind, _) in mine.items()}
     assert trained["blk.0.ffn_down.weight"] == "Q4_1" and trained["blk.1.ffn_down.weight"] == "Q4_0"
