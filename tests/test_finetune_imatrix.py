@@ -250,7 +250,8 @@ def test_resume_with_imatrix_reads_it_back_and_is_bit_for_bit(assets, tmp_path, 
     good = (parted / "imatrix.gguf").read_bytes()
     other = mixle.read_imatrix(parted / "imatrix.gguf")
     other.sums = {name: 2 * sums for name, sums in other.sums.items()}
-    mixle.write_imatrix(parted / "imatrix.gguf", other)  # another importance: refused by its digest
+    mixle.write_imatrix(tmp_path / "other.gguf", other)  # (not over the file read: its arrays are memory-mapped)
+    os.replace(tmp_path / "other.gguf", parted / "imatrix.gguf")  # another importance: refused by its digest
     assert finetune("--resume", str(parted), "--no-progress") == 1
     assert "resume: the imatrix differ from the interrupted run's" in capsys.readouterr().err
     (parted / "imatrix.gguf").write_bytes(good)
@@ -306,6 +307,14 @@ def test_an_imatrix_of_another_model_is_refused_naming_the_tensor(assets, tmp_pa
                  "--imatrix", str(path), *FAST)
     assert f"--imatrix {str(path)!r} does not fit the model" in err and "'blk.0.ffn_down.weight'" in err
     assert not out.exists()  # refused before anything is written
+    imatrix = mixle.read_imatrix(path)
+    for suffix in ("sums", "counts"):
+        getattr(imatrix, suffix).pop("blk.1.attn_k.weight")
+    part = tmp_path / "part.imatrix.gguf"  # (not over the file read: its arrays are memory-mapped)
+    mixle.write_imatrix(part, imatrix)  # a file covering part of the model
+    err = _error(capsys, "--model", str(assets["llama"]), "--data", str(assets["data"]), "--out", str(out),
+                 "--imatrix", str(part), *FAST)
+    assert "has no entry for tensor 'blk.1.attn_k.weight' (1 matrices missing)" in err and not out.exists()
     assert "--imatrix '/no/such.dat' does not exist" in _error(
         capsys, "--model", str(assets["llama"]), "--out", str(out), "--imatrix", "/no/such.dat", *FAST)
 

@@ -97,7 +97,7 @@ def read_importance(path, model, info=None):
     ...
     FileNotFoundError: --imatrix '/no/such.imatrix' does not exist: ...
     """
-    from mixle.exports.imatrix_file import load_imatrix, read_imatrix
+    from mixle.exports.imatrix_file import load_imatrix, model_imatrix_names, read_imatrix
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--imatrix {str(path)!r} does not exist: give a llama-imatrix file (.gguf or .dat) "
@@ -106,6 +106,12 @@ def read_importance(path, model, info=None):
         values = load_imatrix(path, model)
     except ValueError as err:
         raise ValueError(f"--imatrix {str(path)!r} does not fit the model: {err}") from None
+    missing = [names[0] for layer, names in model_imatrix_names(model).items()
+               if layer not in values and names[0].startswith("blk.")]
+    if missing:  # llama-imatrix collects every blk.* matrix: a gap means another model, or part of this one
+        raise ValueError(f"--imatrix {str(path)!r} has no entry for tensor {missing[0]!r} ({len(missing)} matrices "
+                         f"missing): it was made for another model or from part of it; give llama-imatrix's file of "
+                         f"this model, or --imatrix calibrate")
     file = read_imatrix(path)
     info = dict(info or {"mode": "file", "datasets": list(file.datasets), "chunk_count": int(file.chunk_count),
                          "chunk_size": int(file.chunk_size)})
