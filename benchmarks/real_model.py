@@ -12,7 +12,10 @@ For each budget (``--steps``) it runs ``python -m mixle finetune`` in its own pr
 memory is that run's) on the embedded corpus with CPython's ``LICENSE.txt`` as ``--eval-data`` (a
 held-out text of another kind), and reads its ``results.json``: float, PTQ and QAT perplexity in
 mixle and in llama.cpp (from the written files), the recovered share, wall time, training
-tokens/s and peak memory. Then (``--step-timing``) it times training steps of the same job
+tokens/s and peak memory. ``--imatrix calibrate`` (or a llama-imatrix file), ``--calibration-windows``,
+``--no-qat-imatrix`` and ``--gptq`` are passed to ``mixle finetune``: the rows "PTQ imatrix" (and
+"QAT imatrix", trained with the importance) and "GPTQ", and the recovered share against each
+baseline row. Then (``--step-timing``) it times training steps of the same job
 interleaved: the float model (no fake-quant), mixle's QAT on the target, and torchao's QAT
 (int4 symmetric groups of 32, the closest torchao grid to Q4_0) when torchao is installed, each
 distilled from the same float teacher on the same batches, in fp32 and (``--step-dtypes``) bfloat16.
@@ -49,6 +52,7 @@ def run_budget(args, steps):
                "--lr", str(args.lr), "--eval-windows", str(args.eval_windows), "--dtype", args.dtype, "--no-progress"]
     if args.eval_data:
         command += ["--eval-data", args.eval_data]
+    command += _baseline_flags(args)
     if args.threads:
         command += ["--threads", str(args.threads)]
     began = time.perf_counter()
@@ -58,6 +62,16 @@ def run_budget(args, steps):
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     results = json.loads((out / "results.json").read_text())
     return {"command": " ".join(command), "wall_seconds": wall, "results": results}
+
+
+def _baseline_flags(args):
+    """The calibrated-baseline flags of ``mixle finetune`` given to this script, passed through."""
+    flags = []
+    if args.imatrix != "off":
+        flags += ["--imatrix", args.imatrix] + ([] if args.qat_imatrix else ["--no-qat-imatrix"])
+    if args.gptq != "off":
+        flags += ["--gptq", args.gptq]
+    return flags + (["--calibration-windows", str(args.calibration_windows)] if flags else [])
 
 
 @contextlib.contextmanager
@@ -79,15 +93,23 @@ def _torchao_prepare(model):
     return model
 
 
-def _variants(target):
+def _variants(target, importance=None):
+    """The step-timing variants; with ``importance`` (``{layer path: values}``) also mixle's QAT fake-quantizing
+    by the weighted search, as ``mixle finetune --imatrix`` trains."""
     from mixle.api import apply_qat
     from mixle.lm.finetune import EXCLUDE
     from mixle.lm.finetune_config import parse_mix, parse_target
 
     mix = parse_mix(target)  # a llama.cpp mix (Q4_K_M): every matrix on its block type, as mixle finetune trains it
     spec = None if mix else parse_target(target)
-    qat = (lambda m: apply_qat(m, gguf_mix=mix)) if mix else (lambda m: apply_qat(m, spec=spec, exclude=EXCLUDE))
+
+    def qat(model, **extra):
+        return apply_qat(model, gguf_mix=mix, **extra) if mix else apply_qat(model, spec=spec, exclude=EXCLUDE, **extra)
+
     variants = {"float (no fake-quant)": lambda m: m, f"mixle QAT {target}": qat}
+    if importance is not None:
+        kept = importance if mix else {p: v for p, v in importance.items() if p not in EXCLUDE}
+        variants[f"mixle QAT {target} imatrix"] = lambda m: qat(m, importance=kept)
     try:
         with _quiet():
             import torchao  # noqa: F401
@@ -102,6 +124,26 @@ def _trainable(model):
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("model.layers.") and "norm" not in name)
     return model
+
+
+def _step_importance(args, loaded):
+    """The importance matrix the imatrix QAT variant is timed with: the ``--imatrix`` file's, or calibrated
+    here on the run's calibration windows (values do not change a step's cost); None without ``--imatrix``."""
+    if args.imatrix == "off" or not args.qat_imatrix:
+        return None
+    from mixle.api import calibrate_importance
+    from mixle.exports.imatrix_file import load_imatrix
+    from mixle.lm.family import TRANSFORMERS
+    from mixle.lm.finetune_baselines import calibration_batches
+    from mixle.lm.finetune_config import FinetuneConfig
+    from mixle.lm.finetune_data import prepare_finetune_data
+
+    if args.imatrix != "calibrate":
+        return load_imatrix(args.imatrix, loaded.model)
+    config = FinetuneConfig(model=args.model, out=args.out, batch_size=args.batch_size, block=args.block,
+                            calibration_windows=args.calibration_windows)
+    data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
+    return calibrate_importance(loaded.model, calibration_batches(data, config)).importance()
 
 
 def time_steps(args):
@@ -120,13 +162,14 @@ def time_steps(args):
     teacher = copy.deepcopy(loaded.model).eval()
     for param in teacher.parameters():
         param.requires_grad_(False)
+    importance = _step_importance(args, loaded)
     timings = {}
     for dtype in args.step_dtypes:
         config = FinetuneConfig(model=args.model, out=args.out, batch_size=args.batch_size, block=args.block,
                                 lr=args.lr, steps=1000, dtype=dtype)
         data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
         trainers = {}
-        for name, prepare in _variants(args.target).items():
+        for name, prepare in _variants(args.target, importance).items():
             student = _trainable(prepare(copy.deepcopy(loaded.model)))
             trainers[name] = FinetuneTrainer(student, teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
@@ -148,28 +191,27 @@ def _ppl(row, key):
     return f"{value:.2f}" if value is not None else "-"
 
 
-def _recovered(summary, label):
-    value = summary.get(label, {}).get("recovered_percent")
+def _recovered(versus):
+    value = versus.get("recovered_percent")
     return f"{value:.1f}%" if value is not None else "-"
 
 
 def budget_table(runs):
-    """The per-budget table (reStructuredText simple table)."""
-    lines = ["steps  wall s  train s  tok/s  peak GB  float   PTQ     QAT     recovered  llama.cpp float / PTQ / QAT"
-             "  recovered  eval-data float / PTQ / QAT (llama.cpp)  recovered"]
+    """Per budget: time, memory and each row's perplexity (mixle, llama.cpp from the file, the eval
+    data in llama.cpp), then the share the QAT row recovers of what each baseline row loses."""
+    head = "steps  wall s  train s  tok/s  peak GB"
+    lines = [f"{head}  {'row':<12}  {'mixle':>7}  {'llama.cpp':>9}  {'eval data (llama.cpp)':>21}"]
     for steps, run in runs.items():
         results = run["results"]
-        rows = {r["method"]: r for r in results["rows"]}
-        summary, training = results["summary"], results["training"]
-        peak = results["environment"]["peak_memory_bytes"] / 1e9
-        lines.append(
-            f"{steps:>5}  {run['wall_seconds']:>6.0f}  {training['seconds']:>7.0f}  {training['tokens_per_second']:>5.0f}"
-            f"  {peak:>7.2f}  {_ppl(rows['float'], ''):>6}  {_ppl(rows['PTQ'], ''):>6}  {_ppl(rows['QAT'], ''):>6}"
-            f"  {_recovered(summary, 'held-out'):>9}  {_ppl(rows['float'], 'llama_cpp_')} / "
-            f"{_ppl(rows['PTQ'], 'llama_cpp_')} / {_ppl(rows['QAT'], 'llama_cpp_')}"
-            f"  {_recovered(summary, 'held-out, llama.cpp'):>9}  {_ppl(rows['float'], 'eval_data_llama_cpp_')} / "
-            f"{_ppl(rows['PTQ'], 'eval_data_llama_cpp_')} / {_ppl(rows['QAT'], 'eval_data_llama_cpp_')}"
-            f"  {_recovered(summary, 'eval data, llama.cpp')}")
+        training, peak = results["training"], results["environment"]["peak_memory_bytes"] / 1e9
+        first = (f"{steps:>5}  {run['wall_seconds']:>6.0f}  {training['seconds']:>7.0f}  "
+                 f"{training['tokens_per_second']:>5.0f}  {peak:>7.2f}")
+        for i, row in enumerate(results["rows"]):
+            lines.append(f"{first if i == 0 else ' ' * len(head)}  {row['method']:<12}  {_ppl(row, ''):>7}  "
+                         f"{_ppl(row, 'llama_cpp_'):>9}  {_ppl(row, 'eval_data_llama_cpp_'):>21}")
+        for label, entry in results["summary"].items():
+            versus = ", ".join(f"{method} {_recovered(v)}" for method, v in entry.get("baselines", {}).items())
+            lines.append(f"{' ' * len(head)}  {entry.get('qat', 'QAT')} recovers ({label}) of: {versus}")
     return "\n".join(lines)
 
 
@@ -197,6 +239,13 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--step-timing", type=int, default=5, help="timed steps per variant (0: skip)")
     parser.add_argument("--step-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
+    parser.add_argument("--imatrix", default="off", help="passed to mixle finetune: off, calibrate, or a "
+                                                         "llama-imatrix file of the model (the PTQ imatrix row)")
+    parser.add_argument("--calibration-windows", type=int, default=64, help="passed to mixle finetune")
+    parser.add_argument("--no-qat-imatrix", dest="qat_imatrix", action="store_false",
+                        help="passed to mixle finetune: QAT on the reference quantizer beside the PTQ imatrix row")
+    parser.add_argument("--gptq", default="off", choices=("off", "one-pass", "sequential"),
+                        help="passed to mixle finetune: the GPTQ row (q4_0 and int targets)")
     parser.add_argument("--out", default="mixle_runs/real_model")
     args = parser.parse_args(argv)
     if not os.path.exists(args.model):

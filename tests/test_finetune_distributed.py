@@ -49,7 +49,8 @@ RTOL = BATCH * BLOCK * float(np.finfo(np.float32).eps)
 def flags(assets):
     return ["--model", str(assets / "llama"), "--data", str(assets / "data.txt"), "--steps", "4", "--accumulate", "2",
             "--checkpoint-every", "2", "--block", str(BLOCK), "--batch-size", str(BATCH), "--eval-windows", "4",
-            "--threads", "1", "--lr", "2e-3", "--float-matrices", "f32", "--no-llama-cpp", "--no-progress"]
+            "--threads", "1", "--lr", "2e-3", "--float-matrices", "f32", "--no-llama-cpp", "--no-progress",
+            "--imatrix", "calibrate", "--calibration-windows", "4"]  # rank 0 calibrates; every process trains with it
 
 
 def results_of(out):
@@ -94,18 +95,18 @@ def assert_close(got, want):
 def test_two_processes_end_with_the_one_process_perplexity(one_process, two_processes):
     two = results_of(two_processes / "whole")
     one_rows, two_rows = ({row["method"]: row for row in r["rows"]} for r in (one_process, two))
-    for method in ("float", "PTQ"):  # rank 0 evaluates the unsharded model before training, as one process does
+    for method in ("float", "PTQ", "PTQ imatrix"):  # rank 0 evaluates the unsharded model before training, as one process does
         assert two_rows[method] == one_rows[method]
     for key in ("loss", "perplexity", "fake_quant_loss"):
-        assert_close(two_rows["QAT"][key], one_rows["QAT"][key])
+        assert_close(two_rows["QAT imatrix"][key], one_rows["QAT imatrix"][key])
     assert_close(two["curve"]["train_loss"], one_process["curve"]["train_loss"])
     assert_close(two["curve"]["held_out_loss"], one_process["curve"]["held_out_loss"])
     # Guard: training moved the QAT loss far more than the tolerance, so a run that trained on other
     # windows (or fewer of them) could not pass.
-    assert abs(one_rows["QAT"]["loss"] - one_rows["PTQ"]["loss"]) > 100 * RTOL * one_rows["QAT"]["loss"]
+    assert abs(one_rows["QAT imatrix"]["loss"] - one_rows["PTQ imatrix"]["loss"]) > 100 * RTOL * one_rows["PTQ"]["loss"]
     assert two["model"]["processes"] == 2 and two["model"]["teacher_shared_bytes"] == 0
     assert two["model"]["teacher_own_bytes"] == 4 * two["model"]["parameters"]
-    assert math.isclose(two_rows["QAT"]["perplexity"], math.exp(two_rows["QAT"]["loss"]))
+    assert math.isclose(two_rows["QAT imatrix"]["perplexity"], math.exp(two_rows["QAT imatrix"]["loss"]))
 
 
 def test_resume_under_torchrun_is_the_uninterrupted_run(two_processes):

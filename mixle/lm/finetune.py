@@ -13,6 +13,9 @@ The job (``run_finetune``):
    llama-quantize quantizes, embedding and head included, on the block type it gives it),
    optionally with LoRA adapters on a frozen base, and trains it
    distilled from the float model (``mixle.lm.finetune_train``), checkpointing as it goes;
+   With ``--imatrix`` / ``--gptq`` also the calibrated baselines "PTQ imatrix" and "GPTQ"
+   (``mixle.lm.finetune_baselines``: calibrated on windows of the training split only), and QAT
+   then fake-quantizes with the importance matrix (the row "QAT imatrix");
 4. evaluates the QAT model converted to its integer codes, writes the GGUF (the trained blocks
    as they are) and, for an integer grid, a compressed-tensors directory, runs the GGUF in
    llama.cpp, and writes ``results.json``, ``table.txt``, ``finetune.png`` and ``README.md``
@@ -37,12 +40,14 @@ from pathlib import Path
 
 from mixle._optional import require
 from mixle.lm.family import TRANSFORMERS
+from mixle.lm import finetune_baselines as baselines
 from mixle.lm.finetune_checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_load import load_model
-from mixle.lm.finetune_report import FLOAT, GGUF_FILE, COMPRESSED_DIR, PTQ, QAT, summarize, write_outputs
+from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
+                                     summarize, write_outputs)
 from mixle.lm.finetune_train import FinetuneTrainer
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module
 from mixle.lm.training import held_out_loss
@@ -122,13 +127,14 @@ def check_output_room(out, needed_bytes):
                          f"space or choose another --out")
 
 
-def _needed_bytes(model, outputs, lora):
+def _needed_bytes(model, outputs, config):
     """About the most bytes the run has on disk at once (a generous estimate)."""
     params = sum(p.numel() for p in model.parameters())
-    checkpoint = 4 * params * (1 if lora else 3)  # trained tensors + AdamW's two moments
+    checkpoint = 4 * params * (1 if config.lora else 3)  # trained tensors + AdamW's two moments
     quantized = params  # one byte per weight covers Q4_0 / Q8_0 / int codes and the float embedding
     files = (4 * params + 2 * quantized if outputs["gguf"] else 0) + (quantized if outputs["compressed_tensors"] else 0)
-    return int(1.1 * (checkpoint + files)) + 2**20
+    kept = quantized * ((config.imatrix != "off") + (config.gptq != "off"))  # ptq-imatrix.gguf, the GPTQ file
+    return int(1.1 * (checkpoint + files + kept)) + 2**20
 
 
 def _model_digest(model):
@@ -203,12 +209,13 @@ class _Evaluator:
                 row[f"{key}llama_cpp_loss"], row[f"{key}llama_cpp_perplexity"] = loss, math.exp(loss)
         return row
 
-    def gguf(self, model, path, float_matrices, row, mix=None):
-        """Write ``model`` as the GGUF ``path`` (in the llama.cpp ``mix`` if given), record its bytes and
-        llama.cpp's losses."""
+    def gguf(self, model, path, float_matrices, row, mix=None, importance=None):
+        """Write ``model`` as the GGUF ``path`` (in the llama.cpp ``mix`` if given, with the types it gives
+        with ``importance``), record its bytes and llama.cpp's losses."""
         from mixle.exports.gguf import save_gguf
 
-        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices, gguf_mix=mix)
+        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices, gguf_mix=mix,
+                  importance=importance)
         row["file_bytes"] = os.path.getsize(path)
         return self.from_file(path, row)
 
@@ -236,12 +243,15 @@ def _evaluate_before(model, config, outputs, evaluator, scratch):
     return [float_row, ptq_row]
 
 
-def _prepare_student(model, config):
-    """Wrap ``model`` for QAT in place (LoRA too if asked); returns ``(student, teacher, shares)``."""
+def _prepare_student(model, config, importance=None):
+    """Wrap ``model`` for QAT in place (LoRA too if asked; with the ``importance`` matrix, an
+    ``Importance``, if given); returns ``(student, teacher, shares)``."""
     from mixle.api import apply_lora, apply_qat
 
     mix = config.mix()
-    student = apply_qat(model, gguf_mix=mix) if mix else apply_qat(model, spec=config.spec(), exclude=EXCLUDE)
+    extra = {} if importance is None else {"importance": baselines.target_importance(importance, config, EXCLUDE)}
+    student = (apply_qat(model, gguf_mix=mix, **extra) if mix
+               else apply_qat(model, spec=config.spec(), exclude=EXCLUDE, **extra))
     for param in student.parameters():
         param.requires_grad_(False)
     layers = [m for m in student.modules() if getattr(m, "spec", None) is not None]
@@ -274,8 +284,9 @@ def _sharing(student, teacher):
     return {"teacher": "float model, fake-quant off", "teacher_shared_bytes": shared, "teacher_own_bytes": own}
 
 
-def _evaluate_after(student, config, outputs, evaluator, out):
-    """The QAT row: the trained model converted to its codes; writes the GGUF / compressed-tensors files."""
+def _evaluate_after(student, config, outputs, evaluator, out, importance=None):
+    """The QAT row ("QAT imatrix" when trained with the ``importance``): the trained model converted to
+    its codes; writes the GGUF / compressed-tensors files."""
     from mixle.api import convert, merge_lora
 
     if config.lora:
@@ -283,10 +294,13 @@ def _evaluate_after(student, config, outputs, evaluator, out):
     fake = held_out_loss(student, evaluator.data.eval_windows, batch=config.batch_size, family=TRANSFORMERS)
     converted = convert(student)
     spec = config.mix() or config.spec().short()
-    row = evaluator.mixle(converted, {"method": QAT, "spec": spec, "fake_quant_loss": fake})
+    method = QAT if importance is None else QAT_IMATRIX
+    row = evaluator.mixle(converted, {"method": method, "spec": spec, "fake_quant_loss": fake})
     files = {}
     if outputs["gguf"]:  # the converted codes are the trained blocks: written without quantizing again
-        evaluator.gguf(converted, os.path.join(out, GGUF_FILE), config.float_storage(), row, mix=config.mix())
+        mixed = importance.values if importance is not None and config.mix() else None  # the mix's imatrix types
+        evaluator.gguf(converted, os.path.join(out, GGUF_FILE), config.float_storage(), row, mix=config.mix(),
+                       importance=mixed)
         files["gguf"] = GGUF_FILE
     del converted
     if outputs["compressed_tensors"]:
@@ -370,26 +384,73 @@ class _Run:
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
+        self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
-        check_output_room(self.out, _needed_bytes(self.model, self.outputs, config.lora))
+        check_output_room(self.out, _needed_bytes(self.model, self.outputs, config))
         self.digests = {"data": self.data.digest, "model": _model_digest(self.model)}
+        if self.importance is not None:
+            self.digests["imatrix"] = self.importance.digest
         if self.payload is not None and self.payload.get("digests") != self.digests:
             which = [k for k in self.digests if self.payload.get("digests", {}).get(k) != self.digests[k]]
             raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
-                             f"({str(self.checkpoint_path)!r}): resume with the same --model and --data")
+                             f"({str(self.checkpoint_path)!r}): resume with the same --model, --data and --imatrix "
+                             f"file")
         self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer)
 
+    def _importance_at_start(self):
+        """The importance matrix known before any evaluation: a ``--imatrix`` file's (checked against the
+        model before anything is written), or on resume the run's own ``imatrix.gguf``; else None."""
+        mode = self.config.importance_mode()
+        if mode == "off" or (mode == "calibrate" and self.payload is None):
+            return None
+        if mode == "file":
+            return baselines.read_importance(self.config.imatrix, self.model)
+        path = self.out / baselines.IMATRIX_FILE  # read back, not calibrated again: the same values bit for bit
+        if not path.is_file():
+            raise FileNotFoundError(f"resume: {str(path)!r} is missing: the interrupted run calibrated its importance "
+                                    f"matrix into it; start the run again with another --out")
+        return baselines.read_importance(path, self.model, self.payload.get("imatrix"))
+
     def before(self):
-        """The float and PTQ rows (from the checkpoint when resuming)."""
+        """The float and PTQ rows, and the calibrated baselines asked for (from the checkpoint when resuming)."""
         if self.payload is not None:
             self.evaluator.llama_cpp_info = self.payload.get("llama_cpp")
             return self.payload["rows"]
         self.model.to(self.device)
-        return self.ranks.from_main(self._evaluate_before)  # rank 0 evaluates; the others wait for its rows
+        rows = self.ranks.from_main(self._evaluate_before)  # rank 0 evaluates; the others wait for its rows
+        if self.importance is None and self.config.importance_mode() == "calibrate":  # rank 0 calibrated: its file
+            self.importance = baselines.read_importance(self.out / baselines.IMATRIX_FILE, self.model)
+            self.digests["imatrix"] = self.importance.digest
+        return rows
 
     def _evaluate_before(self):
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
-            return _evaluate_before(self.model, self.config, self.outputs, self.evaluator, scratch)
+            rows = _evaluate_before(self.model, self.config, self.outputs, self.evaluator, scratch)
+        if self.config.importance_mode() == "calibrate":  # on the float model, from training windows only
+            self.importance = baselines.calibrate(self.model, self.data, self.config, self.out)
+            self.digests["imatrix"] = self.importance.digest
+        if self.importance is not None:
+            rows.append(baselines.ptq_imatrix_row(self.model, self.config, self.importance, self.evaluator, self.out,
+                                                  EXCLUDE))
+        if self.config.gptq != "off":
+            rows.append(baselines.gptq_row(self.model, self.data, self.config, self.outputs, self.evaluator, self.out,
+                                           EXCLUDE))
+        return rows
+
+    def qat_importance(self):
+        """The importance QAT fake-quantizes with (None: the reference quantizer)."""
+        return self.importance if self.config.qat_imatrix else None
+
+    def baseline_info(self, rows):
+        """``(results' "imatrix" entry or None, {kind: file} of the kept baseline files)``."""
+        kinds = {PTQ_IMATRIX: "ptq_imatrix", GPTQ: "gptq"}
+        files = {kinds[r["method"]]: r["file"] for r in rows if r["method"] in kinds and "file" in r}
+        if self.importance is None:
+            return None, files
+        info = {**self.importance.info, "qat": self.config.qat_imatrix}
+        if self.config.importance_mode() == "calibrate":
+            files["imatrix"] = baselines.IMATRIX_FILE
+        return info, files
 
     def save(self, trainer, rows):
         """Write the checkpoint (only from finite trained tensors: a diverged state is never saved)."""
@@ -398,13 +459,14 @@ class _Run:
         state = trainer.state_dict()  # under torchrun every process gives its shards; rank 0 writes
         self.ranks.on_main(lambda: write_checkpoint(self.checkpoint_path, {
             "config": dataclasses.asdict(self.config), "digests": self.digests, "rows": rows,
-            "llama_cpp": self.evaluator.llama_cpp_info, **state}))
+            "llama_cpp": self.evaluator.llama_cpp_info, "imatrix": None if self.importance is None else
+            self.importance.info, **state}))
 
     def train(self, rows, callback):
         """Prepare the student and teacher, continue from the checkpoint if any, and train."""
         self.model.to(self.device)
         self.peaks.end("loading and float / PTQ evaluation")
-        student, teacher, sharing = _prepare_student(self.model, self.config)
+        student, teacher, sharing = _prepare_student(self.model, self.config, self.qat_importance())
         student, teacher, sharded = self.ranks.shard(student, teacher)  # FSDP2 under torchrun
         trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config, self.ranks)
         if self.payload is not None:
@@ -460,8 +522,9 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         student, state, model_info = run.train(rows, callback)
         if student is None:  # not rank 0 under torchrun: rank 0 evaluates the gathered model and writes
             return None
-        row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out)
+        row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
         run.peaks.end("QAT evaluation and files")
+    imatrix, kept = run.baseline_info(rows)
     results = {
         "config": dataclasses.asdict(config),
         "model": {**run.loaded.info, **model_info},
@@ -470,7 +533,8 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         "summary": summarize([*rows, row]),
         "training": _training_info(state, config),
         "curve": state.curve,
-        "files": files,
+        "files": {**files, **kept},
+        "imatrix": imatrix,
         "llama_cpp": run.evaluator.llama_cpp_info,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
                         "device": config.device, "platform": platform.platform(),

@@ -52,7 +52,7 @@ def _message(err):
     """``err``'s text with the config's ``name=`` written as the flag ``--name``."""
     import re
 
-    names = "model|out|target|data|eval_data|block|lr|steps|float_matrices|device|dtype|objective"
+    names = "model|out|target|data|eval_data|block|lr|steps|float_matrices|device|dtype|objective|imatrix|gptq"
     return re.sub(rf"\b({names})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", str(err))
 
 

@@ -11,15 +11,24 @@ import math
 import re
 from dataclasses import dataclass
 
+from mixle.core.ggml_weighted import importance_grid
+from mixle.core.gptq import check_gptq_spec
 from mixle.core.grids import GRIDS
-from mixle.core.mixes import GGUF_MIXES
+from mixle.core.mixes import GGUF_MIXES, grid_of_type
 from mixle.core.spec import QuantSpec
 from mixle.lm.flags import option, positive_int
 
-__all__ = ["FinetuneConfig", "parse_target", "parse_mix", "OBJECTIVES", "DTYPES", "RESULT_FIELDS"]
+__all__ = ["FinetuneConfig", "parse_target", "parse_mix", "OBJECTIVES", "DTYPES", "GPTQ_MODES", "IMATRIX_MODES",
+           "RESULT_FIELDS"]
 
 OBJECTIVES = ("kl", "ce", "mix")
 DTYPES = ("float32", "bfloat16")
+# --gptq: off, one calibration pass for every matrix's Hessian, or GPTQ's sequential mode (a pass per matrix,
+# each through the earlier matrices already quantized: about as many forward passes of the calibration windows
+# as the model has matrices).
+GPTQ_MODES = ("off", "one-pass", "sequential")
+# --imatrix's words; any other value is the path of a llama-imatrix file.
+IMATRIX_MODES = ("off", "calibrate")
 # The fields that may differ between an interrupted run and its ``--resume``: they change how long
 # or where it runs and what it shows, not what a step computes.
 RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp")
@@ -30,7 +39,8 @@ _TARGET = re.compile(r"int(?P<bits>4|8)(?:/(?P<gran>channel|tensor|group(?P<grou
                      r"(?:/(?P<grid>symmetric|qwix))?")
 # What a llama.cpp ftype name looks like (Q4_K_M, Q3_K_S, IQ4_XS, Q2_K, ...): told apart from a typo'd grid.
 _MIX_LIKE = re.compile(r"(?i)i?q\d(_\d)?_(k|xs|xxs|s|m|l|nl)(_(s|m|l|xl))?")
-_POSITIVE = ("steps", "batch_size", "block", "accumulate", "eval_windows", "curve_windows", "checkpoint_every")
+_POSITIVE = ("steps", "batch_size", "block", "accumulate", "eval_windows", "curve_windows", "checkpoint_every",
+             "calibration_windows")
 _RATES = ("lr", "temperature")
 
 
@@ -133,6 +143,20 @@ class FinetuneConfig:
             ``q8_0`` (with a mix target the mix decides every matrix, so it must stay None).
         seed, threads, llama_cpp: data order seed; torch/llama.cpp threads; also evaluate
             the written files in llama.cpp when llama-cpp-python is installed.
+        imatrix: ``"off"``; ``"calibrate"``: llama.cpp's importance matrix (what ``llama-imatrix``
+            collects) of the float model on ``calibration_windows`` windows of the training split
+            (never the held-out text), written as ``imatrix.gguf``; or the path of a llama-imatrix
+            file (GGUF or legacy ``.dat``) of this model. It adds the row "PTQ imatrix"
+            (``llama-quantize --imatrix`` of the float model, written as ``ptq-imatrix.gguf``), and
+            QAT trains with it (the row "QAT imatrix") unless ``qat_imatrix`` is False. Only for
+            targets with ggml's weighted search (q4_0, q4_1, q5_*, the K-quants and their mixes).
+        calibration_windows: training windows of ``block`` tokens the importance matrix and GPTQ
+            are calibrated on (evenly spread over the training split).
+        qat_imatrix: with ``imatrix``, fake-quantize QAT with the importance (True) or with the
+            reference quantizer (False; needed with ``lora``).
+        gptq: ``"off"``, ``"one-pass"`` or ``"sequential"`` (``GPTQ_MODES``): also report the row
+            "GPTQ" (``mixle.gptq_quantize`` calibrated on the same training windows), for targets it
+            rounds onto (int4 / int8 grids, q4_0, q8_0).
 
     >>> FinetuneConfig(model="m", out="o").replace(target="int4/g32").spec().short()
     'int4/group32/symmetric'
@@ -181,6 +205,19 @@ class FinetuneConfig:
     seed: int = option(0, "seed of the data order (default: 0)")
     threads: int | None = option(None, "torch and llama.cpp CPU threads", type=positive_int)
     llama_cpp: bool = option(True, "skip the llama.cpp evaluation of the written files")
+    imatrix: str = option("off", "a second PTQ baseline with llama.cpp's importance matrix, and QAT trained with it: "
+                                 "off (default), calibrate (collect it as llama-imatrix does on --calibration-windows "
+                                 "windows of the training split, never the held-out text; written as imatrix.gguf), "
+                                 "or the path of a llama-imatrix file (.gguf or .dat) of this model; for targets with "
+                                 "llama.cpp's weighted search (q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, the mixes "
+                                 "but Q8_0)")
+    calibration_windows: int = option(64, "training windows of --block tokens the importance matrix and GPTQ are "
+                                          "calibrated on (default: 64)", type=positive_int)
+    qat_imatrix: bool = option(True, "with --imatrix: train QAT on the reference quantizer instead of the weighted "
+                                     "search (the PTQ imatrix row is still reported; needed with --lora)")
+    gptq: str = option("off", "also report GPTQ calibrated on the training windows: one-pass (every Hessian from one "
+                              "pass), sequential (GPTQ's layer-by-layer mode: a pass per matrix, slow on large "
+                              "models) or off (default); for int4 / int8 targets, q4_0 and q8_0", choices=GPTQ_MODES)
 
     def __post_init__(self):
         for name in ("model", "out"):
@@ -198,6 +235,7 @@ class FinetuneConfig:
         self._check_numbers()
         self._check_choices()
         self._check_target()
+        self._check_baselines()
 
     def _check_numbers(self):
         for name in _POSITIVE:
@@ -229,7 +267,7 @@ class FinetuneConfig:
             raise ValueError(f"objective={self.objective!r} is unknown: use one of {OBJECTIVES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown: use one of {DTYPES}")
-        for name in ("learned_scales", "llama_cpp"):
+        for name in ("learned_scales", "llama_cpp", "qat_imatrix"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.float_matrices is not None and self.float_matrices not in ("q8_0", "f16", "f32"):
@@ -254,6 +292,52 @@ class FinetuneConfig:
             flag, why = refused[0]
             raise ValueError(f"{flag} with --target {mix}: {why}; leave {flag} out (or pick a grid target, e.g. "
                              f"q4_0)")
+
+    def _check_baselines(self):
+        """``imatrix`` and ``gptq`` name something the target can honour (the reason otherwise)."""
+        if not isinstance(self.imatrix, str) or not self.imatrix:
+            raise ValueError(f"imatrix={self.imatrix!r} must be 'off', 'calibrate' or the path of a llama-imatrix file")
+        if self.gptq not in GPTQ_MODES:
+            raise ValueError(f"gptq={self.gptq!r} is unknown: use one of {GPTQ_MODES}")
+        if self.imatrix != "off":
+            self._check_imatrix_target()
+        elif not self.qat_imatrix:
+            raise ValueError("--no-qat-imatrix without --imatrix: there is no importance matrix to leave out of QAT; "
+                             "leave --no-qat-imatrix out, or add --imatrix calibrate")
+        if self.gptq != "off":
+            if self.mix() is not None:
+                raise ValueError(f"--gptq with --target {self.mix()}: GPTQ rounds onto integer codes with one scale "
+                                 f"rule, but the mix's K-quant blocks search their scales and mins per block; use a "
+                                 f"grid target (int4/group32, q4_0) for --gptq, or --imatrix for the mix's baseline")
+            try:
+                check_gptq_spec(self.spec(), name=f"--gptq with --target {self.target}")
+            except ValueError as err:
+                raise ValueError(f"{err}; leave --gptq out") from None
+
+    def _check_imatrix_target(self):
+        """The target has ggml's importance-weighted search; no option refuses an importance."""
+        mix = self.mix()
+        grid = grid_of_type(GGUF_MIXES[mix].default) if mix else self.spec().grid
+        try:
+            how = importance_grid(grid, name=f"--imatrix with --target {self.target}")
+        except ValueError as err:
+            raise ValueError(f"{err}; for integer grids --gptq one-pass is the calibrated baseline") from None
+        if how == "ignored":
+            raise ValueError(f"--imatrix with --target {self.target}: llama.cpp ignores an importance matrix on {grid} "
+                             f"(its quantizer has no weighted search), so the imatrix PTQ would be the PTQ row; leave "
+                             f"--imatrix out, or pick a target with one (q4_0, q4_k, Q4_K_M, ...)")
+        if self.lora is not None and self.qat_imatrix:
+            raise ValueError("--lora with --imatrix: LoRA adapts only layers without an importance matrix (the merged "
+                             "weights are requantized by the reference quantizer); add --no-qat-imatrix (the PTQ "
+                             "imatrix row stays) or leave --lora out")
+
+    def importance_mode(self):
+        """``"off"``, ``"calibrate"`` or ``"file"`` (``imatrix`` is a llama-imatrix file's path).
+
+        >>> FinetuneConfig(model="m", out="o", imatrix="calibrate").importance_mode()
+        'calibrate'
+        """
+        return self.imatrix if self.imatrix in IMATRIX_MODES else "file"
 
     def mix(self):
         """The llama.cpp mix the target names (``parse_mix``), or None for a grid target.

@@ -12,10 +12,14 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.lm.report import MIN_DEGRADATION, plot_training_curve
 
-__all__ = ["FLOAT", "PTQ", "QAT", "GGUF_FILE", "COMPRESSED_DIR", "OUTPUTS", "summarize", "format_table",
-           "save_plot", "model_card", "write_outputs"]
+__all__ = ["FLOAT", "PTQ", "PTQ_IMATRIX", "GPTQ", "QAT", "QAT_IMATRIX", "BASELINES", "TRAINED", "GGUF_FILE",
+           "COMPRESSED_DIR", "OUTPUTS", "summarize", "format_table", "save_plot", "model_card", "write_outputs"]
 
 FLOAT, PTQ, QAT = "float", "PTQ", "QAT"
+PTQ_IMATRIX, GPTQ = "PTQ imatrix", "GPTQ"  # the calibrated baselines (mixle.lm.finetune_baselines)
+QAT_IMATRIX = "QAT imatrix"  # QAT fake-quantized with the importance matrix
+BASELINES = (PTQ, PTQ_IMATRIX, GPTQ)  # the rows QAT's recovered share is stated against
+TRAINED = (QAT, QAT_IMATRIX)
 GGUF_FILE = "model.gguf"
 COMPRESSED_DIR = "compressed-tensors"
 OUTPUTS = ("results.json", "table.txt", "finetune.png", "README.md")
@@ -24,31 +28,46 @@ MEASURES = (("", "held-out"), ("llama_cpp_", "held-out, llama.cpp"), ("eval_data
             ("eval_data_llama_cpp_", "eval data, llama.cpp"))
 
 
-def _row(rows, method):
-    return next(r for r in rows if r["method"] == method)
+def _row(rows, methods):
+    return next(r for r in rows if r["method"] in methods)
+
+
+def _recovered(base, baseline, qat):
+    """``(L_baseline - L_qat) / (L_baseline - L_float)`` in percent; None when the baseline loses less
+    than ``MIN_DEGRADATION``."""
+    lost = baseline - base
+    return None if lost < MIN_DEGRADATION else 100 * (baseline - qat) / lost
 
 
 def summarize(rows):
-    """Per measure: PTQ's and QAT's perplexity increase over float, and the share QAT recovers.
+    """Per measure: each baseline's and QAT's perplexity increase over float, and the share QAT recovers.
 
     ``recovered = (L_ptq - L_qat) / (L_ptq - L_float)`` in held-out loss (nats per token); None
-    when PTQ loses less than ``MIN_DEGRADATION``, where the ratio would be noise.
+    when PTQ loses less than ``MIN_DEGRADATION``, where the ratio would be noise. The top-level
+    keys are against the plain PTQ row; ``baselines`` states it against each baseline row present
+    (``PTQ``, ``PTQ imatrix``, ``GPTQ``), and ``qat`` names the trained row.
 
-    >>> rows = [{"method": "float", "loss": 1.0}, {"method": "PTQ", "loss": 1.2}, {"method": "QAT", "loss": 1.02}]
-    >>> round(summarize(rows)["held-out"]["recovered_percent"], 6)
-    90.0
+    >>> rows = [{"method": "float", "loss": 1.0}, {"method": "PTQ", "loss": 1.2}, {"method": "PTQ imatrix",
+    ...         "loss": 1.1}, {"method": "QAT", "loss": 1.02}]
+    >>> s = summarize(rows)["held-out"]
+    >>> round(s["recovered_percent"], 6), round(s["baselines"]["PTQ imatrix"]["recovered_percent"], 6)
+    (90.0, 80.0)
     """
     summary = {}
-    base, ptq, qat = (_row(rows, m) for m in (FLOAT, PTQ, QAT))
+    base, ptq, qat = _row(rows, (FLOAT,)), _row(rows, (PTQ,)), _row(rows, TRAINED)
+    baselines = [r for r in rows if r["method"] in BASELINES]
     for key, label in MEASURES:
         name = f"{key}loss"
         if not all(name in r for r in (base, ptq, qat)):
             continue
-        lost = ptq[name] - base[name]
         summary[label] = {
-            "ptq_perplexity_increase_percent": 100 * math.expm1(lost),
+            "ptq_perplexity_increase_percent": 100 * math.expm1(ptq[name] - base[name]),
             "qat_perplexity_increase_percent": 100 * math.expm1(qat[name] - base[name]),
-            "recovered_percent": None if lost < MIN_DEGRADATION else 100 * (ptq[name] - qat[name]) / lost,
+            "recovered_percent": _recovered(base[name], ptq[name], qat[name]),
+            "qat": qat["method"],
+            "baselines": {r["method"]: {"perplexity_increase_percent": 100 * math.expm1(r[name] - base[name]),
+                                        "recovered_percent": _recovered(base[name], r[name], qat[name])}
+                          for r in baselines if name in r},
         }
     return summary
 
@@ -77,18 +96,24 @@ def format_table(results):
     """
     rows = results["rows"]
     keys = [(key, label) for key, label in MEASURES if any(f"{key}perplexity" in r for r in rows)]
-    header = f"{'method':<9}" + "".join(f"{label:>{max(12, len(label) + 2)}}" for _, label in keys)
+    width = max(9, *(len(r["method"]) + 2 for r in rows))
+    header = f"{'method':<{width}}" + "".join(f"{label:>{max(12, len(label) + 2)}}" for _, label in keys)
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row['method']:<9}" + "".join(
+        lines.append(f"{row['method']:<{width}}" + "".join(
             _cell(row, key).rjust(max(12, len(label) + 2)) for key, label in keys))
     lines.append("")
     for label, entry in results["summary"].items():
-        recovered = entry["recovered_percent"]
-        what = ("PTQ loses nothing measurable" if recovered is None else
-                f"QAT recovers {recovered:.1f}% of what PTQ loses")
-        lines.append(f"{label}: PTQ {entry['ptq_perplexity_increase_percent']:+.2f}%, QAT "
-                     f"{entry['qat_perplexity_increase_percent']:+.2f}% perplexity vs float: {what}")
+        qat = entry.get("qat", QAT)
+        against = entry.get("baselines") or {PTQ: {"perplexity_increase_percent":
+                                                   entry["ptq_perplexity_increase_percent"],
+                                                   "recovered_percent": entry["recovered_percent"]}}
+        for method, versus in against.items():
+            recovered = versus["recovered_percent"]
+            what = (f"{method} loses nothing measurable" if recovered is None else
+                    f"{qat} recovers {recovered:.1f}% of what {method} loses")
+            lines.append(f"{label}: {method} {versus['perplexity_increase_percent']:+.2f}%, {qat} "
+                         f"{entry['qat_perplexity_increase_percent']:+.2f}% perplexity vs float: {what}")
     data = results["data"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['source']}; target {results['config']['target']}")
     return "\n".join(lines)
@@ -140,7 +165,7 @@ def save_plot(results, path):
     right.set_ylim(max(0.0, low - 0.5 * (high - low) - 1e-3), high + 0.25 * (high - low) + 1e-3)
     right.set_xticks(range(len(rows)), [r["method"] for r in rows])
     right.set_ylabel("perplexity (lower is better)")
-    right.set_title("float, PTQ and QAT perplexity", fontsize=10)
+    right.set_title("perplexity of each row", fontsize=10)
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
@@ -172,8 +197,18 @@ def model_card(results):
              "## Files", ""]
     for kind, name in results["files"].items():
         usage = {"gguf": f"llama.cpp: `llama-cli -m {name}`",
-                 "compressed_tensors": f"transformers / vLLM: `AutoModelForCausalLM.from_pretrained('{name}')`"}
+                 "compressed_tensors": f"transformers / vLLM: `AutoModelForCausalLM.from_pretrained('{name}')`",
+                 "imatrix": f"the importance matrix (llama.cpp's format: `llama-quantize --imatrix {name}`)",
+                 "ptq_imatrix": "the PTQ imatrix baseline (llama-quantize --imatrix of the float model)",
+                 "gptq": "the GPTQ baseline"}
         lines.append(f"- `{name}`: {usage.get(kind, kind)}")
+    imatrix = results.get("imatrix")
+    if imatrix:
+        source = (f"calibrated on {imatrix['windows']} windows ({imatrix['tokens']:,} tokens) of the training split, "
+                  f"never the held-out text" if imatrix["mode"] == "calibrate" else f"read from `{imatrix['file']}`")
+        lines += ["", f"Importance matrix: {source}; QAT trained "
+                  + ("with it (the weighted search, as llama-quantize --imatrix)." if imatrix["qat"] else
+                     "on the reference quantizer (--no-qat-imatrix).")]
     lines += ["", "## Held-out perplexity", "", "```", format_table(results), "```", ""]
     return "\n".join(lines)
 
