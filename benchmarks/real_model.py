@@ -226,7 +226,8 @@ def timing_table(timings):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the GGUF (or transformers directory) to fine-tune")
-    parser.add_argument("--steps", type=int, nargs="+", default=[60, 240, 960], help="training budgets")
+    parser.add_argument("--steps", type=int, nargs="*", default=[60, 240, 960],
+                        help="training budgets (none: only the step timing)")
     parser.add_argument("--target", default="q4_0", help="a grid (q4_0) or a llama.cpp mix (Q4_K_M), as for "
                                                          "mixle finetune --target")
     parser.add_argument("--batch-size", type=int, default=4)
