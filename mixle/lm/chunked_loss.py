@@ -26,13 +26,13 @@ __all__ = ["CHUNK_ELEMENTS", "chunked_tokens", "tokens_per_chunk", "chunk_bounds
 CHUNK_ELEMENTS = 1 << 20  # logits per chunk: 4 MiB of float32
 
 
-def tokens_per_chunk(vocab, chunk_elements=CHUNK_ELEMENTS):
+def tokens_per_chunk(vocab, chunk_elements=None):
     """How many tokens' logits over ``vocab`` one chunk holds (at least two).
 
     >>> tokens_per_chunk(49152), tokens_per_chunk(300, 1000)
     (21, 3)
     """
-    return max(2, chunk_elements // max(1, vocab))
+    return max(2, (CHUNK_ELEMENTS if chunk_elements is None else chunk_elements) // max(1, vocab))
 
 
 def chunk_bounds(count, step):
@@ -76,7 +76,7 @@ class _ChunkedTokens(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def chunked_tokens(loss, logits, teacher_logits, targets, *, grad_into_teacher=False, chunk_elements=CHUNK_ELEMENTS):
+def chunked_tokens(loss, logits, teacher_logits, targets, *, grad_into_teacher=False, chunk_elements=None):
     """``loss(logits, teacher_logits, targets)``, a ``(rows, tokens)`` tensor, ``tokens_per_chunk`` tokens at a time.
 
     Args:
@@ -87,7 +87,8 @@ def chunked_tokens(loss, logits, teacher_logits, targets, *, grad_into_teacher=F
         targets: int64 ``(rows, tokens)``.
         grad_into_teacher: the teacher logits are the caller's alone: backward writes the
             gradient into their memory (their values are then gone) instead of a new tensor.
-        chunk_elements: logits per chunk (whole tokens, at least two: see ``chunk_bounds``).
+        chunk_elements: logits per chunk (whole tokens, at least two: see ``chunk_bounds``); default
+            ``CHUNK_ELEMENTS``.
 
     Returns:
         float tensor ``(rows, tokens)``, bit for bit ``loss(logits, teacher_logits, targets)``,
