@@ -2,7 +2,7 @@
 
 The chunked loss runs the same float ops on each token as the whole-batch ``row_loss`` /
 ``distill_row_loss``, so values and gradients must be equal bit for bit (torch.equal), in one
-thread and in two (where torch splits a single token's vocabulary sum among the threads: the
+thread and in two (where torch splits a single token's vocabulary sum among the threads, so the
 chunks never leave a token alone). Both are also checked against a float64 numpy reference of
 the loss and of its gradient (softmax(q) - softmax(p) for the KL), within a tolerance of a few
 float32 roundings per vocabulary entry.
@@ -64,12 +64,11 @@ def _chunked(s, t, y, temperature, weight, chunk_elements, into_teacher=True):
     return rows.detach(), s.grad
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("temperature,weight", OBJECTIVES)
-def test_chunked_loss_and_gradient_are_the_whole_batch_ones_bit_for_bit(temperature, weight, threads):
+def test_chunked_loss_and_gradient_are_the_whole_batch_ones_bit_for_bit(temperature, weight):
     s, t, y = _inputs()
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     try:
         want_rows, want_grad = _whole(s, t, y, temperature, weight)
         # 2 tokens a chunk; 5 (a token left over, joined to the chunk before); 7; all 33 tokens in one
@@ -100,7 +99,7 @@ def test_a_vocabulary_larger_than_a_parallel_sum_is_exact_in_two_threads():
     torch.set_num_threads(2)
     try:
         want_rows, want_grad = _whole(s, t, y, 1.0, 1.0)
-        rows, grad = _chunked(s, t, y, 1.0, 1.0, 2 * 40000)  # 6 tokens in chunks of 2
+        rows, grad = _chunked(s, t, y, 1.0, 1.0, 40000)  # 6 tokens in chunks of 2 (one token's logits asked)
         rows5, grad5 = _chunked(s, t, y, 1.0, 1.0, 5 * 40000)  # of 5, and the token left over joins them
     finally:
         torch.set_num_threads(before)
