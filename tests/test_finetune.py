@@ -422,3 +422,51 @@ def test_config_validation_names_the_field():
         with pytest.raises(ValueError, match=f"{flag} with --target Q4_K_M: .*; leave {flag} out"):
             FinetuneConfig(model="m", out="o", target="Q4_K_M", **field)
     assert dataclasses.replace(FinetuneConfig(model="m", out="o"), data="a.txt").data == ("a.txt",)
+
+
+class _LogitsSized:
+    """Counts the tensors of ``numel`` elements over a last dimension ``vocab`` that ops allocate (not views or
+    in-place results: outputs on an input's storage) while active, in forward and backward."""
+
+    def __init__(self, numel, vocab):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                mine = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)}
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if (isinstance(t, torch.Tensor) and t.numel() == numel and t.shape[-1] == vocab
+                            and t.untyped_storage().data_ptr() not in mine):
+                        counter.count += 1
+                return out
+
+        self.count, self.mode = 0, Mode()
+
+
+@pytest.mark.parametrize("objective", ["kl", "mix", "ce"])
+def test_a_training_step_allocates_two_logits_sized_tensors(assets, tmp_path, monkeypatch, objective):
+    """The student's logits and the teacher's (the gradient's buffer; for ce, where the teacher is the student's
+    own logits, a new one): the loss, computed 3 tokens at a time, makes no other tensor of their size."""
+    from mixle.lm import chunked_loss
+    from mixle.lm.finetune_train import FinetuneTrainer
+
+    vocab = len(assets["tokenizer"])
+    monkeypatch.setattr(chunked_loss, "CHUNK_ELEMENTS", 3 * vocab)
+    counts, step = [], FinetuneTrainer.step
+
+    def counted(trainer):
+        counter = _LogitsSized(2 * BLOCK * vocab, vocab)
+        with counter.mode:
+            value = step(trainer)
+        counts.append(counter.count)
+        return value
+
+    monkeypatch.setattr(FinetuneTrainer, "step", counted)
+    run_finetune(FinetuneConfig(model=str(assets["llama"]), data=str(assets["data"]), out=str(tmp_path / "run"),
+                                steps=2, block=BLOCK, batch_size=2, eval_windows=2, threads=1, llama_cpp=False,
+                                objective=objective), progress=False)
+    assert counts == [2, 2]

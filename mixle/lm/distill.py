@@ -30,7 +30,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SelfDistillation", "distill_row_loss", "DEFAULT_TEMPERATURE", "DEFAULT_WEIGHT"]
+__all__ = ["SelfDistillation", "distill_row_loss", "distill_token_loss", "DEFAULT_TEMPERATURE", "DEFAULT_WEIGHT"]
 
 # Chosen on a validation split carved from the training text (benchmarks/tune_recovery.py, default
 # model, 400 + 100 steps, seed 0), never on the held-out text: of T in {1, 2} x w in {0.1, 0.25,
@@ -61,11 +61,24 @@ def distill_row_loss(student_logits, teacher_logits, targets, temperature=DEFAUL
         weight: w in [0, 1]; 0 is plain cross-entropy, 1 is pure distillation.
 
     Returns:
-        float tensor ``(rows,)``.
+        float tensor ``(rows,)``: ``distill_token_loss(...).sum(dim=1)``.
 
     >>> s = torch.zeros(1, 2, 3); t = torch.zeros(1, 2, 3); y = torch.tensor([[0, 1]])
     >>> round(distill_row_loss(s, t, y, 2.0, 0.5).item(), 4)  # KL is 0; CE is 2 * log 3 * 0.5
     1.0986
+    """
+    return distill_token_loss(student_logits, teacher_logits, targets, temperature, weight).sum(dim=1)
+
+
+def distill_token_loss(student_logits, teacher_logits, targets, temperature=DEFAULT_TEMPERATURE,
+                       weight=DEFAULT_WEIGHT):
+    """``distill_row_loss``'s terms per predicted token, ``(rows, tokens)``: ``(1-w) CE + w T^2 KL``.
+
+    Each token's value depends only on its own logits and target.
+
+    >>> s = torch.zeros(1, 2, 3); t = torch.zeros(1, 2, 3); y = torch.tensor([[0, 1]])
+    >>> distill_token_loss(s, t, y, 1.0, 0.0).shape
+    torch.Size([1, 2])
     """
     temperature = _check("temperature", temperature, 0.0, math.inf, True)
     weight = _check("weight", weight, 0.0, 1.0, False)
@@ -75,11 +88,11 @@ def distill_row_loss(student_logits, teacher_logits, targets, temperature=DEFAUL
                          f"{tuple(teacher_logits.shape)}, targets {tuple(targets.shape)}")
     ce = F.cross_entropy(student_logits.flatten(0, 1), targets.flatten(), reduction="none").view(rows, tokens)
     if weight == 0.0:
-        return ce.sum(dim=1)
+        return ce
     log_q = F.log_softmax(student_logits / temperature, dim=-1)
     log_p = F.log_softmax(teacher_logits.detach().to(student_logits.dtype) / temperature, dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
-    return ((1.0 - weight) * ce + weight * temperature**2 * kl).sum(dim=1)
+    return (1.0 - weight) * ce + weight * temperature**2 * kl
 
 
 class SelfDistillation:

@@ -23,6 +23,12 @@ The job (``run_finetune``):
 
 Memory: the teacher is a copy of the float model that shares every tensor the student does not
 train (the embedding and tied head, the norms; with LoRA all of the base) instead of copying it.
+The distillation loss runs a few tokens at a time (``mixle.lm.chunked_loss``): besides the
+student's and the teacher's logits no tensor of their size is made (the gradient goes into the
+teacher's). After every step and phase the C heap's free pages go back to the system
+(``return_free_memory``): else glibc keeps the freed layer-sized tensors of the steps resident
+between long-lived ones, about 20 MB a layer of SmolLM2-135M. ``results.json`` records the peak
+resident memory of each phase (``PeakMemory``).
 """
 
 import contextlib
@@ -48,7 +54,7 @@ from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_load import load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      summarize, write_outputs)
-from mixle.lm.finetune_train import FinetuneTrainer
+from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module
 from mixle.lm.training import held_out_loss
 
@@ -466,6 +472,7 @@ class _Run:
         """Prepare the student and teacher, continue from the checkpoint if any, and train."""
         self.model.to(self.device)
         self.peaks.end("loading and float / PTQ evaluation")
+        return_free_memory()  # the evaluations' freed tensors, kept by the C heap, go back before training
         student, teacher, sharing = _prepare_student(self.model, self.config, self.qat_importance())
         student, teacher, sharded = self.ranks.shard(student, teacher)  # FSDP2 under torchrun
         trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config, self.ranks)
@@ -477,6 +484,7 @@ class _Run:
         state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
         trained = sum(p.numel() for _, p in trainer.trainable)
         trainer.release()  # AdamW's state and the teacher go before the files are written
+        return_free_memory()
         student = self.ranks.gather(student)  # under torchrun: the whole model on rank 0, None elsewhere
         self.peaks.end("training")
         return student, state, {"trained_parameters": trained, **sharing, **sharded}

@@ -4,7 +4,8 @@ One step is ``accumulate`` micro-batches of ``batch_size`` windows of ``block + 
 tokens (``mixle.lm.finetune_data.window_order``), each through the student (and the frozen
 teacher) via ``mixle.lm.training.window_density``, scored by ``mixle.lm.distill``'s
 ``distill_row_loss`` (``w = 1``: KL at T; ``w = 0``: cross-entropy), averaged per predicted
-token, then one AdamW step with the warm-up + cosine rate of ``mixle.lm.training.warmup_cosine``
+token (``mixle.lm.chunked_loss``: a few tokens at a time, so that few tensors of the logits'
+size exist at once), then one AdamW step with the warm-up + cosine rate of ``mixle.lm.training.warmup_cosine``
 (a ``LambdaLR``). ``--dtype bfloat16`` runs both forwards under bfloat16 autocast.
 
 Everything a step depends on is in the trainer's state: the trained tensors, AdamW's state, the
@@ -16,6 +17,7 @@ leaving the last checkpoint on disk as it was.
 """
 
 import contextlib
+import functools
 import math
 import signal
 import threading
@@ -23,13 +25,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from mixle._optional import require
-from mixle.lm.distill import distill_row_loss
+from mixle.lm.chunked_loss import chunked_tokens
+from mixle.lm.distill import distill_row_loss, distill_token_loss
 from mixle.lm.finetune_data import window_order
 from mixle.lm.finetune_distributed import SINGLE, scaled
 from mixle.lm.grad_leaf import NonFiniteLossError
 from mixle.lm.training import held_out_loss, warmup_cosine, window_density
 
-__all__ = ["Stopped", "StopSignals", "TrainState", "FinetuneTrainer", "NonFiniteLossError", "row_loss"]
+__all__ = ["Stopped", "StopSignals", "TrainState", "FinetuneTrainer", "NonFiniteLossError", "row_loss", "token_loss",
+           "rows_of_tokens", "return_free_memory"]
 
 _PROBE_STEPS = 3  # steps timed before a --max-minutes run fits its schedule to the time left
 
@@ -99,7 +103,8 @@ def row_loss(logits, teacher_logits, targets, temperature, weight, *, overwrite_
     ``kl_div`` and fewer temporaries of the logits' size (about 100 MB each for 4 x 128 tokens of a
     49k vocabulary): no cross-entropy term computed only to be multiplied by 0, no division by a
     temperature of 1, and with ``overwrite_teacher`` the teacher's log-probabilities computed in
-    the teacher logits' own memory (which then hold them).
+    the teacher logits' own memory (which then hold them). It is
+    ``rows_of_tokens(token_loss(...), temperature, weight)``.
 
     >>> import torch
     >>> s, t, y = torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
@@ -107,8 +112,20 @@ def row_loss(logits, teacher_logits, targets, temperature, weight, *, overwrite_
     ...                 atol=1e-6) for temp in (1.0, 2.0)]
     [True, True]
     """
+    tokens = token_loss(logits, teacher_logits, targets, temperature, weight, overwrite_teacher=overwrite_teacher)
+    return rows_of_tokens(tokens, temperature, weight)
+
+
+def token_loss(logits, teacher_logits, targets, temperature, weight, *, overwrite_teacher=False):
+    """``row_loss``'s terms per predicted token, ``(rows, tokens)``; each depends only on that token's
+    logits and target (for ``weight == 1`` the KL before its factor ``T^2``).
+
+    >>> import torch
+    >>> token_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), 1.0, 1.0).tolist()
+    [[0.0, 0.0]]
+    """
     if weight != 1.0:
-        return distill_row_loss(logits, teacher_logits, targets, temperature, weight)
+        return distill_token_loss(logits, teacher_logits, targets, temperature, weight)
     import torch
     import torch.nn.functional as F
 
@@ -120,8 +137,44 @@ def row_loss(logits, teacher_logits, targets, temperature, weight, *, overwrite_
         elif not overwrite_teacher:
             teacher = teacher.clone()
         log_p = teacher.sub_(teacher.logsumexp(dim=-1, keepdim=True))
-    kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(dim=-1)
-    return temperature**2 * kl.sum(dim=1)
+    return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(dim=-1)
+
+
+def rows_of_tokens(tokens, temperature, weight):
+    """The per-row loss of ``token_loss``'s ``tokens``: their sum over each row (times ``T^2`` for ``weight == 1``).
+
+    >>> import torch
+    >>> rows_of_tokens(torch.ones(2, 3), 2.0, 1.0).tolist(), rows_of_tokens(torch.ones(2, 3), 2.0, 0.5).tolist()
+    ([12.0, 12.0], [3.0, 3.0])
+    """
+    return temperature**2 * tokens.sum(dim=1) if weight == 1.0 else tokens.sum(dim=1)
+
+
+def return_free_memory():
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    A training step frees thousands of layer-sized tensors that glibc keeps in its heap between
+    long-lived ones (AdamW's moments, gradients), where they stay resident: on SmolLM2-135M about
+    20 MB a layer. Returned after every step and phase, they do not add up to the next peak.
+    Returns whether memory could be returned.
+
+    >>> isinstance(return_free_memory(), bool)
+    True
+    """
+    trim = _malloc_trim()
+    return bool(trim is not None and trim(0))
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
 
 
 def _named_trainable(model):
@@ -252,8 +305,12 @@ class FinetuneTrainer:
                     teacher_logits = self.teacher_windows.logits(starts)[0]
             else:
                 teacher_logits = logits.detach()
-        rows = row_loss(logits.float(), teacher_logits.float(), targets, config.temperature, config.distill_weight(),
-                        overwrite_teacher=self.teacher_windows is not None)  # the teacher's logits are ours alone
+        temperature, weight = config.temperature, config.distill_weight()
+        per_token = functools.partial(token_loss, temperature=temperature, weight=weight)
+        tokens = chunked_tokens(per_token, logits.float(), teacher_logits.float(), targets,
+                                grad_into_teacher=self.teacher_windows is not None)  # the teacher's logits are ours alone
+        del logits, teacher_logits  # alive only while the loss needs them (its saved tensors), not through backward
+        rows = rows_of_tokens(tokens, temperature, weight)
         loss = rows.sum() * scale
         value = self.ranks.total(loss.item())  # the whole batch's: every process takes the same decision
         if not math.isfinite(value):
@@ -273,6 +330,7 @@ class FinetuneTrainer:
             raise self._diverged(f"the gradient norm became {float(norm)}")
         self.optimizer.step()
         self.scheduler.step()
+        return_free_memory()
         return value
 
     # ------------------------------------------------------------------ the loop
