@@ -305,7 +305,8 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_
 # ------------------------------------------------------------------------------------ bad input
 
 
-def _error(capsys, *flags, status=1):
+def refusal(capsys, *flags, status=1):
+    """The CLI's stderr for ``flags``, after asserting its exit status."""
     code = None
     try:
         code = finetune(*flags)
@@ -317,12 +318,12 @@ def _error(capsys, *flags, status=1):
 
 def test_bad_models_are_refused_before_training_naming_the_file(assets, tmp_path, capsys):
     out = ["--out", str(tmp_path / "out"), "--data", str(assets["data"]), *FAST]
-    assert "--model '/no/such/dir' does not exist" in _error(capsys, "--model", "/no/such/dir", *out)
-    err = _error(capsys, "--model", str(assets["gpt2"]), *out)
+    assert "--model '/no/such/dir' does not exist" in refusal(capsys, "--model", "/no/such/dir", *out)
+    err = refusal(capsys, "--model", str(assets["gpt2"]), *out)
     assert "GPT2LMHeadModel, which mixle cannot export" in err and "LlamaForCausalLM (llama), Qwen2ForCausalLM" in err
-    err = _error(capsys, "--model", str(assets["llama48"]), *out)
+    err = refusal(capsys, "--model", str(assets["llama48"]), *out)
     assert "cannot be stored for this LlamaForCausalLM: layer 'model.layers.0.self_attn.q_proj' has 48 inputs" in err
-    err = _error(capsys, "--model", str(assets["llama"]), "--learned-scales", *out, status=2)
+    err = refusal(capsys, "--model", str(assets["llama"]), "--learned-scales", *out, status=2)
     assert "--learned-scales with --target q4_0" in err
     truncated = tmp_path / "truncated"
     truncated.mkdir()
@@ -330,10 +331,10 @@ def test_bad_models_are_refused_before_training_naming_the_file(assets, tmp_path
         (truncated / name).write_bytes((assets["llama"] / name).read_bytes())
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    assert f"{str(weights)!r} is truncated" in _error(capsys, "--model", str(truncated), *out)
+    assert f"{str(weights)!r} is truncated" in refusal(capsys, "--model", str(truncated), *out)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(assets["gguf"].read_bytes()[:-1000])
-    assert "is not a readable GGUF file" in _error(capsys, "--model", str(cut), *out)
+    assert "is not a readable GGUF file" in refusal(capsys, "--model", str(cut), *out)
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
@@ -345,7 +346,7 @@ def test_a_nan_float16_block_scale_in_a_gguf_is_refused(assets, tmp_path, capsys
     data = bytearray(path.read_bytes())
     data[embd.data_offset : embd.data_offset + 2] = struct.pack("<H", 0x7E00)  # block 0's scale: float16 NaN
     path.write_bytes(bytes(data))
-    err = _error(capsys, "--model", str(path), "--out", str(tmp_path / "out"), *FAST)
+    err = refusal(capsys, "--model", str(path), "--out", str(tmp_path / "out"), *FAST)
     assert f"tensor 'model.embed_tokens.weight' read from {str(path)!r} holds 32 non-finite values" in err
 
 
@@ -353,25 +354,25 @@ def test_bad_data_and_out_are_refused_before_training(assets, tmp_path, capsys, 
     model = ["--model", str(assets["llama"]), *FAST]
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café".encode("latin-1"))
-    assert f"data file {str(latin)!r} is not UTF-8 text" in _error(capsys, *model, "--data", str(latin), "--out",
+    assert f"data file {str(latin)!r} is not UTF-8 text" in refusal(capsys, *model, "--data", str(latin), "--out",
                                                                     str(tmp_path / "o"))
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    assert "is empty" in _error(capsys, *model, "--data", str(empty), "--out", str(tmp_path / "o"))
+    assert "is empty" in refusal(capsys, *model, "--data", str(empty), "--out", str(tmp_path / "o"))
     short = tmp_path / "short.txt"
     short.write_text("A short text of a few tokens.")
-    assert "needs at least 170" in _error(capsys, *model, "--data", str(short), "--out", str(tmp_path / "o"))
+    assert "needs at least 170" in refusal(capsys, *model, "--data", str(short), "--out", str(tmp_path / "o"))
     (tmp_path / "no_text").mkdir()
-    assert "no text files" in _error(capsys, *model, "--data", str(tmp_path / "no_text"), "--out", str(tmp_path / "o"))
+    assert "no text files" in refusal(capsys, *model, "--data", str(tmp_path / "no_text"), "--out", str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()  # bad data is found before the output directory is made
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert "is not a writable directory" in _error(capsys, *model, "--data", str(assets["data"]), "--out",
+    assert "is not a writable directory" in refusal(capsys, *model, "--data", str(assets["data"]), "--out",
                                                    str(blocker / "out"))
     import shutil
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
-    err = _error(capsys, *model, "--data", str(assets["data"]), "--out", str(tmp_path / "full"))
+    err = refusal(capsys, *model, "--data", str(assets["data"]), "--out", str(tmp_path / "full"))
     assert "has 0 MiB free, but this run writes about" in err
     assert os.listdir(tmp_path / "full") == []
 

@@ -26,7 +26,7 @@ from mixle.lm.report import MIN_DEGRADATION  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
 from tests.test_finetune import (BLOCK, FAST, byte_level_tokenizer, cross_entropy, finetune,  # noqa: E402
-                                 results_of, tiny)
+                                 refusal, results_of, tiny)
 
 WINDOWS = 5  # --calibration-windows: batches of 2, 2 and 1 windows (--batch-size 2)
 
@@ -289,21 +289,12 @@ def test_gptq_row_on_int4_groups_against_gptq_quantize(assets, tmp_path, capsys)
 # ------------------------------------------------------------------------------------ bad input
 
 
-def _error(capsys, *flags, status=1):
-    try:
-        code = finetune(*flags)
-    except SystemExit as exit_:
-        code = exit_.code
-    assert code == status
-    return capsys.readouterr().err
-
-
 def test_an_imatrix_of_another_model_is_refused_naming_the_tensor(assets, tmp_path, capsys):
     small = float_model(assets)  # ffn_down has 128 inputs here, 256 in llama256
     path = tmp_path / "small.imatrix.gguf"
     mixle.save_imatrix(small, mixle.calibrate_importance(small, calibration_batches(assets)), path)
     out = tmp_path / "out"
-    err = _error(capsys, "--model", str(assets["llama256"]), "--data", str(assets["data"]), "--out", str(out),
+    err = refusal(capsys, "--model", str(assets["llama256"]), "--data", str(assets["data"]), "--out", str(out),
                  "--imatrix", str(path), *FAST)
     assert f"--imatrix {str(path)!r} does not fit the model" in err and "'blk.0.ffn_down.weight'" in err
     assert not out.exists()  # refused before anything is written
@@ -312,10 +303,10 @@ def test_an_imatrix_of_another_model_is_refused_naming_the_tensor(assets, tmp_pa
         getattr(imatrix, suffix).pop("blk.1.attn_k.weight")
     part = tmp_path / "part.imatrix.gguf"  # (not over the file read: its arrays are memory-mapped)
     mixle.write_imatrix(part, imatrix)  # a file covering part of the model
-    err = _error(capsys, "--model", str(assets["llama"]), "--data", str(assets["data"]), "--out", str(out),
+    err = refusal(capsys, "--model", str(assets["llama"]), "--data", str(assets["data"]), "--out", str(out),
                  "--imatrix", str(part), *FAST)
     assert "has no entry for tensor 'blk.1.attn_k.weight' (1 matrices missing)" in err and not out.exists()
-    assert "--imatrix '/no/such.dat' does not exist" in _error(
+    assert "--imatrix '/no/such.dat' does not exist" in refusal(
         capsys, "--model", str(assets["llama"]), "--out", str(out), "--imatrix", "/no/such.dat", *FAST)
 
 
@@ -330,7 +321,7 @@ def test_an_imatrix_of_another_model_is_refused_naming_the_tensor(assets, tmp_pa
     (["--target", "q4_k", "--gptq", "sequential"], "--gptq with --target q4_k cannot quantize onto grid='q4_k'"),
 ])
 def test_baselines_a_target_cannot_honour_are_refused_with_the_reason(flags, message, capsys):
-    assert pytest.importorskip("re").search(message, _error(capsys, "--model", "m", "--out", "o", *flags, status=2))
+    assert pytest.importorskip("re").search(message, refusal(capsys, "--model", "m", "--out", "o", *flags, status=2))
 
 
 def test_help_explains_the_baseline_flags(capsys):
