@@ -393,15 +393,20 @@ class _Run:
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
         check_output_room(self.out, _needed_bytes(self.model, self.outputs, config))
-        self.digests = {"data": self.data.digest, "model": _model_digest(self.model)}
-        if self.importance is not None:
-            self.digests["imatrix"] = self.importance.digest
-        if self.payload is not None and self.payload.get("digests") != self.digests:
-            which = [k for k in self.digests if self.payload.get("digests", {}).get(k) != self.digests[k]]
+        self.inputs_digest = {"data": self.data.digest, "model": _model_digest(self.model)}
+        digests = self.digests()
+        if self.payload is not None and self.payload.get("digests") != digests:
+            which = [k for k in digests if self.payload.get("digests", {}).get(k) != digests[k]]
             raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
                              f"({str(self.checkpoint_path)!r}): resume with the same --model, --data and --imatrix "
                              f"file")
         self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer)
+
+    def digests(self):
+        """What a resumed run must have in common with this one: the data's, the model's and the
+        importance matrix's digests."""
+        imatrix = {} if self.importance is None else {"imatrix": self.importance.digest}
+        return {**self.inputs_digest, **imatrix}
 
     def _importance_at_start(self):
         """The importance matrix known before any evaluation: a ``--imatrix`` file's (checked against the
@@ -426,7 +431,6 @@ class _Run:
         rows = self.ranks.from_main(self._evaluate_before)  # rank 0 evaluates; the others wait for its rows
         if self.importance is None and self.config.importance_mode() == "calibrate":  # rank 0 calibrated: its file
             self.importance = baselines.read_importance(self.out / baselines.IMATRIX_FILE, self.model)
-            self.digests["imatrix"] = self.importance.digest
         return rows
 
     def _evaluate_before(self):
@@ -434,7 +438,6 @@ class _Run:
             rows = _evaluate_before(self.model, self.config, self.outputs, self.evaluator, scratch)
         if self.config.importance_mode() == "calibrate":  # on the float model, from training windows only
             self.importance = baselines.calibrate(self.model, self.data, self.config, self.out)
-            self.digests["imatrix"] = self.importance.digest
         if self.importance is not None:
             rows.append(baselines.ptq_imatrix_row(self.model, self.config, self.importance, self.evaluator, self.out,
                                                   EXCLUDE))
@@ -464,7 +467,7 @@ class _Run:
             return
         state = trainer.state_dict()  # under torchrun every process gives its shards; rank 0 writes
         self.ranks.on_main(lambda: write_checkpoint(self.checkpoint_path, {
-            "config": dataclasses.asdict(self.config), "digests": self.digests, "rows": rows,
+            "config": dataclasses.asdict(self.config), "digests": self.digests(), "rows": rows,
             "llama_cpp": self.evaluator.llama_cpp_info, "imatrix": None if self.importance is None else
             self.importance.info, **state}))
 
