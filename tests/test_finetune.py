@@ -30,7 +30,7 @@ from mixle.lm.data import default_text  # noqa: E402
 from mixle.lm.finetune import run_finetune, shared_teacher  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
-from mixle.lm.finetune_train import NonFiniteLossError, Stopped  # noqa: E402
+from mixle.lm.finetune_train import NonFiniteLossError, Stopped, steps_that_fit  # noqa: E402
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
 
@@ -174,6 +174,18 @@ def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys
     qat = next(row for row in results["rows"] if row["method"] == "QAT")
     assert qat["loss"] == pytest.approx(cross_entropy(loaded, held_out(assets, model="qwen2")), rel=1e-5)
     assert qat["spec"] == "int4/group32/symmetric/learned" and results["model"]["teacher"] is None
+
+
+def test_max_minutes_schedule_is_fitted_to_the_pace_after_the_first_step():
+    """The first step pays the warm-up and the step-0 curve evaluation: the steps that fit are counted
+    at the pace seen since it (budget 60 s, 10 s spent after 4 steps, 7 s of them by step 1: 1 s per
+    step, so 50 more), not at the mean pace over all steps (2.5 s per step, 20 more)."""
+    budget, step, seconds, since = 60.0, 4, 10.0, (1, 7.0)
+    pace = (seconds - since[1]) / (step - since[0])
+    assert steps_that_fit(budget, step, seconds, since, steps=1000, warmup=5) == step + int((budget - seconds) / pace) == 54
+    assert steps_that_fit(budget, step, seconds, since, steps=30, warmup=5) == 30  # never past --steps
+    assert steps_that_fit(budget, step, 70.0, since, steps=1000, warmup=5) == 6  # over budget: past the warm-up
+    assert steps_that_fit(budget, 9, 70.0, since, steps=1000, warmup=5) == 10  # and past the current step
 
 
 def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):

@@ -32,10 +32,24 @@ from mixle.lm.finetune_distributed import SINGLE, scaled
 from mixle.lm.grad_leaf import NonFiniteLossError
 from mixle.lm.training import held_out_loss, warmup_cosine, window_density
 
-__all__ = ["Stopped", "StopSignals", "TrainState", "FinetuneTrainer", "NonFiniteLossError", "row_loss", "token_loss",
-           "rows_of_tokens", "return_free_memory"]
+__all__ = ["steps_that_fit", "Stopped", "StopSignals", "TrainState", "FinetuneTrainer", "NonFiniteLossError",
+           "row_loss", "token_loss", "rows_of_tokens", "return_free_memory"]
 
-_PROBE_STEPS = 3  # steps timed before a --max-minutes run fits its schedule to the time left
+_PROBE_STEPS = 3  # steps timed (after the first) before a --max-minutes run fits its schedule to the time left
+
+
+def steps_that_fit(budget, step, seconds, since, steps, warmup):
+    """The schedule length of a run with ``budget`` seconds, ``seconds`` spent after ``step`` steps:
+    the steps that fit in the time left at the pace since ``since`` (``(step, seconds)`` after the
+    first step, which pays the warm-up; curve evaluations and checkpoints done meanwhile count),
+    at most ``steps``, and past the ``warmup`` steps and the current one.
+
+    >>> steps_that_fit(60.0, step=4, seconds=10.0, since=(1, 7.0), steps=1000, warmup=5)
+    54
+    """
+    per_step = (seconds - since[1]) / max(1, step - since[0])
+    fit = step + int(max(0.0, budget - seconds) / max(per_step, 1e-9))
+    return min(steps, max(warmup + 1, step + 1, fit))
 
 
 class Stopped(Exception):
@@ -345,12 +359,10 @@ class FinetuneTrainer:
         every = self.config.curve_every or max(1, self.state.horizon // 10)
         return self.state.step % every == 0 or self.state.step == self.state.horizon
 
-    def _fit_horizon(self, budget):
-        """After the probe steps of a ``--max-minutes`` run: the schedule's length is the steps that fit."""
-        state = self.state
-        per_step = state.seconds / max(1, state.step)
-        fit = state.step + int(max(0.0, budget - state.seconds) / per_step)
-        state.horizon = min(self.config.steps, max(self.config.warmup_steps() + 1, state.step + 1, fit))
+    def _fit_horizon(self, budget, since):
+        """A ``--max-minutes`` run's schedule length, from ``steps_that_fit``."""
+        state, config = self.state, self.config
+        state.horizon = steps_that_fit(budget, state.step, state.seconds, since, config.steps, config.warmup_steps())
 
     def train(self, save, progress=False, callback=None):
         """Run steps until the schedule's end (or ``--max-minutes``); ``save()`` writes a checkpoint.
@@ -378,10 +390,16 @@ class FinetuneTrainer:
                     state.curve["step"].append(state.step)
                     state.curve["train_loss"].append(loss)
                     state.seconds = self.ranks.slowest(base + time.perf_counter() - began)  # one clock for all
-                    if budget is not None and state.step == _PROBE_STEPS and base == 0.0:
-                        self._fit_horizon(budget)
+                    fitting = budget is not None and base == 0.0  # a resumed run keeps its schedule
+                    if fitting and state.step == 1:
+                        since = (state.step, state.seconds)
+                    if fitting and state.step == 1 + _PROBE_STEPS:
+                        self._fit_horizon(budget, since)
                     if self._curve_due():
                         self.evaluate_curve()
+                        if fitting and state.step > 1 + _PROBE_STEPS and state.step < state.horizon:
+                            state.seconds = self.ranks.slowest(base + time.perf_counter() - began)
+                            self._fit_horizon(budget, since)  # refitted to the pace seen so far
                     if bar is not None:
                         _show(bar, state, loss, tokens_per_step / (time.perf_counter() - tick))
                     if state.step % config.checkpoint_every == 0 and state.step < state.horizon:
