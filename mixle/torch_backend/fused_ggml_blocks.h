@@ -87,25 +87,45 @@ inline int first_absmax_index(const float* __restrict x) {
     return at;
 }
 
-void block_q4_0(const float* __restrict x, Block& o) {
-    const float scale = x[first_absmax_index(x)] / -8.0f;
-    const float inverse = scale == 0 ? 0.0f : 1.0f / scale;
-    float stored = round_half(scale);
-    o.overflow += !std::isfinite(stored);
-    if (o.hold_bf16) stored = bf16_value(stored);
-    float y[32];
-    int8_t q[32];
-    for (int j = 0; j < 32; ++j) {
-        // |x * inverse| <= 8 (the scale comes from the block's own largest value), so the floor
-        // converts exactly and is clipped as an integer (branch-free; the same code and zero).
-        int32_t c = (int32_t)std::floor(x[j] * inverse + 8.5f);
-        c = (c < 0 ? 0 : (c > 15 ? 15 : c)) - 8;
-        y[j] = (float)c * stored;
-        q[j] = (int8_t)c;
+// round_half without branches, so that a loop over blocks vectorises (the same values).
+inline float round_half_select(float f) {
+    const uint32_t x = bits_of(f), sign = x & 0x80000000u, ax = x & 0x7fffffffu;
+    const uint32_t sub = (uint32_t)(int32_t)std::nearbyint(float_of(std::min(ax, 0x38800000u)) * 16777216.0f);
+    const uint32_t normal = (ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13;
+    const uint32_t h = ax >= 0x477ff000u ? 0x7c00u : (ax < 0x38800000u ? sub : normal);
+    const uint32_t e = h >> 10, m = h & 0x3ffu;
+    const uint32_t tiny = bits_of((float)m * 5.9604644775390625e-08f);
+    const uint32_t v = e == 0 ? tiny : (e == 31 ? 0x7f800000u : ((e + 112u) << 23) | (m << 13));
+    return ax > 0x7f800000u ? f : float_of(v | sign);
+}
+
+// q4_0 on `count` (<= 8) blocks of 32 at x: first every block's scale (the per-block scalar
+// steps, two divisions and the float16 rounding, side by side over the blocks), then the codes.
+void blocks_q4_0(const float* __restrict x, int count, Block& o) {
+    float top[8], inverse[8], stored[8];
+    for (int b = 0; b < 8; ++b) top[b] = x[32 * std::min(b, count - 1) + first_absmax_index(x + 32 * std::min(b, count - 1))];
+    for (int b = 0; b < 8; ++b) {
+        const float scale = top[b] / -8.0f;
+        inverse[b] = scale == 0 ? 0.0f : 1.0f / scale;
+        const float half = round_half_select(scale);
+        stored[b] = o.hold_bf16 ? bf16_value(half) : half;
     }
-    std::memcpy(o.y, y, sizeof(y));
-    std::memcpy(o.q, q, sizeof(q));
-    o.a[0] = stored;
+    for (int b = 0; b < count; ++b) {
+        o.overflow += !std::isfinite(stored[b]);
+        const float* __restrict xb = x + 32 * b;
+        float* __restrict y = o.y + 32 * b;
+        int8_t* __restrict q = o.q + 32 * b;
+        const float inv = inverse[b], held = stored[b];
+        for (int j = 0; j < 32; ++j) {
+            // |x * inverse| <= 8 (the scale comes from the block's own largest value), so the floor
+            // converts exactly and is clipped as an integer (branch-free; the same code and zero).
+            int32_t c = (int32_t)std::floor(xb[j] * inv + 8.5f);
+            c = (c < 0 ? 0 : (c > 15 ? 15 : c)) - 8;
+            y[j] = (float)c * held;
+            q[j] = (int8_t)c;
+        }
+        o.a[b] = held;
+    }
 }
 
 void block_q8_0(const float* __restrict x, Block& o) {

@@ -129,7 +129,7 @@ void blocks_weighted(const float* x, const float* qw, const float* sigma2, int l
         float d16 = round_half(scale[s]);
         const float m16 = AFFINE ? round_half(-the_min[s]) : 0.0f;
         o.overflow += !std::isfinite(d16) || !std::isfinite(m16);
-        if (o.hold_bf16) d16 = bf16_value(d16);  // q4_0 on a bfloat16 weight, as block_q4_0
+        if (o.hold_bf16) d16 = bf16_value(d16);  // q4_0 on a bfloat16 weight, as blocks_q4_0
         for (int i = 0; i < 32; ++i) {
             const int8_t code = (int8_t)(AFFINE ? L[i * NL + s] : L[i * NL + s] - NMAX);
             o.q[32 * s + i] = code;
@@ -209,7 +209,7 @@ void blocks_of(const float* x, int64_t n, Block& o) {
 // One unit of `n` values (n <= info.block) at x; the outputs at the same offsets.
 void quantize_unit(int grid, const float* x, int64_t n, Block& o) {
     switch (grid) {
-        case Q4_0: return blocks_of<block_q4_0>(x, n, o);
+        case Q4_0: return blocks_q4_0(x, (int)(n / 32), o);
         case Q8_0: return blocks_of<block_q8_0>(x, n, o);
         case Q4_1: return blocks_of<block_affine<4>>(x, n, o);
         case Q5_0: return blocks_of<block_q5_0>(x, n, o);
