@@ -61,7 +61,7 @@ def test_each_block_type_is_a_grid_record(name):
 
 @pytest.mark.parametrize("fields, words", [
     (dict(bits=4, grid="q6_k"), r"grid='q6_k' has no bits=4 codes.*use bits=6"),
-    (dict(grid="q4_k", act_bits=8), r"act_bits=8 with grid='q4_k'.*Q8_K.*leave act_bits=None"),
+    (dict(grid="nf4", act_bits=8), r"act_bits=8 with grid='nf4'.*no llama.cpp product.*leave act_bits=None"),
     (dict(grid="nf4", clip_percentile=99.0), r"grid='nf4' fixes its scale rule.*drop clip_percentile"),
     (dict(grid="q4_k", group_size=32), r"blocks of 256.*leave both unset"),
     (dict(grid="q5_0", scale="learned"), r"scale='learned' with grid='q5_0'"),
@@ -72,9 +72,11 @@ def test_specs_the_block_grids_cannot_honour_are_refused(fields, words):
 
 
 def test_activation_grid_is_the_one_llama_cpp_uses():
-    # ggml-cpu's vec_dot_type: Q8_0 for Q5_0 and MXFP4 (as for Q4_0 / Q8_0).
-    assert QuantSpec(grid="q5_0", act_bits=8).grid_record.activation_record().name == "q8_0"
-    assert QuantSpec(grid="mxfp4", act_bits=8).grid_record.activation_record().name == "q8_0"
+    # ggml-cpu's vec_dot_type: Q8_0 for Q5_0 and MXFP4 (as for Q4_0 / Q8_0), Q8_1 (Q8_0's values) for
+    # Q4_1 / Q5_1, Q8_K for the K-quants.
+    for grid, activations in (("q5_0", "q8_0"), ("mxfp4", "q8_0"), ("q4_1", "q8_0"), ("q5_1", "q8_0"),
+                              ("q4_k", "q8_k"), ("q5_k", "q8_k"), ("q6_k", "q8_k")):
+        assert QuantSpec(grid=grid, act_bits=8).grid_record.activation_record().name == activations
 
 
 @pytest.mark.parametrize("fields, words", [

@@ -53,11 +53,15 @@ their grids):
 
 Activations (``QuantSpec.act_bits``): ``Grid.activation_grid`` names the grid the activations
 feeding a matmul on this grid are fake-quantized on, in blocks of that grid's ``block`` along the
-input axis of each token. llama.cpp's CPU path quantizes the input of every Q4_0/Q8_0 product to
-Q8_0 blocks of 32 (ggml's ``quantize_row_q8_0``), so ``q4_0`` and ``q8_0`` name ``"q8_0"`` (as do
-``q5_0`` and ``mxfp4``); ``None`` means one scale per token on the weights' own grid, except on
-block-numerics grids, whose products llama.cpp feeds Q8_1 / Q8_K blocks mixle does not emulate
-yet: ``QuantSpec`` refuses ``act_bits`` there.
+input axis of each token: what llama.cpp's CPU path makes of the input of the product. It
+quantizes the input of every Q4_0/Q8_0/Q5_0/MXFP4 product to Q8_0 blocks of 32 (ggml's
+``quantize_row_q8_0``), so those grids name ``"q8_0"``; the input of a Q4_1/Q5_1 product to Q8_1
+blocks, whose values are Q8_0's (Q8_1 also keeps each block's scaled sum, which only the dot
+product reads), so they name ``"q8_0"`` too; and the input of a K-quant product to Q8_K blocks of
+256 (``quantize_row_q8_K``: inverse scale ``-127 / signed max``, codes ``nearest_int``, scale
+``1 / inverse`` in float32), ``"q8_k"``, a grid of activations only (``ACTIVATION_GRIDS``: no
+weight trains on it or is stored on it). ``None`` means one scale per token on the weights' own
+grid, except on NF4, which has no llama.cpp product: ``QuantSpec`` refuses ``act_bits`` there.
 """
 
 from dataclasses import dataclass
@@ -206,10 +210,12 @@ class Grid:
     def activation_record(self):
         """The Grid activations are fake-quantized on (this one when ``activation_grid`` is None).
 
-        >>> GRIDS["q4_0"].activation_record().name, GRIDS["qwix"].activation_record().name
-        ('q8_0', 'qwix')
+        >>> GRIDS["q4_0"].activation_record().name, GRIDS["q4_k"].activation_record().name
+        ('q8_0', 'q8_k')
         """
-        return self if self.activation_grid is None else GRIDS[self.activation_grid]
+        if self.activation_grid is None:
+            return self
+        return GRIDS.get(self.activation_grid) or ACTIVATION_GRIDS[self.activation_grid]
 
     def code_range(self, bits):
         """``(code_min, code_max)`` at ``bits``.
@@ -273,23 +279,26 @@ def _block_grid(name, codes, divisor, **fields):
 # block search is written for numpy and torch only).
 _BLOCK_GRIDS = (
     _block_grid("q4_1", {4: (0, 15)}, {4: 15.0}, scale_rule="min_max", rounding="half_up", offset="min",
+                activation_grid="q8_0",
                 summary="llama.cpp's Q4_1: blocks of 32, w = d * code + m with d = (max - min) / 15 and the "
                         "min m stored as float16"),
     _block_grid("q5_0", {5: (-16, 15)}, {5: -16.0}, scale_rule="signed_max", rounding="offset_trunc",
                 activation_grid="q8_0",
                 summary="llama.cpp's Q5_0: blocks of 32, scale = signed max / -16 stored as float16"),
     _block_grid("q5_1", {5: (0, 31)}, {5: 31.0}, scale_rule="min_max", rounding="half_up", offset="min",
+                activation_grid="q8_0",
                 summary="llama.cpp's Q5_1: blocks of 32, w = d * code + m with d = (max - min) / 31 and the "
                         "min m stored as float16"),
     _block_grid("q4_k", {4: (0, 15)}, {4: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
-                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6,
+                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6, activation_grid="q8_k",
                 summary="llama.cpp's Q4_K: super-blocks of 256 = 8 x 32 with 6-bit scales and mins (a "
                         "least-squares search) under float16 d and dmin, w = d * sc * code - dmin * m"),
     _block_grid("q5_k", {5: (0, 31)}, {5: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
-                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6,
+                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6, activation_grid="q8_k",
                 summary="llama.cpp's Q5_K: as Q4_K with codes 0..31"),
     _block_grid("q6_k", {6: (-32, 31)}, {6: -128.0}, scale_rule="signed_max", rounding="nearest_int",
                 scale_search="make_qx_quants", sub_block=16, sub_scale_bits=8, sub_scale_signed=True,
+                activation_grid="q8_k",
                 summary="llama.cpp's Q6_K: super-blocks of 256 = 16 x 16 with int8 scales under a float16 d, "
                         "codes -32..31, w = d * sc * code"),
     _block_grid("mxfp4", {4: (0, 15)}, {4: 8.0}, scale_rule="power_of_two", rounding="table_nearest",
@@ -320,6 +329,15 @@ GRIDS = {
              activation_grid="q8_0", backends=("torch",),
              summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
     ) + tuple(_BLOCK_GRIDS)
+}
+
+
+# Grids that only activations are quantized on (``Grid.activation_grid``), never weights.
+ACTIVATION_GRIDS = {
+    "q8_k": Grid(name="q8_k", codes={8: (-127, 127)}, divisor={8: -127.0}, scale_rule="signed_max",
+                 rounding="nearest_int", zero_scale=None, block=256, backends=(),
+                 summary="llama.cpp's Q8_K, the input of its K-quant products: blocks of 256, codes "
+                         "nearest_int(x * (-127 / signed max)), scale 1 / (-127 / signed max) in float32"),
 }
 
 

@@ -58,9 +58,10 @@ class QuantSpec:
     Args:
         act_bits: also quantize the activations entering each selected matmul to 4 or 8 bits,
             dynamically with one scale per token, on the same grid as the weights (Flax and
-            torch). On ``grid="q4_0"`` / ``"q8_0"`` (torch): ``act_bits=8`` is what llama.cpp's
-            CPU path does to them, Q8_0 blocks of 32 along each token's inputs (the grid
-            record's ``activation_grid``).
+            torch). On llama.cpp's grids (torch): ``act_bits=8`` is what its CPU path does to
+            them, along each token's inputs Q8_0 blocks of 32 (``q4_0``, ``q8_0``, ``q4_1``,
+            ``q5_0``, ``q5_1``, ``mxfp4``) or Q8_K blocks of 256 (the K-quants): the grid
+            record's ``activation_grid``.
         weight_format: ``"int"`` (codes of ``bits`` bits) or ``"float8_e4m3fn"`` (fp8 weights,
             scale = absmax / 448; needs ``bits=8`` and ``grid="qwix"``).
         bwd_bits: quantize the incoming gradients of the backward matmuls to 4 or 8 bits.
@@ -172,13 +173,13 @@ class QuantSpec:
             )
 
     def _check_activation_grid(self, grid):
-        """Refuse ``act_bits`` on block-numerics grids that name no activation grid."""
+        """Refuse ``act_bits`` on block-numerics grids that name no activation grid (NF4)."""
         if self.act_bits is None or grid.numerics is None or grid.activation_grid is not None:
             return
         raise ValueError(
             f"act_bits={self.act_bits!r} with grid={grid.name!r}: the grid names no activation grid "
-            f"(Grid.activation_grid), and llama.cpp's CPU path quantizes the inputs of these products to "
-            f"blocks mixle does not emulate yet (Q8_K for the K-quants, Q8_1 for Q4_1 / Q5_1); leave act_bits=None"
+            f"(Grid.activation_grid): no llama.cpp product reads it, so there is no input rounding to "
+            f"reproduce; leave act_bits=None"
         )
 
     def _check_act_symmetric(self):

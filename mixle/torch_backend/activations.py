@@ -1,13 +1,20 @@
 """Dynamic activation fake-quant for the torch backend (``QuantSpec.act_bits``).
 
 Every token (each vector along the last axis of a Linear's input) gets its own range, computed
-from the token itself at run time. On llama.cpp's grids (``q4_0``, ``q8_0``: a grid whose
-``activation_grid`` is set) the activations take exactly the form llama.cpp's CPU path gives the
-input of a Q4_0/Q8_0 product, Q8_0 blocks of 32 along each token's inputs (ggml's reference
-``quantize_row_q8_0``, which gguf-py's Q8_0 quantizer reproduces): ``d = max|x| / 127`` in the
-activations' dtype, code ``round_half_away(x * (1/d))`` (0 where d is 0), scale stored as
-``float16(d)``, value ``code * float16(d)``; a scale above float16's range is an error. On the
-other grids:
+from the token itself at run time. On llama.cpp's grids (a grid whose ``activation_grid`` is
+set) the activations take exactly the form llama.cpp's CPU path gives the input of the product,
+along each token's inputs:
+
+* Q8_0 blocks of 32 (``q4_0``, ``q8_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``mxfp4``; ggml's
+  reference ``quantize_row_q8_0``, which gguf-py's Q8_0 quantizer reproduces): ``d = max|x| / 127``
+  in the activations' dtype, code ``round_half_away(x * (1/d))`` (0 where d is 0), scale stored
+  as ``float16(d)``, value ``code * float16(d)``; a scale above float16's range is an error;
+* Q8_K blocks of 256 (the K-quants; ``quantize_row_q8_K``): ``m`` the block's first value of
+  largest magnitude, ``inverse = -127 / m``, code ``min(127, nearest_int(x * inverse))`` (round
+  half to even), value ``code * (1 / inverse)`` in float32; a block of zeros (or one whose
+  ``inverse`` overflows) comes back as zeros.
+
+On the other grids:
 
 * symmetric (``act_symmetric=True``, the default): the weights' grid at ``act_bits``:
   ``scale = absmax / divisor``, codes ``round(x / scale)`` clipped to ``[code_min, code_max]``
@@ -95,12 +102,17 @@ def _block_spec(grid, bits):
     return spec
 
 
-def _blocks(x, bits, grid):
-    """Blocks of ``grid.block`` along each token's inputs on ``grid`` (llama.cpp's Q8_0 activations)."""
+def _check_width(x, grid):
     width = x.shape[-1]
     if width % grid.block:
         raise ValueError(f"activations with {width} inputs per token do not split into {grid.name} blocks of "
                          f"{grid.block}: the layer's input size must be a multiple of {grid.block}")
+    return width
+
+
+def _blocks(x, bits, grid):
+    """Blocks of ``grid.block`` along each token's inputs on ``grid`` (llama.cpp's Q8_0 activations)."""
+    width = _check_width(x, grid)
     try:
         out, _ = fake_quant_forward(x.reshape(-1, width), _block_spec(grid.name, bits), out_ndim=1)
     except ScaleOverflowError:
@@ -116,9 +128,24 @@ def _blocks(x, bits, grid):
     return out.reshape(x.shape)
 
 
+def _q8_k(x, bits, grid):
+    """llama.cpp's Q8_K blocks along each token's inputs (see the module docstring)."""
+    width = _check_width(x, grid)
+    blocks = x.reshape(-1, width // grid.block, grid.block)
+    top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the first largest |x|, signed
+    inverse = torch.full((), grid.divisor[bits], dtype=x.dtype, device=x.device) / top
+    scale = torch.where(torch.isinf(inverse), 0.0, 1 / inverse)  # ggml: 1 / inf = 0 (a block of zeros too)
+    codes = torch.clamp(torch.round(blocks * torch.where(scale == 0, 0.0, inverse)), max=grid.code_range(bits)[1])
+    return (codes * scale).reshape(x.shape)
+
+
+# Activation grids with their own rounding; the others run mixle.core.numerics' block rules.
+_OWN_BLOCKS = {"q8_k": _q8_k}
+
+
 def quantize_dequantize_activations(x, spec):
     """The quantize-dequantize of ``x`` under ``spec`` (no gradient rule): per token, or in
-    llama.cpp's Q8_0 blocks on the ``q4_0`` / ``q8_0`` grids.
+    llama.cpp's Q8_0 / Q8_K blocks on its grids.
 
     >>> from mixle.core.spec import QuantSpec
     >>> quantize_dequantize_activations(torch.tensor([[1.0, -0.5, 0.25]]), QuantSpec(bits=4, act_bits=8)).tolist()
@@ -131,7 +158,7 @@ def quantize_dequantize_activations(x, spec):
     act = spec.grid_record.activation_record()
     work = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     if act.block is not None:
-        out = _blocks(work, spec.act_bits, act)
+        out = _OWN_BLOCKS.get(act.name, _blocks)(work, spec.act_bits, act)
     elif spec.act_symmetric:
         out = _symmetric(work, spec.act_bits, spec.grid_record)
     else:
@@ -150,8 +177,8 @@ class _STE(torch.autograd.Function):
 
 
 def fake_quant_activations(x, spec):
-    """``x`` fake-quantized at ``spec.act_bits`` (per token, or llama.cpp's Q8_0 blocks on its
-    grids) with a straight-through gradient.
+    """``x`` fake-quantized at ``spec.act_bits`` (per token, or llama.cpp's Q8_0 / Q8_K blocks on
+    its grids) with a straight-through gradient.
 
     Returns ``x`` itself when ``spec.act_bits`` is None.
 
