@@ -240,7 +240,8 @@ def _evaluate_before(model, config, outputs, evaluator, scratch):
         evaluator.gguf(model, path, "f32", float_row)
         os.remove(path)
     mix = config.mix()
-    ptq = quantize_model(model, gguf_mix=mix) if mix else quantize_model(model, config.spec(), exclude=EXCLUDE)
+    ptq = (quantize_model(model, gguf_mix=mix, **config.act_fields()) if mix
+           else quantize_model(model, config.spec(), exclude=EXCLUDE))
     ptq_row = evaluator.mixle(ptq, {"method": PTQ, "spec": mix or config.spec().short()})
     if outputs["gguf"] and evaluator.llama_cpp:
         path = os.path.join(scratch, "ptq.gguf")
@@ -256,7 +257,7 @@ def _prepare_student(model, config, importance=None):
 
     mix = config.mix()
     extra = {} if importance is None else {"importance": baselines.target_importance(importance, config, EXCLUDE)}
-    student = (apply_qat(model, gguf_mix=mix, **extra) if mix
+    student = (apply_qat(model, gguf_mix=mix, **config.act_fields(), **extra) if mix
                else apply_qat(model, spec=config.spec(), exclude=EXCLUDE, **extra))
     for param in student.parameters():
         param.requires_grad_(False)

@@ -167,7 +167,7 @@ def ptq_imatrix_row(model, config, importance, evaluator, out, exclude):
     from mixle.api import quantize_model
 
     mix, values = config.mix(), target_importance(importance, config, exclude)
-    ptq = (quantize_model(model, gguf_mix=mix, importance=values) if mix
+    ptq = (quantize_model(model, gguf_mix=mix, importance=values, **config.act_fields()) if mix
            else quantize_model(model, config.spec(), exclude=exclude, importance=values))
     row = evaluator.mixle(ptq, {"method": PTQ_IMATRIX, "spec": mix or config.spec().short(), "file": PTQ_IMATRIX_FILE})
     evaluator.gguf(ptq, os.path.join(out, PTQ_IMATRIX_FILE), config.float_storage(), row, mix=mix,

@@ -132,6 +132,8 @@ class FinetuneConfig:
             merged and requantized at the end; None trains the quantized layers' weights.
         learned_scales, scale_lr: also learn the quantization scales (integer targets), at
             ``scale_lr`` (default 10 x ``lr``).
+        act_bits: 8 rounds each product's input as llama.cpp's CPU path does, in QAT and in the
+            PTQ rows (``QuantSpec.act_bits``: Q8_0 or Q8_K blocks); llama.cpp targets only.
         dtype: ``float32``, or ``bfloat16`` (student and teacher under bfloat16 autocast; the
             master weights and the evaluation stay float32).
         device: a torch device (``cpu``, ``cuda``, ``cuda:1``).
@@ -189,6 +191,9 @@ class FinetuneConfig:
                               type=positive_int)
     lora_alpha: float | None = option(None, "LoRA scale numerator (default: 2 x rank)")
     learned_scales: bool = option(False, "also learn the quantization scales (integer targets only)")
+    act_bits: int | None = option(None, "8: QAT and PTQ also round each product's input as llama.cpp's CPU path does "
+                                        "(Q8_0 blocks of 32, Q8_K blocks of 256 before K-quant products); llama.cpp "
+                                        "targets only", type=positive_int)
     scale_lr: float | None = option(None, "learning rate of the learned scales (default: 10 x --lr)")
     dtype: str = option("float32", "float32, or bfloat16 autocast for student and teacher", choices=DTYPES)
     device: str = option("cpu", "torch device: cpu, cuda, cuda:1, ... (default: cpu)")
@@ -235,6 +240,7 @@ class FinetuneConfig:
         self._check_numbers()
         self._check_choices()
         self._check_target()
+        self._check_act_bits()
         self._check_baselines()
 
     def _check_numbers(self):
@@ -292,6 +298,20 @@ class FinetuneConfig:
             flag, why = refused[0]
             raise ValueError(f"{flag} with --target {mix}: {why}; leave {flag} out (or pick a grid target, e.g. "
                              f"q4_0)")
+
+    def _check_act_bits(self):
+        """``act_bits`` is 8 on a llama.cpp target (whose products llama.cpp feeds Q8_0 / Q8_K blocks)."""
+        if self.act_bits is None:
+            return
+        if self.act_bits != 8:
+            raise ValueError(f"act_bits={self.act_bits!r}: llama.cpp rounds the input of its products to 8 bits; "
+                             f"use --act-bits 8 or leave it out")
+        if self.mix() is None and self.spec().grid_record.activation_grid is None:
+            raise ValueError(f"--act-bits with --target {self.target}: llama.cpp never runs this target (it is "
+                             f"written as compressed-tensors, weight-only), so there is no product input to round "
+                             f"as llama.cpp does; leave --act-bits out or pick a llama.cpp target (q4_0, Q4_K_M)")
+        if self.gptq != "off":
+            raise ValueError("--act-bits with --gptq: the GPTQ baseline rounds weights only; leave one of them out")
 
     def _check_baselines(self):
         """``imatrix`` and ``gptq`` name something the target can honour (the reason otherwise)."""
@@ -355,6 +375,14 @@ class FinetuneConfig:
         """
         return None if self.mix() else self.float_matrices or "q8_0"
 
+    def act_fields(self):
+        """The ``act_bits`` keyword of ``apply_qat`` / ``quantize_model`` for a mix target ({} when unset).
+
+        >>> FinetuneConfig(model="m", out="o", target="Q4_K_M", act_bits=8).act_fields()
+        {'act_bits': 8}
+        """
+        return {} if self.act_bits is None else {"act_bits": self.act_bits}
+
     def spec(self):
         """The QuantSpec QAT trains on: the target's, with learned scales if asked; None for a mix
         target (each layer then trains on ``gguf_mix_specs``' spec).
@@ -365,6 +393,8 @@ class FinetuneConfig:
         if self.mix() is not None:
             return None
         spec = parse_target(self.target)
+        if self.act_bits is not None:
+            spec = spec.replace(act_bits=self.act_bits)
         if not self.learned_scales:
             return spec
         try:
