@@ -70,8 +70,7 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             Qwix subclass of theirs); Linen modules come back as a new module using the same params.
         gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
             the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``;
-            ``act_bits=8`` is the one spec field it takes (each product's input rounded as
-            llama.cpp's CPU path rounds it on that block type: Q8_0 or Q8_K blocks).
+            it takes one spec field, ``act_bits=8`` (inputs rounded as llama.cpp rounds them).
         importance: torch: an importance matrix as ``quantize_model`` takes it, fixed from
             calibration: each linear layer with an entry fake-quantizes by ggml's weighted search
             (STE backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice

@@ -456,6 +456,14 @@ def test_config_validation_names_the_field():
         with pytest.raises(ValueError, match=f"{flag} with --target Q4_K_M: .*; leave {flag} out"):
             FinetuneConfig(model="m", out="o", target="Q4_K_M", **field)
     assert dataclasses.replace(FinetuneConfig(model="m", out="o"), data="a.txt").data == ("a.txt",)
+    for fields, words in ((dict(target="int4/group32", act_bits=8), "--act-bits with --target int4/group32: llama.cpp "
+                                                                    "never runs this target"),
+                          (dict(target="q4_0", act_bits=4), "act_bits=4: llama.cpp rounds the input of its products to "
+                                                            "8 bits"),
+                          (dict(target="q4_0", act_bits=8, gptq="one-pass"), "--act-bits with --gptq")):
+        with pytest.raises(ValueError, match=words):
+            FinetuneConfig(model="m", out="o", **fields)
+    assert FinetuneConfig(model="m", out="o", target="q4_0", act_bits=8).spec().act_bits == 8
 
 
 class _LogitsSized:

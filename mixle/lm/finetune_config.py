@@ -384,7 +384,7 @@ class FinetuneConfig:
         return {} if self.act_bits is None else {"act_bits": self.act_bits}
 
     def spec(self):
-        """The QuantSpec QAT trains on: the target's, with learned scales if asked; None for a mix
+        """The QuantSpec QAT trains on: the target's, with act_bits and learned scales if asked; None for a mix
         target (each layer then trains on ``gguf_mix_specs``' spec).
 
         >>> FinetuneConfig(model="m", out="o").spec().short()
