@@ -15,8 +15,8 @@ from mixle.core.numerics import quantize_dequantize_array
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend.activations import quantize_dequantize_activations
 
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType  # noqa: E402
+pytest.importorskip("gguf")
+from tests.test_gguf_grids import gguf_round_trip  # noqa: E402
 
 K_GRIDS = ("q4_k", "q5_k", "q6_k")
 BITS = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "q4_1": 4, "q5_1": 5}
@@ -42,11 +42,9 @@ def np_q8_k(x):
 
 
 def np_q8_0(x):
-    """gguf-py's Q8_0 quantize and dequantize of each token's inputs."""
+    """gguf-py's Q8_0 quantize and dequantize of each token's inputs (``test_gguf_grids``' oracle)."""
     x = np.asarray(x, np.float32)
-    flat = x.reshape(-1, x.shape[-1])
-    packed = gguf_quants.quantize(flat, GGMLQuantizationType.Q8_0)
-    return gguf_quants.dequantize(packed, GGMLQuantizationType.Q8_0).reshape(x.shape)
+    return gguf_round_trip(x.reshape(-1, x.shape[-1]), "q8_0").reshape(x.shape)
 
 
 def _tokens():
