@@ -212,7 +212,7 @@ void quantize_unit(int grid, const float* x, int64_t n, Block& o) {
         case Q4_0: return blocks_q4_0(x, (int)(n / 32), o);
         case Q8_0: return blocks_of<block_q8_0>(x, n, o);
         case Q4_1: return blocks_of<block_affine<4>>(x, n, o);
-        case Q5_0: return blocks_of<block_q5_0>(x, n, o);
+        case Q5_0: return blocks_q5_0(x, (int)(n / 32), o);
         case Q5_1: return blocks_of<block_affine<5>>(x, n, o);
         case MXFP4: return blocks_of<block_mxfp4>(x, n, o);
         case NF4: return blocks_of<block_nf4, 64>(x, n, o);
