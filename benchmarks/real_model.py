@@ -119,10 +119,12 @@ def _variants(target, importance=None):
     return variants
 
 
-def _trainable(model):
-    """Train the block matrices (as ``mixle finetune`` does); embedding, head and norms frozen."""
+def _trainable(model, embedding):
+    """Train what ``mixle finetune`` trains: the block matrices, and with ``embedding`` (a llama.cpp
+    mix, which quantizes it) the embedding table; the norms (and any untied head) frozen."""
     for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("model.layers.") and "norm" not in name)
+        block = name.startswith("model.layers.") and "norm" not in name
+        param.requires_grad_(block or (embedding and name == "model.embed_tokens.weight"))
     return model
 
 
@@ -135,7 +137,7 @@ def _step_importance(args, loaded):
     from mixle.exports.imatrix_file import load_imatrix
     from mixle.lm.family import TRANSFORMERS
     from mixle.lm.finetune_baselines import calibration_batches
-    from mixle.lm.finetune_config import FinetuneConfig
+    from mixle.lm.finetune_config import FinetuneConfig, parse_mix
     from mixle.lm.finetune_data import prepare_finetune_data
 
     if args.imatrix != "calibrate":
@@ -170,7 +172,7 @@ def time_steps(args):
         data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
         trainers = {}
         for name, prepare in _variants(args.target, importance).items():
-            student = _trainable(prepare(copy.deepcopy(loaded.model)))
+            student = _trainable(prepare(copy.deepcopy(loaded.model)), embedding=parse_mix(args.target) is not None)
             trainers[name] = FinetuneTrainer(student, teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
         seconds = {name: [] for name in trainers}

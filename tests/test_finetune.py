@@ -303,6 +303,25 @@ def test_resume_after_sigterm_is_bit_for_bit_the_uninterrupted_run(assets, tmp_p
     assert not (parted / "checkpoint.pt").exists()
 
 
+def test_a_llama_cpp_that_crashes_here_is_left_out_saying_why(assets, tmp_path, monkeypatch, capsys):
+    from mixle.lm import llama_cpp_eval
+
+    monkeypatch.setattr(llama_cpp_eval, "_installed", lambda: True)
+    monkeypatch.setattr(llama_cpp_eval, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    llama_cpp_eval.llama_cpp_problem.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"llama.cpp crashed \(SIGSEGV\)"):
+            status = finetune("--model", str(assets["llama"]), "--data", str(assets["data"]), "--out",
+                              str(tmp_path / "run"), "--steps", "1", *FAST)
+    finally:
+        llama_cpp_eval.llama_cpp_problem.cache_clear()
+    assert status == 0, capsys.readouterr().err
+    results = results_of(tmp_path / "run")
+    assert list(results["llama_cpp"]) == ["skipped"] and "crashed (SIGSEGV)" in results["llama_cpp"]["skipped"]
+    assert llama_cpp_eval.REBUILD in results["llama_cpp"]["skipped"]
+    assert not any("llama_cpp_loss" in row for row in results["rows"])
+
+
 def test_resume_refuses_another_result_flag_and_a_busy_out(assets, tmp_path, capsys):
     config = FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(tmp_path / "run"),
                             steps=4, block=BLOCK, batch_size=2, eval_windows=2, llama_cpp=False, threads=1)

@@ -9,8 +9,14 @@ llama-cpp-python, the optional ``llama`` extra) on the same windows and scores i
 import collections
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import io
 import os
+import signal
+import subprocess
+import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,20 +24,102 @@ import numpy as np
 from mixle._optional import require
 from mixle.lm.training import held_out_loss
 
-__all__ = ["llama_cpp_module", "quiet_stderr", "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
+__all__ = ["llama_cpp_module", "llama_cpp_problem", "quiet_stderr", "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
+
+
+# What the subprocess of llama_cpp_problem runs.
+PROBE = "from mixle.lm.llama_cpp_eval import _probe; _probe()"
+# llama.cpp built for an AMX CPU's other instruction sets, without its AMX kernels (see llama_cpp_problem).
+REBUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+           '-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
+           '-DGGML_AMX_BF16=OFF" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python==0.3.36')
 
 
 def llama_cpp_module():
-    """llama-cpp-python if installed (the ``llama`` extra), else None: llama.cpp's column is optional.
+    """llama-cpp-python if installed (the ``llama`` extra) and llama.cpp runs here, else None (with a
+    warning saying why, when it is installed but crashes): llama.cpp's column is optional.
 
     >>> llama_cpp_module() is None or hasattr(llama_cpp_module(), "Llama")
     True
     """
-    try:
-        import llama_cpp
-    except ImportError:
+    if not _installed():
         return None
+    problem = llama_cpp_problem()
+    if problem is not None:
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+        return None
+    import llama_cpp
+
     return llama_cpp
+
+
+def _installed():
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@functools.cache
+def llama_cpp_problem():
+    """Why the installed llama-cpp-python cannot run here, or None (it ran, or it is not installed).
+
+    llama.cpp runs a tiny Q4_0 file once per process, in a subprocess (``_probe``), so a
+    crash of its native code cannot take the caller down with it. One known crash: a build made
+    for a CPU with AMX (``-march=native``) on a machine, often a virtual one, that does not enable
+    AMX's tile registers: llama.cpp's first ``ldtilecfg`` faults.
+
+    >>> llama_cpp_problem() is None or "llama.cpp" in llama_cpp_problem()
+    True
+    """
+    if not _installed():
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "llama.cpp did not finish a tiny Q4_0 file within 600 s in a subprocess; its columns are left out"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or [""])[-1][:300]
+    problem = ("llama-cpp-python is installed but llama.cpp "
+               + (f"crashed ({_signal_name(-done.returncode)})" if done.returncode < 0
+                  else f"failed (exit status {done.returncode})")
+               + " running a tiny Q4_0 file in a subprocess" + (f" ({last})" if last else "")
+               + "; its columns are left out.")
+    if done.returncode < 0:
+        problem += (" A build with AMX kernels on a machine that does not enable AMX tiles is one known "
+                    f"cause; rebuild it without them: {REBUILD}")
+    return problem
+
+
+def _signal_name(number):
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _probe():
+    """Run a tiny Q4_0 model in llama.cpp: what ``llama_cpp_problem``'s subprocess runs."""
+    import tempfile
+
+    import torch
+
+    from mixle.api import apply_qat
+    from mixle.exports.gguf import save_gguf
+    from mixle.lm.transformer import build_causal_lm
+
+    torch.manual_seed(0)
+    lm = build_causal_lm(vocab=48, d_model=64, n_layer=1, n_head=2, block=16, activation="gelu_tanh")
+    model = apply_qat(lm, grid="q4_0")
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "probe.gguf")
+        save_gguf(model, path)
+        import llama_cpp
+
+        with quiet_stderr():
+            llm = llama_cpp.Llama(model_path=path, n_ctx=16, logits_all=True, n_threads=1, verbose=False)
+            llm.eval([1, 2, 3, 4])
+            llm.close()
 
 
 @contextlib.contextmanager

@@ -268,7 +268,7 @@ def _gguf_notes(results):
         lines.append("(GGUF q4_0) rows: evaluated from the GGUF file's weights (gguf-py dequantize), tanh GELU; "
                      "bytes = the file's tensor data"
                      + (f"; llama.cpp ppl: the file run by llama-cpp-python {results['llama_cpp']['llama_cpp_python']}"
-                        if results.get("llama_cpp") else ""))
+                        if "llama_cpp_python" in (results.get("llama_cpp") or {}) else ""))
     for row in rows:
         if row.get("gguf_mix") and row["method"] == gguf_mix_ptq(row["gguf_mix"]):
             types = ", ".join(f"{name} x{count}" for name, count in row["tensor_types"].items())
