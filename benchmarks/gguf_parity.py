@@ -216,7 +216,12 @@ def run_arch(arch, args, train_ids, held_ids, tokenizer, gguf, llama_cpp):
 def main(argv=None):
     args = parse_args(argv)
     import gguf
-    import llama_cpp
+
+    from mixle.lm.llama_cpp_eval import llama_cpp_module, llama_cpp_problem
+
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:  # not installed, or it crashes here (llama_cpp_problem says why)
+        raise SystemExit(llama_cpp_problem() or "this script needs llama-cpp-python==0.3.36")
 
     torch.set_num_threads(args.threads)
     train_ids, held_ids, tokenizer = load_splits(tokenizer="char")

@@ -239,10 +239,11 @@ def llama(hidden):
 def llama_cpp_variants(fp32, prompt, tokens, threads, directory):
     """{"llama.cpp Q4_0"/"Q8_0": greedy generation fn} of ``fp32`` converted on those grids and
     written with ``save_gguf``, or ({}, why) without llama-cpp-python."""
-    try:
-        import llama_cpp
-    except ImportError as error:
-        return {}, f"llama-cpp-python is not installed ({error})"
+    from mixle.lm.llama_cpp_eval import llama_cpp_module, llama_cpp_problem
+
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:
+        return {}, llama_cpp_problem() or "llama-cpp-python is not installed"
     from mixle.task.quantize import save_gguf
 
     ids = prompt[0].tolist()
