@@ -62,9 +62,9 @@ def llama_cpp_problem():
     """Why the installed llama-cpp-python cannot run here, or None (it ran, or it is not installed).
 
     llama.cpp runs a tiny Q4_0 file once per process, in a subprocess (``_probe``), so a
-    crash of its native code cannot take the caller down with it. One known crash: a build made
-    for a CPU with AMX (``-march=native``) on a machine, often a virtual one, that does not enable
-    AMX's tile registers: llama.cpp's first ``ldtilecfg`` faults.
+    crash of its native code cannot take the caller down with it. One known crash: llama-cpp-python
+    0.3.36 built with ``-march=native`` on an Intel Xeon with AMX and AVX10.1, where the first
+    ``ldtilecfg`` of llama.cpp's AMX kernels takes a general-protection fault.
 
     >>> llama_cpp_problem() is None or "llama.cpp" in llama_cpp_problem()
     True
@@ -86,8 +86,8 @@ def llama_cpp_problem():
                + " running a tiny Q4_0 file in a subprocess" + (f" ({last})" if last else "")
                + "; its columns are left out.")
     if done.returncode < 0:
-        problem += (" A build with AMX kernels on a machine that does not enable AMX tiles is one known "
-                    f"cause; rebuild it without them: {REBUILD}")
+        problem += (" llama.cpp's AMX kernels are one known cause (they fault on some Xeons); rebuild it "
+                    f"without them: {REBUILD}")
     return problem
 
 
