@@ -137,7 +137,7 @@ def _step_importance(args, loaded):
     from mixle.exports.imatrix_file import load_imatrix
     from mixle.lm.family import TRANSFORMERS
     from mixle.lm.finetune_baselines import calibration_batches
-    from mixle.lm.finetune_config import FinetuneConfig, parse_mix
+    from mixle.lm.finetune_config import FinetuneConfig
     from mixle.lm.finetune_data import prepare_finetune_data
 
     if args.imatrix != "calibrate":
@@ -153,7 +153,7 @@ def time_steps(args):
     import torch
 
     from mixle.lm.family import TRANSFORMERS
-    from mixle.lm.finetune_config import FinetuneConfig
+    from mixle.lm.finetune_config import FinetuneConfig, parse_mix
     from mixle.lm.finetune_data import prepare_finetune_data
     from mixle.lm.finetune_load import load_model
     from mixle.lm.finetune_train import FinetuneTrainer
