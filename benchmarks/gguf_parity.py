@@ -217,11 +217,9 @@ def main(argv=None):
     args = parse_args(argv)
     import gguf
 
-    from mixle.lm.llama_cpp_eval import llama_cpp_module, llama_cpp_problem
+    from mixle.lm.llama_cpp_eval import require_llama_cpp
 
-    llama_cpp = llama_cpp_module()
-    if llama_cpp is None:  # not installed, or it crashes here (llama_cpp_problem says why)
-        raise SystemExit(llama_cpp_problem() or "this script needs llama-cpp-python==0.3.36")
+    llama_cpp = require_llama_cpp("benchmarks/gguf_parity.py")
 
     torch.set_num_threads(args.threads)
     train_ids, held_ids, tokenizer = load_splits(tokenizer="char")

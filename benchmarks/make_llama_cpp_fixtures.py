@@ -29,11 +29,9 @@ from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this 
 
 def llama_cpp_logits(path):
     """llama.cpp's logits of IDS for the GGUF at ``path`` (F32 KV cache, one thread)."""
-    from mixle.lm.llama_cpp_eval import llama_cpp_module, llama_cpp_problem
+    from mixle.lm.llama_cpp_eval import require_llama_cpp
 
-    llama_cpp = llama_cpp_module()
-    if llama_cpp is None:  # not installed, or it crashes here (llama_cpp_problem says why)
-        raise SystemExit(llama_cpp_problem() or "this script needs llama-cpp-python==0.3.36")
+    llama_cpp = require_llama_cpp("benchmarks/make_llama_cpp_fixtures.py")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, logits_all=True, n_threads=1, type_k=0, type_v=0,
                           verbose=False)
     llm.eval(IDS)

@@ -1,14 +1,15 @@
 """Shared fixtures: run the torch fake-quant tests on both of its execution paths; hide a
 llama-cpp-python that crashes on this machine, so the live llama.cpp checks skip saying why."""
 
-import importlib.util
 import sys
 
 import pytest
 
+from mixle._optional import is_available
+
 
 def _llama_cpp_problem():
-    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("torch") is None:
+    if not (is_available("llama_cpp") and is_available("torch")):
         return None
     from mixle.lm.llama_cpp_eval import llama_cpp_problem
 

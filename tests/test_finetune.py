@@ -306,7 +306,7 @@ def test_resume_after_sigterm_is_bit_for_bit_the_uninterrupted_run(assets, tmp_p
 def test_a_llama_cpp_that_crashes_here_is_left_out_saying_why(assets, tmp_path, monkeypatch, capsys):
     from mixle.lm import llama_cpp_eval
 
-    monkeypatch.setattr(llama_cpp_eval, "_installed", lambda: True)
+    monkeypatch.setattr(llama_cpp_eval, "is_available", lambda name: name == "llama_cpp")
     monkeypatch.setattr(llama_cpp_eval, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     llama_cpp_eval.llama_cpp_problem.cache_clear()
     try:

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from mixle._optional import is_available  # noqa: E402
 from mixle.lm import llama_cpp_eval  # noqa: E402
 
 
@@ -18,7 +19,7 @@ def probe(monkeypatch):
     """Make llama-cpp-python look installed and its probe run ``code``; the cached answer is cleared."""
 
     def use(code):
-        monkeypatch.setattr(llama_cpp_eval, "_installed", lambda: True)
+        monkeypatch.setattr(llama_cpp_eval, "is_available", lambda name: name == "llama_cpp")
         monkeypatch.setattr(llama_cpp_eval, "PROBE", code)
         llama_cpp_eval.llama_cpp_problem.cache_clear()
 
@@ -33,6 +34,9 @@ def test_a_crash_is_named_with_its_signal_and_the_rebuild(probe):
     assert llama_cpp_eval.REBUILD in problem and "-DGGML_NATIVE=OFF" in llama_cpp_eval.REBUILD
     with pytest.warns(RuntimeWarning, match=r"crashed \(SIGSEGV\)"):
         assert llama_cpp_eval.llama_cpp_module() is None
+    assert llama_cpp_eval.llama_cpp_skipped() == {"skipped": problem}  # what finetune / compare record
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=r"^a check needs llama.cpp: llama-cpp-python"):
+        llama_cpp_eval.require_llama_cpp("a check")
 
 
 def test_a_failure_is_named_with_its_exit_status_and_asked_once(probe, tmp_path):
@@ -47,12 +51,21 @@ def test_a_failure_is_named_with_its_exit_status_and_asked_once(probe, tmp_path)
 def test_a_probe_that_runs_is_no_problem(probe):
     probe("import sys; sys.exit(0)")
     assert llama_cpp_eval.llama_cpp_problem() is None
+    assert llama_cpp_eval.llama_cpp_skipped() is None
+
+
+def test_require_llama_cpp_names_the_extra_when_it_is_not_installed(monkeypatch):
+    monkeypatch.setattr(llama_cpp_eval, "is_available", lambda name: False)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ImportError, match=r"mixle needs 'llama_cpp' for a check.*pip install mixle\[llama\]"):
+        llama_cpp_eval.require_llama_cpp("a check")
+    assert llama_cpp_eval.llama_cpp_skipped() is None
 
 
 def test_the_real_probe_runs_the_installed_llama_cpp():
     if sys.modules.get("llama_cpp", 0) is None:
         pytest.skip("conftest found it crashing here (the run's header says why)")
-    if not llama_cpp_eval._installed():
+    if not is_available("llama_cpp"):
         pytest.skip("llama-cpp-python is not installed")
     assert llama_cpp_eval.llama_cpp_problem() is None  # the probe ran llama.cpp in a subprocess and it finished
 

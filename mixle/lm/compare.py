@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from mixle._optional import require
 from mixle.core.spec import QuantSpec
 from mixle.lm.config import GGUF_ACTIVATION, GGUF_SPEC, PRESETS, CompareConfig
-from mixle.lm.llama_cpp_eval import gguf_loss, llama_cpp_loss, llama_cpp_module, llama_cpp_problem
+from mixle.lm.llama_cpp_eval import gguf_loss, llama_cpp_loss, llama_cpp_module, llama_cpp_skipped
 from mixle.lm.report import (ACT8_PTQ, ACT8_QAT, FINETUNE, FINETUNE_GPTQ, FINETUNE_PTQ, FP32, GGUF_FINETUNE, GGUF_PTQ,
                              GGUF_PTQ_IMATRIX, GGUF_QAT, GGUF_QAT_IMATRIX, PTQ, QAT, QAT_BOTH, QAT_DISTILL, QAT_LEARNED,
                              gguf_mix_ptq, gguf_mix_ptq_imatrix, gguf_mix_qat, gguf_mix_qat_imatrix, summarize)
@@ -101,7 +101,7 @@ class CompareRun:
         rows: one dict per evaluated model (method, bits, held-out loss, perplexity, bytes, ...).
         curves, seconds: per training phase, its curves and its training seconds.
         llama_cpp_info: llama-cpp-python's version and settings once llama.cpp evaluated a file;
-            ``{"skipped": why}`` while it is installed but crashes here (``llama_cpp_problem``).
+            ``{"skipped": why}`` while it is installed but crashes here (``llama_cpp_skipped``).
         calibration: what the imatrix and GPTQ rows calibrated on (``calibration_batches``; None
             before any did): the text, windows and tokens, and the importance matrices' counts.
 
@@ -113,9 +113,7 @@ class CompareRun:
     def __init__(self, config, data, progress=True, gguf_dir=None):
         self.config, self.data, self.progress, self.gguf_dir = config, data, progress, gguf_dir
         self.rows, self.curves, self.seconds = [], {}, {}
-        self.calibration = None
-        problem = llama_cpp_problem()  # installed, but it crashes here: say why in the results
-        self.llama_cpp_info = None if problem is None else {"skipped": problem}
+        self.llama_cpp_info, self.calibration = llama_cpp_skipped(), None
         self._batches = None
 
     def calibration_batches(self):

@@ -55,7 +55,7 @@ from mixle.lm.finetune_load import load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      summarize, write_outputs)
 from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
-from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module, llama_cpp_problem
+from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module, llama_cpp_skipped
 from mixle.lm.training import held_out_loss
 
 __all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory"]
@@ -195,8 +195,7 @@ class _Evaluator:
     def __init__(self, config, data, tokenizer):
         self.config, self.data, self.tokenizer = config, data, tokenizer
         self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
-        problem = llama_cpp_problem() if config.llama_cpp else None
-        self.llama_cpp_info = None if problem is None else {"skipped": problem}
+        self.llama_cpp_info = llama_cpp_skipped() if config.llama_cpp else None
 
     def mixle(self, model, row):
         batch = self.config.batch_size

@@ -10,7 +10,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import io
 import os
 import signal
@@ -21,10 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mixle._optional import require
+from mixle._optional import is_available, require
 from mixle.lm.training import held_out_loss
 
-__all__ = ["llama_cpp_module", "llama_cpp_problem", "quiet_stderr", "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
+__all__ = ["llama_cpp_module", "llama_cpp_problem", "llama_cpp_skipped", "require_llama_cpp", "quiet_stderr",
+           "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
 
 
 # What the subprocess of llama_cpp_problem runs.
@@ -42,7 +42,7 @@ def llama_cpp_module():
     >>> llama_cpp_module() is None or hasattr(llama_cpp_module(), "Llama")
     True
     """
-    if not _installed():
+    if not is_available("llama_cpp"):
         return None
     problem = llama_cpp_problem()
     if problem is not None:
@@ -51,10 +51,6 @@ def llama_cpp_module():
     import llama_cpp
 
     return llama_cpp
-
-
-def _installed():
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 @functools.cache
@@ -69,7 +65,7 @@ def llama_cpp_problem():
     >>> llama_cpp_problem() is None or "llama.cpp" in llama_cpp_problem()
     True
     """
-    if not _installed():
+    if not is_available("llama_cpp"):
         return None
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -89,6 +85,33 @@ def llama_cpp_problem():
         problem += (" llama.cpp's AMX kernels are one known cause (they fault on some Xeons); rebuild it "
                     f"without them: {REBUILD}")
     return problem
+
+
+def llama_cpp_skipped():
+    """``{"skipped": why}`` for a run's results while llama-cpp-python is installed but cannot run
+    here (``llama_cpp_problem``), else None.
+
+    >>> llama_cpp_skipped() is None or "skipped" in llama_cpp_skipped()
+    True
+    """
+    problem = llama_cpp_problem()
+    return None if problem is None else {"skipped": problem}
+
+
+def require_llama_cpp(purpose):
+    """llama-cpp-python, for ``purpose`` that cannot do without it: ``require``'s ImportError when it
+    is not installed, a RuntimeError saying why when it cannot run here.
+
+    >>> require_llama_cpp("a check") is llama_cpp_module() if llama_cpp_module() else True
+    True
+    """
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is not None:
+        return llama_cpp
+    problem = llama_cpp_problem()
+    if problem is not None:
+        raise RuntimeError(f"{purpose} needs llama.cpp: {problem}")
+    return require("llama_cpp", extra="llama", purpose=purpose)
 
 
 def _signal_name(number):
