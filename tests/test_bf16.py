@@ -136,6 +136,39 @@ def test_autocast_keeps_the_memory_light_linear_and_equals_f_linear_under_autoca
     assert torch.equal(layer.bias.grad, reference.bias.grad)
 
 
+@pytest.mark.parametrize("grid", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k"])
+def test_autocast_training_steps_on_llama_cpp_grids_equal_f_linear_of_the_fake_quantized_weights(grid,
+                                                                                                 fake_quant_path):
+    """Three SGD steps of a 4-layer QAT MLP under bfloat16 autocast (llama.cpp's grids: their kernel writes
+    the bfloat16 operand directly; recycled buffers, cached codes and rebuilds all run): every output,
+    gradient and updated weight equals the same steps through F.linear of fake_quantize(weight)."""
+    torch.manual_seed(0)
+    widths = [256, 512, 256, 512, 256]
+    model = nn.Sequential(*[nn.Linear(i, o) for i, o in zip(widths, widths[1:])])
+    reference = nn.Sequential(*[nn.Linear(i, o) for i, o in zip(widths, widths[1:])])
+    reference.load_state_dict(model.state_dict())
+    spec = QuantSpec(grid=grid)
+    qat = apply_qat(model, spec=spec)
+    steps = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (qat, reference)]
+    for step in range(3):
+        x = torch.randn(8, 256)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = qat(x)
+            h = x
+            for layer in reference:
+                h = F.linear(h, fake_quantize(layer.weight, spec), layer.bias)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, h), step
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        h.backward(grad)
+        for mine, theirs in zip(qat, reference):
+            assert torch.equal(mine.weight.grad, theirs.weight.grad) and torch.equal(mine.bias.grad, theirs.bias.grad)
+        for optimizer in steps:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert all(torch.equal(mine.weight, theirs.weight) for mine, theirs in zip(qat, reference))
+
+
 def test_a_bf16_model_trains_on_the_memory_light_linear():
     torch.manual_seed(0)
     qat = apply_qat(nn.Sequential(nn.Linear(64, 32)).bfloat16(), bits=4, group_size=32)

@@ -459,6 +459,29 @@ def test_the_teacher_is_the_float_model_sharing_the_frozen_tensors(assets):
         assert not torch.equal(student(ids).logits, expected)  # the student fake-quantizes
 
 
+def test_a_bfloat16_teacher_stores_its_own_matrices_in_bfloat16_with_the_same_logits(assets):
+    """Under bfloat16 autocast every product casts its weight to bfloat16 anyway: the teacher's own copies of
+    the matrices are kept in bfloat16 (half their bytes) and its logits stay bit for bit the float32 copy's; the
+    embedding, whose lookups autocast leaves alone and which the tied head shares, keeps float32."""
+    from mixle.api import apply_qat
+
+    student = apply_qat(transformers.AutoModelForCausalLM.from_pretrained(assets["llama"]), gguf_mix="Q4_K_M")
+    trained = [p for m in student.modules() if getattr(m, "spec", None) is not None
+               for p in m.parameters(recurse=False)]
+    plain, halved = shared_teacher(student, trained), shared_teacher(student, trained, torch.bfloat16)
+    matrices = [n for n, _ in student.named_parameters() if n.startswith("model.layers.") and "norm" not in n]
+    halved_params = dict(halved.named_parameters())
+    assert len(matrices) == 14 and all(halved_params[n].dtype == torch.bfloat16 for n in matrices)
+    assert halved.model.embed_tokens.weight.dtype == torch.float32 and halved.lm_head.weight is \
+        halved.model.embed_tokens.weight
+    assert halved.model.norm.weight is student.model.norm.weight  # shared tensors are left as they are
+    for name in matrices:
+        assert torch.equal(halved_params[name], dict(plain.named_parameters())[name].to(torch.bfloat16))
+    ids = torch.as_tensor(held_out(assets)[:2])
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(halved(ids).logits, plain(ids).logits)
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="--model is required"):
         FinetuneConfig(out="o")

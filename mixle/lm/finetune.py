@@ -160,12 +160,17 @@ def torch_uint8():
     return require("torch", extra="torch", purpose="mixle finetune").uint8
 
 
-def shared_teacher(model, trained):
+def shared_teacher(model, trained, matmul_dtype=None):
     """A frozen copy of ``model`` (fake-quant off: the float model) sharing every tensor not in ``trained``.
 
     Args:
         model: the QAT-wrapped student before training.
         trained: the parameters training will change (the teacher gets its own copy of these).
+        matmul_dtype: the autocast dtype the teacher runs under (bfloat16), or None. Its own copies
+            of weights that enter nothing but the layers' matrix products (``QATWrapper``: autocast
+            casts them to this dtype at every call) are stored in it: the products get the same
+            values, from half the memory. Weights that also serve another use (a head tied to the
+            embedding, whose lookups autocast does not cast) keep their dtype.
 
     Returns:
         The teacher, in eval mode, every parameter ``requires_grad=False``.
@@ -186,7 +191,24 @@ def shared_teacher(model, trained):
     for param in teacher.parameters():
         if id(param) not in memo:  # the teacher's own copies; shared tensors keep the student's flags
             param.requires_grad_(False)
+    if matmul_dtype is not None:
+        _store_products_in(teacher, matmul_dtype, shared=set(memo))
     return teacher.eval()
+
+
+def _store_products_in(teacher, dtype, shared):
+    """Cast the teacher's own ``QATWrapper`` parameters used by no other module to ``dtype``, in place."""
+    from mixle.torch_backend.layers import QATWrapper
+
+    users = {}
+    for module in teacher.modules():
+        for param in module.parameters(recurse=False):
+            users.setdefault(id(param), []).append(module)
+    for module in teacher.modules():
+        if type(module) is QATWrapper:
+            for name, param in module.named_parameters(recurse=False):
+                if name in ("weight", "bias") and id(param) not in shared and len(users[id(param)]) == 1:
+                    module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
 
 
 class _Evaluator:
@@ -250,9 +272,13 @@ def _evaluate_before(model, config, outputs, evaluator, scratch):
     return [float_row, ptq_row]
 
 
-def _prepare_student(model, config, importance=None):
+def _prepare_student(model, config, importance=None, single_process=True):
     """Wrap ``model`` for QAT in place (LoRA too if asked; with the ``importance`` matrix, an
-    ``Importance``, if given); returns ``(student, teacher, shares)``."""
+    ``Importance``, if given); returns ``(student, teacher, shares)``. Under bfloat16 autocast in one
+    process the teacher's own matrices are stored in bfloat16 (``shared_teacher``); FSDP2 shards a
+    block's parameters together, so there they keep the student's dtype."""
+    import torch
+
     from mixle.api import apply_lora, apply_qat
 
     mix = config.mix()
@@ -264,7 +290,8 @@ def _prepare_student(model, config, importance=None):
     layers = [m for m in student.modules() if getattr(m, "spec", None) is not None]
     trained = [] if config.lora else [p for m in layers for p in m.parameters(recurse=False)]
     trained += [p for m in layers for n, p in m.named_parameters(recurse=False) if n == "weight_log2_scale"]
-    teacher = None if config.distill_weight() == 0.0 else shared_teacher(student, trained)
+    matmul_dtype = torch.bfloat16 if config.dtype == "bfloat16" and single_process else None
+    teacher = None if config.distill_weight() == 0.0 else shared_teacher(student, trained, matmul_dtype)
     for param in trained:
         param.requires_grad_(True)
     if config.lora:
@@ -477,7 +504,8 @@ class _Run:
         self.model.to(self.device)
         self.peaks.end("loading and float / PTQ evaluation")
         return_free_memory()  # the evaluations' freed tensors, kept by the C heap, go back before training
-        student, teacher, sharing = _prepare_student(self.model, self.config, self.qat_importance())
+        student, teacher, sharing = _prepare_student(self.model, self.config, self.qat_importance(),
+                                                     single_process=self.ranks.world == 1)
         student, teacher, sharded = self.ranks.shard(student, teacher)  # FSDP2 under torchrun
         trainer = FinetuneTrainer(student, teacher, TRANSFORMERS, self.data, self.config, self.ranks)
         if self.payload is not None:

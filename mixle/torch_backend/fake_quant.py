@@ -233,7 +233,11 @@ def _quantize_ggml(x, spec, key, keep_codes, out):
 def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x). ``importance``:
-    the weighted search's (``_quantize_weighted``), or None."""
+    the weighted search's (``_quantize_weighted``), or None. An ``out`` in another dtype than x (bfloat16
+    for a float32 x) is written by ``_fused_ggml``'s kernel directly, else copied into."""
+    if out is not None and out.dtype != x.dtype and not _ggml_fused(x, spec, importance):
+        deq, entry = _quantize(x, spec, key, keep_codes, None, importance)
+        return out.copy_(deq), entry
     if importance is not None:
         return _quantize_weighted(x, spec, key, importance, out)
     if _ggml_fused(x, spec):
@@ -264,14 +268,16 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
 
 def _rebuild(entry, x, keep_codes=False, out=None):
     """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
-    written into ``out`` (shaped like x) when given."""
+    written into ``out`` (shaped like x; in x's dtype, or bfloat16 for a float32 x) when given."""
     fused = _fused_cpu.applies_to(x, entry.spec)
     if entry.scale is None:  # a grid of BLOCK_NUMERICS, or fused on llama.cpp's grids without codes kept
         deq = _quantize(x, entry.spec, out=out, importance=entry.importance)[0]
     elif entry.codes is not None and _is_ggml(entry):
         offset = None if entry.offset is None else entry.offset.reshape(-1)
-        return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset, x.dtype, out=out,
-                                      grid=entry.spec.grid)
+        return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset,
+                                      x.dtype if out is None else out.dtype, out=out, grid=entry.spec.grid)
+    elif out is not None and out.dtype != x.dtype:
+        return out.copy_(_rebuild(entry, x, keep_codes))
     elif entry.codes is not None:
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out, dtype=x.dtype)
@@ -442,11 +448,12 @@ class _SpareBuffer(threading.local):
     def __init__(self):
         self.held = []  # [(storage, cache entry whose fake-quantized weight it holds)], oldest first
 
-    def take(self, like, holding=None):
-        """``(tensor shaped like `like` on a dead buffer of exactly its size, or None, whether it
-        holds ``holding``'s fake-quantized weight)``. Without ``holding`` (a forward) a buffer
-        is taken only once the last two forwards' buffers are held, the oldest first."""
-        nbytes = like.numel() * like.element_size()
+    def take(self, like, holding=None, dtype=None):
+        """``(tensor shaped like `like` (in ``dtype``, default its own) on a dead buffer of exactly its
+        size, or None, whether it holds ``holding``'s fake-quantized weight)``. Without ``holding`` (a
+        forward) a buffer is taken only once the last two forwards' buffers are held, the oldest first."""
+        dtype = dtype or like.dtype
+        nbytes = like.numel() * dtype.itemsize
         fits = [i for i, (storage, _) in enumerate(self.held)
                 if storage.nbytes() == nbytes and storage.device == like.device]
         if not fits or (holding is None and len(self.held) < self.CAPACITY):
@@ -454,7 +461,7 @@ class _SpareBuffer(threading.local):
         mine = [i for i in fits if holding is not None and self.held[i][1] is holding]
         storage, _ = self.held.pop((mine or fits)[0])
         # A fresh tensor on the storage, not a view: nothing else keeps the buffer alive.
-        return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, 0, like.shape), bool(mine)
+        return torch.empty(0, dtype=dtype, device=like.device).set_(storage, 0, like.shape), bool(mine)
 
     def give(self, tensor, holds=None):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
@@ -491,7 +498,10 @@ class _QATLinear(torch.autograd.Function):
             fused = _fused_cpu.applies_to(weight, spec) or _ggml_fused(weight, spec)
         else:
             fused = _ggml_fused(weight, spec, importance)
-        out = _spare.take(weight)[0] if fused else None
+        deq_dtype = _operand_dtype(weight, spec, dtype, importance)
+        out = _spare.take(weight, dtype=deq_dtype)[0] if fused else None
+        if out is None and deq_dtype != weight.dtype:
+            out = torch.empty_like(weight, dtype=deq_dtype)
         deq, entry = cache.lookup(weight, spec, False, out, importance)
         x_dtype, x = x.dtype, x.to(dtype)  # autocast's cast of x, saved below as autocast saves it
         y = F.linear(x, deq, bias)  # under autocast: the bf16 cast of the fake-quantized weight
@@ -500,6 +510,7 @@ class _QATLinear(torch.autograd.Function):
         del deq
         ctx.weight, ctx.version, ctx.entry, ctx.fused = weight, weight._version, entry, fused
         ctx.dtype, ctx.x_dtype, ctx.bias_dtype = dtype, x_dtype, None if bias is None else bias.dtype
+        ctx.deq_dtype = deq_dtype
         if ctx.needs_input_grad[1]:
             ctx.save_for_backward(x)
         return y
@@ -536,15 +547,22 @@ def _backward_products(ctx, grad, flat, x, need_x):
 
     The weight gradient's buffer first holds the fake-quantized weight: one weight-sized
     allocation (and its first-touch page faults) less per layer and step, and no rebuild at all
-    for a recycled buffer that still holds it.
+    for a recycled buffer that still holds it. Where the weight is fake-quantized into autocast's
+    bfloat16 (``_operand_dtype``) that buffer is the matmul's operand only, recycled after it.
     """
-    weight, entry, dtype = ctx.weight, ctx.entry, ctx.dtype
+    weight, entry, dtype, deq_dtype = ctx.weight, ctx.entry, ctx.dtype, ctx.deq_dtype
     buffer = grad_x = grad_w = None
     if need_x:
-        buffer, holds = _spare.take(weight, holding=entry) if ctx.fused else (None, False)
+        buffer, holds = _spare.take(weight, holding=entry, dtype=deq_dtype) if ctx.fused else (None, False)
         if not holds:
+            if buffer is None and deq_dtype != weight.dtype:
+                buffer = torch.empty_like(weight, dtype=deq_dtype)
             buffer = _rebuild(entry, weight.detach(), out=buffer)
         grad_x = grad.matmul(buffer.to(dtype))
+        if buffer.dtype != weight.dtype:  # the matmul operand alone (autocast): dead now, recycled
+            if ctx.fused:
+                _spare.give(buffer)
+            buffer = None
     if x is not None:
         if buffer is None:
             grad_w = flat.t().mm(x).to(weight.dtype)
@@ -553,6 +571,15 @@ def _backward_products(ctx, grad, flat, x, need_x):
         else:  # autocast: the product in its dtype, as F.linear's backward computes it
             grad_w = buffer.copy_(flat.t().mm(x))
     return grad_x, grad_w
+
+
+def _operand_dtype(weight, spec, dtype, importance):
+    """The dtype ``_QATLinear`` fake-quantizes ``weight`` into: autocast's bfloat16 for a float32 weight on
+    ``_fused_ggml``'s kernel (which writes the values the cast would give, saving a float32 copy and its
+    cast), else the weight's own."""
+    if dtype == torch.bfloat16 and weight.dtype == torch.float32 and _ggml_fused(weight, spec, importance):
+        return dtype
+    return weight.dtype
 
 
 def _matmul_dtype(x, weight, bias):

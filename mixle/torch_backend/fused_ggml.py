@@ -117,7 +117,18 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
+def _io_code(x_dtype, deq_dtype):
+    """The kernels' dtype code: x and deq both float32 (0) or bfloat16 (1), or float32 x written as a
+    bfloat16 deq (2)."""
+    if deq_dtype == x_dtype:
+        return _DTYPES[x_dtype]
+    if (x_dtype, deq_dtype) == (torch.float32, torch.bfloat16):
+        return 2
+    raise ValueError(f"the fused kernels write a {x_dtype} weight's fake-quantized values in its own dtype or, "
+                     f"from float32, in bfloat16; not in {deq_dtype}")
+
+
+def fake_quant(x, spec, *, want_codes=False, out=None, importance=None, dtype=None):
     """One pass over x's blocks: ``(deq, codes, a, b, nonfinite, overflow)``.
 
     With ``importance`` (a float32 CPU tensor, one value per column of x's last axis; grids of
@@ -125,15 +136,22 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     ``quantize_array(x, spec, importance=importance)`` (on q4_0 a bfloat16 weight's float16 scale
     is held in bfloat16 first, as without an importance).
 
-    ``deq`` is the fake-quantized x in x's dtype (written into ``out`` when given, contiguous
-    and shaped like x); ``codes`` (int8, x's shape), ``a`` and ``b`` (float32, one per sub-block;
+    ``deq`` is the fake-quantized x in ``dtype`` (default: x's; bfloat16 for a float32 x is its
+    float32 values rounded to nearest even, what ``.to(torch.bfloat16)`` gives), written into
+    ``out`` when given (contiguous, shaped like x, of that dtype); ``codes`` (int8, x's shape), ``a`` and ``b`` (float32, one per sub-block;
     ``b`` None on grids without an offset) only when ``want_codes``, else None. ``nonfinite``
     counts blocks holding NaN or infinity and ``overflow`` blocks whose float16 scale or min
     overflows; where either is non-zero the other outputs are meaningless (the caller raises).
     Call ``applies_to`` first.
     """
     kind = KINDS[spec.grid]
-    deq = torch.empty_like(x) if out is None else out
+    if out is None:
+        deq = torch.empty_like(x, dtype=dtype or x.dtype)
+    elif dtype is not None and out.dtype != dtype:
+        raise ValueError(f"out is {out.dtype} and dtype {dtype}: give one dtype")
+    else:
+        deq = out
+    io = _io_code(x.dtype, deq.dtype)
     codes = a = b = None
     if want_codes:
         codes = torch.empty(x.shape, dtype=torch.int8)
@@ -143,12 +161,12 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     if importance is not None:
         qw = importance.detach().to(torch.float32).contiguous()
         nonfinite = _kernels().weighted(
-            kind.id, _DTYPES[x.dtype], x.data_ptr(), x.numel(), x.shape[-1], qw.data_ptr(), deq.data_ptr(),
+            kind.id, io, x.data_ptr(), x.numel(), x.shape[-1], qw.data_ptr(), deq.data_ptr(),
             _ptr(codes), _ptr(a), _ptr(b), int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow),
             torch.get_num_threads())
         return deq, codes, a, b, nonfinite, overflow.value
     nonfinite = _kernels().fake_quant(
-        kind.id, _DTYPES[x.dtype], x.data_ptr(), x.numel(), deq.data_ptr(), _ptr(codes), _ptr(a), _ptr(b),
+        kind.id, io, x.data_ptr(), x.numel(), deq.data_ptr(), _ptr(codes), _ptr(a), _ptr(b),
         int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow), torch.get_num_threads())
     return deq, codes, a, b, nonfinite, overflow.value
 

@@ -18,7 +18,8 @@
 // imatrix * sqrt(sigma2 + x * x), make_qp_quants for the K-quants' 6-bit scales and mins.
 //
 // Input and output are float32 or bfloat16 (read exactly as float32; written rounded to nearest
-// even, as torch casts), so a bfloat16 weight gets exactly the float32 path's values, then cast.
+// even, as torch casts), so a bfloat16 weight gets exactly the float32 path's values, then cast; a
+// float32 weight may also be written in bfloat16 (the matmul's operand under bfloat16 autocast).
 
 #include "fused_ggml_blocks.h"
 
@@ -230,9 +231,9 @@ inline void store(float* y, int64_t j, float v) { y[j] = v; }
 inline void store(uint16_t* y, int64_t j, float v) { y[j] = to_bf16(v); }
 
 // A unit's outputs (len values from begin) into the caller's arrays; codes / a / b may be null.
-template <typename T>
+template <typename U>
 inline void write_unit(const GridInfo& g, int64_t begin, int64_t len, const float* yf, const int8_t* qf,
-                       const float* af, const float* bf, T* deq, int8_t* codes, float* a, float* b) {
+                       const float* af, const float* bf, U* deq, int8_t* codes, float* a, float* b) {
     for (int64_t j = 0; j < len; ++j) store(deq, begin + j, yf[j]);
     if (codes) std::memcpy(codes + begin, qf, len);
     const int64_t subs = len / g.sub, first = begin / g.sub;
@@ -242,8 +243,8 @@ inline void write_unit(const GridInfo& g, int64_t begin, int64_t len, const floa
 
 // Returns the number of units holding NaN or infinity; *overflow: units whose stored float16
 // scale (or min) is not finite. codes / a / b may be null (not kept).
-template <typename T>
-int64_t run(int grid, const T* x, int64_t n, T* deq, int8_t* codes, float* a, float* b, bool hold_bf16,
+template <typename T, typename U>
+int64_t run(int grid, const T* x, int64_t n, U* deq, int8_t* codes, float* a, float* b, bool hold_bf16,
             int64_t* overflow, int threads) {
     const GridInfo g = info(grid);
     const int64_t units = (n + g.block - 1) / g.block;
@@ -290,8 +291,8 @@ void quantize_unit_weighted(int grid, const float* x, const float* qw, const flo
 
 // run() with an importance: qw holds one value per column of the rows of row_len values of x
 // (llama-quantize --imatrix's quantizers). Not for q8_0 / mxfp4 (ggml ignores the importance there).
-template <typename T>
-int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const float* qw, T* deq, int8_t* codes,
+template <typename T, typename U>
+int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const float* qw, U* deq, int8_t* codes,
                      float* a, float* b, bool hold_bf16, int64_t* overflow, int threads) {
     const GridInfo g = info(grid);
     const bool super = grid == Q4_K || grid == Q5_K || grid == Q6_K;
@@ -364,20 +365,27 @@ void dequantize(const int8_t* codes, const float* a, const float* b, int64_t n, 
 
 }  // namespace
 
-// dtype 0: float32, 1: bfloat16 (x and deq). n must be a multiple of the grid's block (32 / 256).
+// dtype 0: float32 (x and deq), 1: bfloat16 (x and deq), 2: float32 x, bfloat16 deq (the float32 result
+// rounded to nearest even: what autocast's cast of it gives). n must be a multiple of the grid's block (32 / 256).
 extern "C" int64_t mixle_ggml_fake_quant(int grid, int dtype, const void* x, int64_t n, void* deq, int8_t* codes,
                                          float* a, float* b, int hold_bf16, int64_t* overflow, int threads) {
     if (dtype == 1)
         return run(grid, (const uint16_t*)x, n, (uint16_t*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
+    if (dtype == 2)
+        return run(grid, (const float*)x, n, (uint16_t*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
     return run(grid, (const float*)x, n, (float*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
 }
 
-// The importance-weighted quantizers (not q8_0): qw, float32, one value per column of rows of row_len.
+// The importance-weighted quantizers (not q8_0): qw, float32, one value per column of rows of row_len;
+// dtype as for mixle_ggml_fake_quant.
 extern "C" int64_t mixle_ggml_fake_quant_weighted(int grid, int dtype, const void* x, int64_t n, int64_t row_len,
                                                   const float* qw, void* deq, int8_t* codes, float* a, float* b,
                                                   int hold_bf16, int64_t* overflow, int threads) {
     if (dtype == 1)
         return run_weighted(grid, (const uint16_t*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, hold_bf16 != 0,
+                            overflow, threads);
+    if (dtype == 2)
+        return run_weighted(grid, (const float*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, hold_bf16 != 0,
                             overflow, threads);
     return run_weighted(grid, (const float*)x, n, row_len, qw, (float*)deq, codes, a, b, hold_bf16 != 0, overflow,
                         threads);
