@@ -259,13 +259,6 @@ void block_nf4(const float* x, Block& o) {
 
 constexpr int NL = 32;  // sub-blocks searched at once, one per lane (two vectors: their sums overlap)
 
-// L = trial where take (all ones), per lane: a branch-free select.
-template <int N>
-inline void select_codes(const int32_t* take, const int32_t* __restrict trial, int32_t* __restrict L) {
-    for (int i = 0; i < N; ++i)
-        for (int s = 0; s < NL; ++s) L[i * NL + s] = (trial[i * NL + s] & take[s]) | (L[i * NL + s] & ~take[s]);
-}
-
 // ggml's make_qkx2_quants (no MAD) on NL sub-blocks of N values, transposed: xt[i * NL + s] is
 // value i of sub-block s. Writes the scales, the mins (as ggml returns them: -min) and codes L.
 template <int N>
@@ -292,11 +285,12 @@ void make_qkx2(const float* xt, const float* wt, int nmax, float rmin, float rde
         span[s] = iscale;
         best[s] = 0.0f;
     }
+    float code_scale[NL], code_min[NL];  // what the best trial's codes were rounded with
+    for (int s = 0; s < NL; ++s) code_scale[s] = span[s], code_min[s] = mn[s];
     for (int i = 0; i < N; ++i) {
         for (int s = 0; s < NL; ++s) {
             const float v = xt[i * NL + s];
             const int32_t l = std::min(nmax, std::max(0, nearest_int(span[s] * (v - mn[s]))));
-            L[i * NL + s] = l;
             const float diff = (scale[s] * (float)l + mn[s]) - v;
             best[s] = best[s] + wt[i * NL + s] * (diff * diff);
         }
@@ -337,18 +331,18 @@ void make_qkx2(const float* xt, const float* wt, int nmax, float rmin, float rde
                 err[s] = err[s] + wt[i * NL + s] * (diff * diff);
             }
         }
-        int32_t take[NL], any = 0;  // take: all ones where the trial wins (selects as bit masks)
         for (int s = 0; s < NL; ++s) {
-            take[s] = -(int32_t)(err[s] < best[s]);
-            any |= take[s];
+            const bool take = err[s] < best[s];
+            best[s] = take ? err[s] : best[s];
+            scale[s] = take ? this_scale[s] : scale[s];
+            code_scale[s] = take ? iscale[s] : code_scale[s];
+            code_min[s] = take ? mn[s] : code_min[s];
+            mn[s] = take ? this_min[s] : mn[s];
         }
-        for (int s = 0; s < NL; ++s) {
-            best[s] = take[s] ? err[s] : best[s];
-            scale[s] = take[s] ? this_scale[s] : scale[s];
-            mn[s] = take[s] ? this_min[s] : mn[s];
-        }
-        if (any) select_codes<N>(take, laux, L);
     }
+    for (int i = 0; i < N; ++i)  // the best trial's codes, rounded again as that trial rounded them
+        for (int s = 0; s < NL; ++s)
+            L[i * NL + s] = std::min(nmax, std::max(0, nearest_int(code_scale[s] * (xt[i * NL + s] - code_min[s]))));
     for (int s = 0; s < NL; ++s) {
         the_min[s] = -(flat[s] ? flat_min[s] : mn[s]);
         scale[s] = flat[s] ? 0.0f : scale[s];
@@ -362,7 +356,7 @@ void make_qkx2(const float* xt, const float* wt, int nmax, float rmin, float rde
 // L + nmax.
 template <int N>
 void make_qx_rmse1(const float* xt, int nmax, float* scale, int32_t* L, const float* wt = nullptr) {
-    float amax[NL], vmax[NL], best[NL], sumlx[NL], suml2[NL], iscale[NL];
+    float amax[NL], vmax[NL], best[NL], sumlx[NL], suml2[NL], iscale[NL], code_scale[NL];
     for (int s = 0; s < NL; ++s) amax[s] = vmax[s] = 0.0f;
     for (int i = 0; i < N; ++i) {
         for (int s = 0; s < NL; ++s) {
@@ -372,7 +366,6 @@ void make_qx_rmse1(const float* xt, int nmax, float* scale, int32_t* L, const fl
             vmax[s] = larger ? v : vmax[s];
         }
     }
-    int32_t trial[N * NL];
     const int32_t lo = -nmax, hi = nmax - 1;
     for (int t = 0; t < 19; ++t) {
         const int is = t == 0 ? 0 : (t <= 9 ? t - 10 : t - 9);  // 0, then -9..-1, 1..9
@@ -386,35 +379,34 @@ void make_qx_rmse1(const float* xt, int nmax, float* scale, int32_t* L, const fl
                 const float v = xt[i * NL + s];
                 int32_t l = nearest_int(iscale[s] * v);
                 l = l < lo ? lo : (l > hi ? hi : l);
-                trial[i * NL + s] = l;
                 const float w = wt ? wt[i * NL + s] : v * v, lf = (float)l;
                 sumlx[s] = sumlx[s] + (w * v) * lf;
                 suml2[s] = suml2[s] + (w * lf) * lf;
             }
         }
         if (t == 0) {
-            std::memcpy(L, trial, sizeof(trial));
             for (int s = 0; s < NL; ++s) {
                 scale[s] = suml2[s] != 0 ? sumlx[s] / suml2[s] : 0.0f;
                 best[s] = scale[s] * sumlx[s];
+                code_scale[s] = iscale[s];
             }
             continue;
         }
-        int32_t take[NL], any = 0;
         for (int s = 0; s < NL; ++s) {
-            take[s] = -(int32_t)(suml2[s] > 0 && sumlx[s] * sumlx[s] > best[s] * suml2[s]);
-            any |= take[s];
+            const bool take = suml2[s] > 0 && sumlx[s] * sumlx[s] > best[s] * suml2[s];
+            scale[s] = take ? sumlx[s] / suml2[s] : scale[s];
+            best[s] = take ? scale[s] * sumlx[s] : best[s];
+            code_scale[s] = take ? iscale[s] : code_scale[s];
         }
-        for (int s = 0; s < NL; ++s) {
-            scale[s] = take[s] ? sumlx[s] / suml2[s] : scale[s];
-            best[s] = take[s] ? scale[s] * sumlx[s] : best[s];
-        }
-        if (any) select_codes<N>(take, trial, L);
     }
     for (int s = 0; s < NL; ++s) {
         const bool zero = amax[s] < 1e-15f;
         scale[s] = zero ? 0.0f : scale[s];
-        for (int i = 0; i < N; ++i) L[i * NL + s] = (zero ? -nmax : L[i * NL + s]) + nmax;
+        for (int i = 0; i < N; ++i) {  // the best trial's codes, rounded again as that trial rounded them
+            int32_t l = nearest_int(code_scale[s] * xt[i * NL + s]);
+            l = l < lo ? lo : (l > hi ? hi : l);
+            L[i * NL + s] = (zero ? -nmax : l) + nmax;
+        }
     }
 }
 
