@@ -18,7 +18,8 @@ tokens/s and peak memory. ``--imatrix calibrate`` (or a llama-imatrix file), ``-
 baseline row. Then (``--step-timing``) it times training steps of the same job
 interleaved: the float model (no fake-quant), mixle's QAT on the target, and torchao's QAT
 (int4 symmetric groups of 32, the closest torchao grid to Q4_0) when torchao is installed, each
-distilled from the same float teacher on the same batches, in fp32 and (``--step-dtypes``) bfloat16.
+distilled from the same float teacher on the same batches, in fp32 and (``--step-dtypes``) bfloat16
+(there the teacher's matrices are stored in bfloat16, as ``mixle finetune`` stores them).
 
 Writes ``benchmark.json`` and prints the tables (reStructuredText, as the README shows them).
 """
@@ -153,6 +154,7 @@ def time_steps(args):
     import torch
 
     from mixle.lm.family import TRANSFORMERS
+    from mixle.lm.finetune import store_matmul_weights
     from mixle.lm.finetune_config import FinetuneConfig, parse_mix
     from mixle.lm.finetune_data import prepare_finetune_data
     from mixle.lm.finetune_load import load_model
@@ -171,9 +173,13 @@ def time_steps(args):
                                 lr=args.lr, steps=1000, dtype=dtype)
         data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
         trainers = {}
+        step_teacher = teacher
+        if dtype == "bfloat16":  # as mixle finetune keeps it: the matrices in bfloat16 (the same logits)
+            step_teacher = copy.deepcopy(teacher)
+            store_matmul_weights(step_teacher, torch.bfloat16)
         for name, prepare in _variants(args.target, importance).items():
             student = _trainable(prepare(copy.deepcopy(loaded.model)), embedding=parse_mix(args.target) is not None)
-            trainers[name] = FinetuneTrainer(student, teacher, TRANSFORMERS, data, config)
+            trainers[name] = FinetuneTrainer(student, step_teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
         seconds = {name: [] for name in trainers}
         for _ in range(args.step_timing):

@@ -253,8 +253,8 @@ def test_fused_kernels_train_bit_identically_to_the_torch_ops(spec, monkeypatch)
     recycled = []
     take = fq._SpareBuffer.take
 
-    def counted_take(self, like, holding=None):
-        buffer, holds = take(self, like, holding)
+    def counted_take(self, like, holding=None, dtype=None):
+        buffer, holds = take(self, like, holding, dtype)
         recycled.append((buffer is not None, holds))
         return buffer, holds
 

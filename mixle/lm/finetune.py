@@ -167,10 +167,8 @@ def shared_teacher(model, trained, matmul_dtype=None):
         model: the QAT-wrapped student before training.
         trained: the parameters training will change (the teacher gets its own copy of these).
         matmul_dtype: the autocast dtype the teacher runs under (bfloat16), or None. Its own copies
-            of weights that enter nothing but the layers' matrix products (``QATWrapper``: autocast
-            casts them to this dtype at every call) are stored in it: the products get the same
-            values, from half the memory. Weights that also serve another use (a head tied to the
-            embedding, whose lookups autocast does not cast) keep their dtype.
+            of the linear layers' weights are then stored in it (``store_matmul_weights``): the same
+            products from half their memory.
 
     Returns:
         The teacher, in eval mode, every parameter ``requires_grad=False``.
@@ -192,22 +190,42 @@ def shared_teacher(model, trained, matmul_dtype=None):
         if id(param) not in memo:  # the teacher's own copies; shared tensors keep the student's flags
             param.requires_grad_(False)
     if matmul_dtype is not None:
-        _store_products_in(teacher, matmul_dtype, shared=set(memo))
+        store_matmul_weights(teacher, matmul_dtype, keep=memo.values())
     return teacher.eval()
 
 
-def _store_products_in(teacher, dtype, shared):
-    """Cast the teacher's own ``QATWrapper`` parameters used by no other module to ``dtype``, in place."""
+def store_matmul_weights(model, dtype, keep=()):
+    """Store, in place, the weights and biases of ``model``'s linear layers in ``dtype`` where those
+    layers' matrix products are their only use: under autocast to ``dtype`` each call casts them to it
+    anyway, so the products get the same values from less memory and no cast. Linear layers are
+    ``torch.nn.Linear`` and mixle's ``QATWrapper`` with fake-quant off (both run ``F.linear``); a
+    tensor another module also uses (a head tied to the embedding, whose lookups autocast leaves
+    alone) or in ``keep`` (tensors shared with a model being trained) keeps its dtype.
+
+    Args:
+        model: a frozen model run only under autocast to ``dtype`` (a teacher).
+        dtype: autocast's dtype (``torch.bfloat16``).
+        keep: parameters to leave as they are.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    >>> store_matmul_weights(net, torch.bfloat16)
+    >>> net[1].weight.dtype, net[0].weight.dtype
+    (torch.bfloat16, torch.float32)
+    """
+    import torch
+
     from mixle.torch_backend.layers import QATWrapper
 
+    kept = {id(p) for p in keep}
     users = {}
-    for module in teacher.modules():
+    for module in model.modules():
         for param in module.parameters(recurse=False):
             users.setdefault(id(param), []).append(module)
-    for module in teacher.modules():
-        if type(module) is QATWrapper:
+    for module in model.modules():
+        if type(module) is torch.nn.Linear or (type(module) is QATWrapper and not module.enabled):
             for name, param in module.named_parameters(recurse=False):
-                if name in ("weight", "bias") and id(param) not in shared and len(users[id(param)]) == 1:
+                if name in ("weight", "bias") and id(param) not in kept and len(users[id(param)]) == 1:
                     module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
 
 
