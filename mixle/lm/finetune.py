@@ -184,13 +184,14 @@ def shared_teacher(model, trained, matmul_dtype=None):
 
     trained_ids = {id(p) for p in trained}
     memo = {id(p): p for p in model.parameters() if id(p) not in trained_ids}
+    shared = list(memo.values())  # deepcopy adds its copies to memo
     teacher = copy.deepcopy(model, memo)
     set_fake_quant_enabled(teacher, False)
     for param in teacher.parameters():
         if id(param) not in memo:  # the teacher's own copies; shared tensors keep the student's flags
             param.requires_grad_(False)
     if matmul_dtype is not None:
-        store_matmul_weights(teacher, matmul_dtype, keep=memo.values())
+        store_matmul_weights(teacher, matmul_dtype, keep=shared)
     return teacher.eval()
 
 
