@@ -20,9 +20,10 @@ def spec_of(grid):
     return QuantSpec(grid=grid, bits=GRIDS[grid])
 
 
-def edge_weights(seed, rows=8, cols=512):
+def edge_weights(seed, rows=8, cols=512, subnormal=True):
     """Random rows at mixed magnitudes plus the edge cases: all-zero blocks and super-blocks, one
-    huge value, a negative-dominant super-block, signed zeros, a constant block, a tiny block."""
+    huge value, a negative-dominant super-block, signed zeros, a constant block, a tiny block, a
+    subnormal one."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-3, 1, (rows, 1))).astype(np.float32)
     w[0, :32] = 0.0
@@ -33,7 +34,14 @@ def edge_weights(seed, rows=8, cols=512):
     w[4, -32:] = 0.75  # a constant block
     w[5, :32] = rng.standard_normal(32).astype(np.float32) * 1e-30  # scales below float16's range
     w[6, cols // 2 + 44] = -abs(w[6]).max() * 2  # the largest magnitude negative
+    if subnormal:  # a K-quant trial's inverse scale overflows to infinity: the kernel rounds by ggml's integer steps
+        w[7, :64] = (rng.standard_normal(64) * 1e-40).astype(np.float32)
     return w
+
+
+# q4_0 / q8_0 on a subnormal block: the numpy numerics give NaN (codes of x / 0), the kernel 0 (as llama.cpp's
+# file holds it: a float16 scale of 0); left out of the comparison, noted as an open discrepancy.
+SUBNORMAL_DIFFERS = ("q4_0", "q8_0")
 
 
 def bits_equal(a, b):
@@ -47,7 +55,7 @@ def bits_equal(a, b):
 def test_kernel_equals_the_numpy_numerics_bit_for_bit(grid, cols):
     spec = spec_of(grid)
     for seed in range(3):
-        w = edge_weights(seed, cols=cols)
+        w = edge_weights(seed, cols=cols, subnormal=grid not in SUBNORMAL_DIFFERS)
         want = fake_quant_forward(w, spec)[0]
         assert fused_ggml.applies_to(torch.from_numpy(w), spec)
         deq, codes, a, b, nonfinite, overflow = fused_ggml.fake_quant(torch.from_numpy(w), spec, want_codes=True)
@@ -108,7 +116,7 @@ def test_nf4_at_the_midpoints_and_with_a_subnormal_absmax():
 @pytest.mark.parametrize("grid", GRIDS)
 def test_a_bf16_weight_is_the_float32_path_then_cast(grid):
     spec = spec_of(grid)
-    w = torch.from_numpy(edge_weights(7)).bfloat16()
+    w = torch.from_numpy(edge_weights(7, subnormal=grid not in SUBNORMAL_DIFFERS)).bfloat16()
     w32 = w.float().numpy()
     if fused_ggml.KINDS[grid].hold_scale:  # q4_0 / q8_0: the float16 scale held in bf16, as the torch path does
         q = quantize_array(w32, spec)
