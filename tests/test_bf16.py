@@ -136,18 +136,22 @@ def test_autocast_keeps_the_memory_light_linear_and_equals_f_linear_under_autoca
     assert torch.equal(layer.bias.grad, reference.bias.grad)
 
 
-@pytest.mark.parametrize("grid", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k"])
-def test_autocast_training_steps_on_llama_cpp_grids_equal_f_linear_of_the_fake_quantized_weights(grid,
-                                                                                                 fake_quant_path):
-    """Three SGD steps of a 4-layer QAT MLP under bfloat16 autocast (llama.cpp's grids: their kernel writes
-    the bfloat16 operand directly; recycled buffers, cached codes and rebuilds all run): every output,
-    gradient and updated weight equals the same steps through F.linear of fake_quantize(weight)."""
+AUTOCAST_STEPS = {**{grid: QuantSpec(grid=grid) for grid in ("q4_0", "q5_0", "q8_0", "q4_k", "q6_k")},
+                  "int4 g32": QuantSpec(bits=4, group_size=32), "qwix int8 channel": QuantSpec(bits=8, grid="qwix"),
+                  "int4 g32 p99 clip_gradient": PLAIN["int4 g32 p99 clip_gradient"]}
+
+
+@pytest.mark.parametrize("name", AUTOCAST_STEPS)
+def test_autocast_training_steps_equal_f_linear_of_the_fake_quantized_weights(name, fake_quant_path):
+    """Three SGD steps of a 4-layer QAT MLP under bfloat16 autocast (the fused kernels write the bfloat16
+    operand directly; recycled buffers, cached codes and rebuilds all run): every output, gradient and
+    updated weight equals the same steps through F.linear of fake_quantize(weight)."""
+    spec = AUTOCAST_STEPS[name]
     torch.manual_seed(0)
     widths = [256, 512, 256, 512, 256]
     model = nn.Sequential(*[nn.Linear(i, o) for i, o in zip(widths, widths[1:])])
     reference = nn.Sequential(*[nn.Linear(i, o) for i, o in zip(widths, widths[1:])])
     reference.load_state_dict(model.state_dict())
-    spec = QuantSpec(grid=grid)
     qat = apply_qat(model, spec=spec)
     steps = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (qat, reference)]
     for step in range(3):

@@ -234,8 +234,8 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x). ``importance``:
     the weighted search's (``_quantize_weighted``), or None. An ``out`` in another dtype than x (bfloat16
-    for a float32 x) is written by ``_fused_ggml``'s kernel directly, else copied into."""
-    if out is not None and out.dtype != x.dtype and not _ggml_fused(x, spec, importance):
+    for a float32 x) is written by the fused kernels directly (``_writes_operand``), else copied into."""
+    if out is not None and out.dtype != x.dtype and not _writes_operand(x, spec, importance):
         deq, entry = _quantize(x, spec, key, keep_codes, None, importance)
         return out.copy_(deq), entry
     if importance is not None:
@@ -276,11 +276,10 @@ def _rebuild(entry, x, keep_codes=False, out=None):
         offset = None if entry.offset is None else entry.offset.reshape(-1)
         return _fused_ggml.dequantize(entry.codes, entry.scale.reshape(-1).float(), offset,
                                       x.dtype if out is None else out.dtype, out=out, grid=entry.spec.grid)
-    elif out is not None and out.dtype != x.dtype:
-        return out.copy_(_rebuild(entry, x, keep_codes))
     elif entry.codes is not None:
         if fused:
-            return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out, dtype=x.dtype)
+            return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out, dtype=x.dtype,
+                                         weight_dtype=x.dtype)
         deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
     elif fused:  # rounded with the scale the codes were computed with (float32 for a bf16 weight)
         code_scale = entry.scale if entry.code_scale is None else entry.code_scale
@@ -573,11 +572,16 @@ def _backward_products(ctx, grad, flat, x, need_x):
     return grad_x, grad_w
 
 
+def _writes_operand(x, spec, importance=None):
+    """Whether a fused kernel fake-quantizes x (float32) straight into bfloat16: llama.cpp's grids'
+    (``_fused_ggml``) or the plain grids' (``_fused_cpu``), which write the values the cast would give."""
+    return _ggml_fused(x, spec, importance) or (importance is None and _fused_cpu.applies_to(x, spec))
+
+
 def _operand_dtype(weight, spec, dtype, importance):
-    """The dtype ``_QATLinear`` fake-quantizes ``weight`` into: autocast's bfloat16 for a float32 weight on
-    ``_fused_ggml``'s kernel (which writes the values the cast would give, saving a float32 copy and its
-    cast), else the weight's own."""
-    if dtype == torch.bfloat16 and weight.dtype == torch.float32 and _ggml_fused(weight, spec, importance):
+    """The dtype ``_QATLinear`` fake-quantizes ``weight`` into: autocast's bfloat16 for a float32 weight
+    on a kernel that writes it (``_writes_operand``: no float32 copy and cast), else the weight's own."""
+    if dtype == torch.bfloat16 and weight.dtype == torch.float32 and _writes_operand(weight, spec, importance):
         return dtype
     return weight.dtype
 

@@ -29,6 +29,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c
 SWITCH = kernel_cache.SWITCH
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+_F32_TO_BF16 = "f32_bf16"  # a float32 weight's values written in bfloat16 (autocast's matmul operand)
 # The dtype a weight's scales and thresholds are computed and kept in (the numerics' dtype).
 _SCALE_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32}
 _loaded = {}  # "kernels" -> _Kernels or None, once decided
@@ -85,7 +86,16 @@ class _Kernels:
         lib = kernel_cache.load(path)  # only a library this user built, re-verified on dlopen's descriptor
         p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self.fake_quant, self.dequantize, self.clip_mask_grad = {}, {}, {}
-        for suffix in _DTYPES.values():
+        for suffix in (*_DTYPES.values(), _F32_TO_BF16):
+            if suffix == _F32_TO_BF16:  # float32 weights written in bfloat16: no clip kernel of its own
+                for table, name, args in ((self.fake_quant, "fake_quant", [p, i64, i64, i64, i64, f64, f64, f64, f64,
+                                                                          p, p, p, p, p, i32]),
+                                          (self.dequantize, "dequantize", [p, p, i64, i64, p, i32])):
+                    fn = getattr(lib, f"mixle_{name}_{suffix}")
+                    fn.argtypes = args
+                    fn.restype = i64 if name == "fake_quant" else None
+                    table[suffix] = fn
+                continue
             fn = getattr(lib, f"mixle_fake_quant_{suffix}")
             fn.argtypes = [p, i64, i64, i64, i64, f64, f64, f64, f64, p, p, p, p, p, i32]
             fn.restype = i64  # blocks holding NaN or infinity
@@ -182,7 +192,7 @@ def _ptr(t):
 def _fake_quant_kernel(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Tensor, scale_out: Optional[torch.Tensor],
                    threshold: Optional[torch.Tensor], codes: Optional[torch.Tensor], width: int, lo: int, hi: int,
                    frac: float, divisor: float, code_min: float, code_max: float) -> torch.Tensor:
-    bad = _kernels().fake_quant[_DTYPES[x.dtype]](
+    bad = _kernels().fake_quant[_suffix(x.dtype, deq.dtype)](
         x.data_ptr(), x.numel() // width, width, lo, hi, frac, divisor, code_min, code_max, _ptr(given),
         _ptr(scale_out), _ptr(threshold), deq.data_ptr(), _ptr(codes), torch.get_num_threads())
     return torch.tensor(bad, dtype=torch.int64)
@@ -197,8 +207,19 @@ def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, 
     return x.new_empty((), dtype=torch.int64)
 
 
-def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    _kernels().dequantize[_DTYPES[out.dtype]](
+def _suffix(x_dtype, out_dtype):
+    """The kernel for a weight of ``x_dtype`` whose values are written in ``out_dtype``."""
+    if out_dtype == x_dtype:
+        return _DTYPES[x_dtype]
+    if (x_dtype, out_dtype) == (torch.float32, torch.bfloat16):
+        return _F32_TO_BF16
+    raise ValueError(f"the fused kernels write a {x_dtype} weight's values in its own dtype or, from float32, in "
+                     f"bfloat16; not in {out_dtype}")
+
+
+def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, from_float32: bool = False) -> None:
+    # from_float32 with a bfloat16 out: a float32 weight's values rounded once (a bfloat16 weight's scales are held)
+    _kernels().dequantize[_suffix(torch.float32 if from_float32 else out.dtype, out.dtype)](
         codes.data_ptr(), scale.data_ptr(), scale.numel(), codes.numel() // scale.numel(), out.data_ptr(),
         torch.get_num_threads())
 
@@ -207,7 +228,7 @@ _dequantize_op = torch.library.custom_op("mixle::fused_dequantize", _dequantize_
 
 
 @_dequantize_op.register_fake
-def _(codes, scale, out):
+def _(codes, scale, out, from_float32=False):
     return None
 
 
@@ -240,7 +261,8 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
     threshold None. Otherwise the scales are computed, and ``nonfinite`` (a 0-d int64 tensor)
     counts the blocks holding NaN or infinity (the other outputs are then meaningless; the
     caller raises). Codes and threshold not asked for are None; ``out`` (contiguous, shaped like
-    x) receives deq instead of a new tensor. Call ``applies_to`` first.
+    x; in x's dtype, or bfloat16 for a float32 x: its values rounded to nearest even) receives deq
+    instead of a new tensor. Call ``applies_to`` first.
     """
     batch, blocks_per_batch, width = block_shape(x.shape, spec)
     percentile = spec.clip_percentile
@@ -262,14 +284,18 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
     return deq, codes, scale, threshold, nonfinite
 
 
-def dequantize(codes, scale, spec, out=None, dtype=None):
+def dequantize(codes, scale, spec, out=None, dtype=None, weight_dtype=None):
     """``codes * scale`` per block in ``dtype`` (default: scale's; codes int8 with the weight's
     shape), into ``out`` when given (then in its dtype). A bfloat16 result takes float32 scales,
-    held in bfloat16 as ``fake_quant`` holds them."""
+    held in bfloat16 as ``fake_quant`` holds them for a bfloat16 weight; for a float32 weight
+    (``weight_dtype``) the float32 values are rounded once, as ``fake_quant`` writes them into a
+    bfloat16 ``out``."""
     if out is None:
         out = torch.empty(codes.shape, dtype=scale.dtype if dtype is None else dtype)
     scale = scale.to(_SCALE_DTYPES[out.dtype])
-    _traced_or_direct(torch.ops.mixle.fused_dequantize, _dequantize_kernel)(codes.contiguous(), scale.contiguous(), out)
+    from_float32 = weight_dtype == torch.float32 and out.dtype == torch.bfloat16
+    _traced_or_direct(torch.ops.mixle.fused_dequantize, _dequantize_kernel)(codes.contiguous(), scale.contiguous(), out,
+                                                                           from_float32)
     return out
 
 

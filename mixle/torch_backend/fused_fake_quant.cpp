@@ -75,6 +75,7 @@ struct Job {
     T* threshold;          // out: per block, or null
     S* deq;                // out: fake-quantized values
     int8_t* codes;         // out: int8 codes, or null
+    uint16_t* deq_bf16 = nullptr;  // float32 x only: the values written here in bfloat16 instead of deq
 };
 
 template <typename S, typename U>
@@ -261,10 +262,19 @@ __attribute__((always_inline)) inline void quantize_range(const Job<S>& job, int
     int8_t* __restrict codes = job.codes ? job.codes + begin : nullptr;
     const int64_t n = K ? K : end - begin;
     const T lo = job.code_min, hi = job.code_max, held = E::held(s);
-    for (int64_t j = 0; j < n; ++j) {
-        T q = std::nearbyint(E::load(x, j) / s);
-        q = q < lo ? lo : q;
-        E::store(deq, j, (q > hi ? hi : q) * held);
+    if (job.deq_bf16) {  // the float32 value rounded to nearest even, as autocast casts it
+        uint16_t* __restrict out = job.deq_bf16 + begin;
+        for (int64_t j = 0; j < n; ++j) {
+            T q = std::nearbyint(E::load(x, j) / s);
+            q = q < lo ? lo : q;
+            out[j] = to_bf16((float)((q > hi ? hi : q) * held));
+        }
+    } else {
+        for (int64_t j = 0; j < n; ++j) {
+            T q = std::nearbyint(E::load(x, j) / s);
+            q = q < lo ? lo : q;
+            E::store(deq, j, (q > hi ? hi : q) * held);
+        }
     }
     if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
         for (int64_t j = 0; j < n; ++j) {
@@ -347,6 +357,16 @@ void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks,
     });
 }
 
+// out = codes * scale per block of a float32 weight, written in bfloat16 (the float32 value rounded
+// to nearest even: the rebuild of a deq_bf16).
+void dequantize_to_bf16(const int8_t* __restrict codes, const float* scale, int64_t nblocks, int64_t K,
+                        uint16_t* __restrict out, int threads) {
+    for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
+        const float s = scale[b];
+        for (int64_t j = begin; j < end; ++j) out[j] = to_bf16((float)codes[j] * s);
+    });
+}
+
 // out = grad * (|x| <= threshold) per block: the clip_gradient straight-through estimator
 // (out may be grad itself).
 template <typename S, typename T = typename Elem<S>::T>
@@ -384,3 +404,18 @@ void clip_mask_grad(const S* grad, const S* x, const T* threshold, int64_t nbloc
 MIXLE_EXPORTS(float, float, f32)
 MIXLE_EXPORTS(double, double, f64)
 MIXLE_EXPORTS(uint16_t, float, bf16)
+
+// A float32 weight's fake-quantized values written in bfloat16 (the operand of a matmul under bfloat16
+// autocast), and their rebuild from codes.
+extern "C" int64_t mixle_fake_quant_f32_bf16(const float* x, int64_t nblocks, int64_t K, int64_t lo, int64_t hi,
+                                             double frac, double divisor, double code_min, double code_max,
+                                             const float* scale_in, float* scale, float* threshold, uint16_t* deq,
+                                             int8_t* codes, int threads) {
+    Job<float> job{x, nblocks, K, lo, hi, (float)frac, (float)divisor, (float)code_min, (float)code_max,
+                   scale_in, scale, threshold, nullptr, codes, deq};
+    return run(job, threads);
+}
+extern "C" void mixle_dequantize_f32_bf16(const int8_t* codes, const float* scale, int64_t nblocks, int64_t K,
+                                          uint16_t* out, int threads) {
+    dequantize_to_bf16(codes, scale, nblocks, K, out, threads);
+}
