@@ -86,28 +86,15 @@ class _Kernels:
         lib = kernel_cache.load(path)  # only a library this user built, re-verified on dlopen's descriptor
         p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self.fake_quant, self.dequantize, self.clip_mask_grad = {}, {}, {}
+        kinds = ((self.fake_quant, "fake_quant", [p, i64, i64, i64, i64, f64, f64, f64, f64, p, p, p, p, p, i32], i64),
+                 (self.dequantize, "dequantize", [p, p, i64, i64, p, i32], None),
+                 (self.clip_mask_grad, "clip_mask_grad", [p, p, p, i64, i64, p, i32], None))
         for suffix in (*_DTYPES.values(), _F32_TO_BF16):
-            if suffix == _F32_TO_BF16:  # float32 weights written in bfloat16: no clip kernel of its own
-                for table, name, args in ((self.fake_quant, "fake_quant", [p, i64, i64, i64, i64, f64, f64, f64, f64,
-                                                                          p, p, p, p, p, i32]),
-                                          (self.dequantize, "dequantize", [p, p, i64, i64, p, i32])):
-                    fn = getattr(lib, f"mixle_{name}_{suffix}")
-                    fn.argtypes = args
-                    fn.restype = i64 if name == "fake_quant" else None
+            for table, name, argtypes, restype in kinds:
+                fn = getattr(lib, f"mixle_{name}_{suffix}", None)  # f32_bf16 has no clip kernel: the mask is float32
+                if fn is not None:
+                    fn.argtypes, fn.restype = argtypes, restype  # fake_quant: the blocks holding NaN or infinity
                     table[suffix] = fn
-                continue
-            fn = getattr(lib, f"mixle_fake_quant_{suffix}")
-            fn.argtypes = [p, i64, i64, i64, i64, f64, f64, f64, f64, p, p, p, p, p, i32]
-            fn.restype = i64  # blocks holding NaN or infinity
-            self.fake_quant[suffix] = fn
-            fn = getattr(lib, f"mixle_dequantize_{suffix}")
-            fn.argtypes = [p, p, i64, i64, p, i32]
-            fn.restype = None
-            self.dequantize[suffix] = fn
-            fn = getattr(lib, f"mixle_clip_mask_grad_{suffix}")
-            fn.argtypes = [p, p, p, i64, i64, p, i32]
-            fn.restype = None
-            self.clip_mask_grad[suffix] = fn
 
 
 def library_path():
