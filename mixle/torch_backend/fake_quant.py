@@ -488,7 +488,9 @@ class _QATLinear(torch.autograd.Function):
     of every weight alive from forward to backward; here backward rebuilds it, just for the
     input gradient, inside the buffer that then receives the weight gradient. Under autocast
     the products run in ``dtype`` (autocast's): the forward's ``F.linear`` casts as autocast
-    does, and the backward casts x and the rebuilt weight the same way.
+    does, and the backward casts x and the rebuilt weight the same way; where a fused kernel
+    writes that cast itself (``_operand_dtype``), the weight is fake-quantized and rebuilt
+    straight into it.
     """
 
     @staticmethod
