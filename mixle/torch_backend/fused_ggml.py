@@ -128,7 +128,7 @@ def _io_code(x_dtype, deq_dtype):
                      f"from float32, in bfloat16; not in {deq_dtype}")
 
 
-def fake_quant(x, spec, *, want_codes=False, out=None, importance=None, dtype=None):
+def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     """One pass over x's blocks: ``(deq, codes, a, b, nonfinite, overflow)``.
 
     With ``importance`` (a float32 CPU tensor, one value per column of x's last axis; grids of
@@ -136,21 +136,16 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None, dtype=No
     ``quantize_array(x, spec, importance=importance)`` (on q4_0 a bfloat16 weight's float16 scale
     is held in bfloat16 first, as without an importance).
 
-    ``deq`` is the fake-quantized x in ``dtype`` (default: x's; bfloat16 for a float32 x is its
-    float32 values rounded to nearest even, what ``.to(torch.bfloat16)`` gives), written into
-    ``out`` when given (contiguous, shaped like x, of that dtype); ``codes`` (int8, x's shape), ``a`` and ``b`` (float32, one per sub-block;
-    ``b`` None on grids without an offset) only when ``want_codes``, else None. ``nonfinite``
+    ``deq`` is the fake-quantized x in x's dtype, written into ``out`` when given (contiguous,
+    shaped like x; in x's dtype, or bfloat16 for a float32 x: its float32 values rounded to
+    nearest even, what ``.to(torch.bfloat16)`` gives); ``codes`` (int8, x's shape), ``a`` and
+    ``b`` (float32, one per sub-block; ``b`` None on grids without an offset) only when ``want_codes``, else None. ``nonfinite``
     counts blocks holding NaN or infinity and ``overflow`` blocks whose float16 scale or min
     overflows; where either is non-zero the other outputs are meaningless (the caller raises).
     Call ``applies_to`` first.
     """
     kind = KINDS[spec.grid]
-    if out is None:
-        deq = torch.empty_like(x, dtype=dtype or x.dtype)
-    elif dtype is not None and out.dtype != dtype:
-        raise ValueError(f"out is {out.dtype} and dtype {dtype}: give one dtype")
-    else:
-        deq = out
+    deq = torch.empty_like(x) if out is None else out
     io = _io_code(x.dtype, deq.dtype)
     codes = a = b = None
     if want_codes:
