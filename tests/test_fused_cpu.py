@@ -271,11 +271,12 @@ def test_fused_kernels_train_bit_identically_to_the_torch_ops(spec, monkeypatch)
 def test_a_recycled_buffer_stands_for_a_weight_only_in_its_own_layers_backward():
     def grads():
         torch.manual_seed(0)
-        first, second, third = (apply_qat(nn.Linear(32, 32), bits=4) for _ in range(3))
+        first, *others = (apply_qat(nn.Linear(32, 32), bits=4) for _ in range(4))
         x = torch.randn(4, 32, requires_grad=True)
         loss_first = first(x).square().sum()
-        second(x).sum(), third(x).sum()  # the last two forwards: their dead buffers are kept
-        loss_first.backward()  # first's backward gets second's buffer: it must rebuild its own weight
+        for other in others:  # the last of them takes first's dead buffer (the last two forwards' are kept)
+            other(x).sum()
+        loss_first.backward()  # first's backward gets another layer's buffer: it must rebuild its own weight
         return x.grad, first.weight.grad
 
     fused = grads()

@@ -144,12 +144,12 @@ def test_the_kernels_leave_what_they_cannot_take_to_the_torch_ops():
 
 
 class Heads(nn.Module):
-    """Three small layers read in turn: the first one's backward rebuilds its weight (the spare
-    buffers hold only the last two forwards' weights)."""
+    """Four small layers read in turn: the first one's backward rebuilds its weight (the last
+    forward recycles the first one's dead buffer)."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(256, 4) for _ in range(3))
+        self.layers = nn.ModuleList(nn.Linear(256, 4) for _ in range(4))
 
     def forward(self, x):
         return sum(layer(x) for layer in self.layers)
@@ -163,14 +163,15 @@ def train(grid, dtype, steps=2):
         model.layers[0].weight[:2, :32] = 0.0  # an all-zero block
         model.layers[1].weight[3, :] = -model.layers[1].weight[3, :].abs()  # negative-dominant
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(6, 256).to(dtype)
+    x = torch.randn(6, 256).to(dtype).requires_grad_()  # its gradient needs the rebuilt weights
     seen = []
     for _ in range(steps):
         for _ in range(2):  # two micro-batches: the second reuses the version (kept codes)
             out = model(x)
             out.float().square().mean().backward()
             seen.append(out.detach())
-        seen += [p.grad.clone() for p in model.parameters()]
+        seen += [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        x.grad = None
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():

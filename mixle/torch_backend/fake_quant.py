@@ -429,20 +429,21 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0, importanc
 
 
 class _SpareBuffer(threading.local):
-    """At most two dead weight-sized buffers per thread, recycled between QAT linear layers.
+    """Dead weight-sized buffers per thread (at most three of each size), recycled between QAT linear layers.
 
     A training step allocates a fake-quantized weight per layer in forward (dead right after
     its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
     from the OS as zeroed pages, paid for with a page fault per 4 KiB. Here each forward hands
-    its dead buffer on, and the buffers of the last two forwards are what the first two
-    backwards (those same layers, in reverse) take as their weight gradients: they still hold
-    those layers' fake-quantized weights, so neither is rebuilt. Two weight-sized buffers at
-    most, from a forward into the start of its backward (where they become weight gradients)
-    and none past an optimizer step: they add at most two weights to the memory at the end of
-    a forward (benchmark MLP: peak 1.03-1.04x fp32, whose own peak comes with the gradients).
+    its dead buffer on to a later forward of a weight of the same size, and the buffers of the
+    last two forwards are what the first two backwards (those same layers, in reverse) take as
+    their weight gradients: they still hold those layers' fake-quantized weights, so neither is
+    rebuilt; later backwards take what is left as their gradients. Three of a size cover a
+    transformer block's sequence of shapes (q, k, v, o, then three MLP matrices of one size)
+    with no fresh forward buffer; none is kept past an optimizer step.
     """
 
-    CAPACITY = 2
+    PER_SIZE = 3
+    KEEP_LAST = 2  # the last forwards' buffers, left for the first backwards
 
     def __init__(self):
         self.held = []  # [(storage, cache entry whose fake-quantized weight it holds)], oldest first
@@ -450,12 +451,13 @@ class _SpareBuffer(threading.local):
     def take(self, like, holding=None, dtype=None):
         """``(tensor shaped like `like` (in ``dtype``, default its own) on a dead buffer of exactly its
         size, or None, whether it holds ``holding``'s fake-quantized weight)``. Without ``holding`` (a
-        forward) a buffer is taken only once the last two forwards' buffers are held, the oldest first."""
+        forward) the oldest fitting buffer is taken, never one of the last two forwards'."""
         dtype = dtype or like.dtype
         nbytes = like.numel() * dtype.itemsize
-        fits = [i for i, (storage, _) in enumerate(self.held)
+        candidates = self.held if holding is not None else self.held[:-self.KEEP_LAST]
+        fits = [i for i, (storage, _) in enumerate(candidates)
                 if storage.nbytes() == nbytes and storage.device == like.device]
-        if not fits or (holding is None and len(self.held) < self.CAPACITY):
+        if not fits:
             return None, False
         mine = [i for i in fits if holding is not None and self.held[i][1] is holding]
         storage, _ = self.held.pop((mine or fits)[0])
@@ -464,12 +466,16 @@ class _SpareBuffer(threading.local):
 
     def give(self, tensor, holds=None):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
-        the cache entry whose fake-quantized weight it is. The oldest buffer beyond two is freed."""
+        the cache entry whose fake-quantized weight it is. The oldest beyond three of its size is freed."""
         # Only buffers this module allocated reach here (a fused kernel's output, never handed
         # to the caller or saved for backward), so no other tensor can share the storage.
         if tensor.storage_offset() == 0:
-            self.held.append((tensor.untyped_storage(), holds))
-            del self.held[:-self.CAPACITY]
+            storage = tensor.untyped_storage()
+            self.held.append((storage, holds))
+            same = [i for i, (kept, _) in enumerate(self.held)
+                    if kept.nbytes() == storage.nbytes() and kept.device == storage.device]
+            for i in reversed(same[:-self.PER_SIZE]):
+                del self.held[i]
 
     def drop(self, *_):
         """Free the held buffers: after each optimizer step, so none outlives a training step."""
