@@ -429,33 +429,29 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0, importanc
 
 
 class _SpareBuffer(threading.local):
-    """Dead weight-sized buffers per thread (at most three of each size), recycled between QAT linear layers.
+    """Dead weight-sized buffers per thread, one of each size (four at most), recycled between QAT linear layers.
 
     A training step allocates a fake-quantized weight per layer in forward (dead right after
     its matmul) and a weight gradient per layer in backward. Fresh multi-megabyte buffers come
     from the OS as zeroed pages, paid for with a page fault per 4 KiB. Here each forward hands
-    its dead buffer on to a later forward of a weight of the same size, and the buffers of the
-    last two forwards are what the first two backwards (those same layers, in reverse) take as
-    their weight gradients: they still hold those layers' fake-quantized weights, so neither is
-    rebuilt; later backwards take what is left as their gradients. Three of a size cover a
-    transformer block's sequence of shapes (q, k, v, o, then three MLP matrices of one size)
-    with no fresh forward buffer; none is kept past an optimizer step.
+    its dead buffer on to the next forward of a weight of the same size (a transformer's blocks
+    have three or four sizes, so after the first block no forward allocates), and what is held
+    when the backward starts, the last forwards' buffers, is what the backwards take as their
+    weight gradients; a buffer that still holds that layer's fake-quantized weight is not
+    rebuilt. At most one buffer of a size and four in all, none kept past an optimizer step.
     """
 
-    PER_SIZE = 3
-    KEEP_LAST = 2  # the last forwards' buffers, left for the first backwards
+    CAPACITY = 4
 
     def __init__(self):
         self.held = []  # [(storage, cache entry whose fake-quantized weight it holds)], oldest first
 
     def take(self, like, holding=None, dtype=None):
         """``(tensor shaped like `like` (in ``dtype``, default its own) on a dead buffer of exactly its
-        size, or None, whether it holds ``holding``'s fake-quantized weight)``. Without ``holding`` (a
-        forward) the oldest fitting buffer is taken, never one of the last two forwards'."""
+        size, or None, whether it holds ``holding``'s fake-quantized weight)``."""
         dtype = dtype or like.dtype
         nbytes = like.numel() * dtype.itemsize
-        candidates = self.held if holding is not None else self.held[:-self.KEEP_LAST]
-        fits = [i for i, (storage, _) in enumerate(candidates)
+        fits = [i for i, (storage, _) in enumerate(self.held)
                 if storage.nbytes() == nbytes and storage.device == like.device]
         if not fits:
             return None, False
@@ -466,16 +462,16 @@ class _SpareBuffer(threading.local):
 
     def give(self, tensor, holds=None):
         """Keep ``tensor``'s buffer for reuse, if no other tensor shares its storage; ``holds``:
-        the cache entry whose fake-quantized weight it is. The oldest beyond three of its size is freed."""
+        the cache entry whose fake-quantized weight it is. An older buffer of its size, and the
+        oldest beyond four, are freed."""
         # Only buffers this module allocated reach here (a fused kernel's output, never handed
         # to the caller or saved for backward), so no other tensor can share the storage.
         if tensor.storage_offset() == 0:
             storage = tensor.untyped_storage()
+            self.held = [(kept, entry) for kept, entry in self.held
+                         if kept.nbytes() != storage.nbytes() or kept.device != storage.device]
             self.held.append((storage, holds))
-            same = [i for i, (kept, _) in enumerate(self.held)
-                    if kept.nbytes() == storage.nbytes() and kept.device == storage.device]
-            for i in reversed(same[:-self.PER_SIZE]):
-                del self.held[i]
+            del self.held[:-self.CAPACITY]
 
     def drop(self, *_):
         """Free the held buffers: after each optimizer step, so none outlives a training step."""

@@ -14,7 +14,7 @@ from mixle.core.spec import WEIGHT_FIELDS, resolve_spec
 from mixle.torch_backend import fused_cpu
 from mixle.torch_backend import learned_scale
 from mixle.torch_backend.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations
-from mixle.torch_backend.fake_quant import fake_quantized_weight, invalidate_caches, linear
+from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches, linear
 
 BACKEND = "torch"
 SPEC_FIELDS = WEIGHT_FIELDS + ACTIVATION_FIELDS + ("scale",)
@@ -216,7 +216,9 @@ class QATEmbedding(QATLayerMixin, nn.Embedding):
     ``apply_qat`` makes one for an embedding tied to a fake-quantized head (lookups then use the
     same quantized weight, which is stored once as integers after conversion) and for an untied
     embedding selected with ``opt_in=("embedding",)`` or a pattern naming it. Shares the
-    Parameter like ``QATWrapper``.
+    Parameter like ``QATWrapper``. A lookup fake-quantizes only the rows it reads (every block
+    but a per-tensor scale's lies within a row), so a step does not pass over the whole table for
+    a few hundred tokens; a tied head still fake-quantizes the whole table for its product.
     """
 
     def __init__(self, embedding, spec, *, enabled=True):
@@ -232,13 +234,20 @@ class QATEmbedding(QATLayerMixin, nn.Embedding):
         _decide_kernels(self.weight)
 
     def forward(self, x):
-        # shared: the tied head uses this weight too, so its codes are kept for that second use.
         if not self.enabled:
             weight = self.weight
         elif learned_scale.is_learned(self.spec):
             weight = learned_scale.learned_weight(self)
-        else:
+        elif self.max_norm is None and self.spec.granularity != "tensor" and not self.weight.is_meta:
+            # Every block lies within a row, so the rows read are fake-quantized alone: bit for bit
+            # the rows of the fake-quantized table, without a pass over the whole table.
+            rows = F.embedding(x, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq)
             try:
+                return fake_quantize(rows.reshape(-1, rows.shape[-1]), self.spec).reshape(rows.shape)
+            except ValueError as err:
+                raise named_error(self, err) from None
+        else:
+            try:  # shared: the tied head uses this weight too, so its codes are kept for that second use
                 weight = fake_quantized_weight(self.weight, self.spec, shared=True)[0]
             except ValueError as err:
                 raise named_error(self, err) from None
