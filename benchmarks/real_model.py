@@ -19,7 +19,10 @@ baseline row. Then (``--step-timing``) it times training steps of the same job
 interleaved: the float model (no fake-quant), mixle's QAT on the target, and torchao's QAT
 (int4 symmetric groups of 32, the closest torchao grid to Q4_0) when torchao is installed, each
 distilled from the same float teacher on the same batches, in fp32 and (``--step-dtypes``) bfloat16
-(there the teacher's matrices are stored in bfloat16, as ``mixle finetune`` stores them).
+(there the teacher's matrices are stored in bfloat16, as ``mixle finetune`` stores them). On a small
+CPU a process's memory layout moves its step times by several percent: ``--step-processes N`` runs
+the timing in N fresh processes, the variants in another order in each, and reports the median
+ratio with each process's.
 
 Writes ``benchmark.json`` and prints the tables (reStructuredText, as the README shows them).
 """
@@ -177,7 +180,9 @@ def time_steps(args):
         if dtype == "bfloat16":  # as mixle finetune keeps it: the matrices in bfloat16 (the same logits)
             step_teacher = copy.deepcopy(teacher)
             store_matmul_weights(step_teacher, torch.bfloat16)
-        for name, prepare in _variants(args.target, importance).items():
+        variants = list(_variants(args.target, importance).items())
+        shift = args.step_rotate % len(variants)  # which variant steps first in each round
+        for name, prepare in variants[shift:] + variants[:shift]:
             student = _trainable(prepare(copy.deepcopy(loaded.model)), embedding=parse_mix(args.target) is not None)
             trainers[name] = FinetuneTrainer(student, step_teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
@@ -188,9 +193,40 @@ def time_steps(args):
                 trainer.step()
                 seconds[name].append(time.perf_counter() - began)
         base = statistics.median(seconds["float (no fake-quant)"])
-        timings[dtype] = {name: {"median_seconds": statistics.median(s), "ratio_to_float": statistics.median(s) / base}
-                          for name, s in seconds.items()}
+        timings[dtype] = {name: {"median_seconds": statistics.median(seconds[name]),
+                                 "ratio_to_float": statistics.median(seconds[name]) / base}
+                          for name, _ in variants}
         del trainers
+    return timings
+
+
+def time_steps_in_processes(args):
+    """``time_steps`` in ``args.step_processes`` fresh processes, each with the variants stepping in another
+    order: a process's memory layout moves its float step by several percent on a small CPU, so the
+    ratios are the median over processes, with their range."""
+    runs = []
+    for rotate in range(args.step_processes):
+        out = Path(args.out, f"step_timing_{rotate}")
+        command = [sys.executable, __file__, "--model", args.model, "--target", args.target, "--steps",
+                   "--batch-size", str(args.batch_size), "--block", str(args.block), "--lr", str(args.lr),
+                   "--step-timing", str(args.step_timing), "--step-dtypes", *args.step_dtypes, "--imatrix",
+                   args.imatrix, "--calibration-windows", str(args.calibration_windows), "--step-processes", "1",
+                   "--step-rotate", str(rotate), "--out", str(out)]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        if not args.qat_imatrix:
+            command.append("--no-qat-imatrix")
+        print(f"step timing, process {rotate + 1} of {args.step_processes}", flush=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        runs.append(json.loads(Path(out, "benchmark.json").read_text())["timings"])
+    timings = {}
+    for dtype, variants in runs[0].items():
+        timings[dtype] = {}
+        for name in variants:
+            ratios = [run[dtype][name]["ratio_to_float"] for run in runs]
+            timings[dtype][name] = {
+                "median_seconds": statistics.median(run[dtype][name]["median_seconds"] for run in runs),
+                "ratio_to_float": statistics.median(ratios), "ratio_per_process": ratios}
     return timings
 
 
@@ -224,10 +260,12 @@ def budget_table(runs):
 
 
 def timing_table(timings):
-    lines = ["dtype      variant                       step s   x float"]
+    lines = ["dtype      variant                       step s   x float  (per process)"]
     for dtype, variants in timings.items():
         for name, entry in variants.items():
-            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.2f}x")
+            each = " ".join(f"{ratio:.3f}" for ratio in entry.get("ratio_per_process", ()))
+            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.3f}x"
+                         + (f"  ({each})" if each else ""))
     return "\n".join(lines)
 
 
@@ -248,6 +286,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--step-timing", type=int, default=5, help="timed steps per variant (0: skip)")
     parser.add_argument("--step-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
+    parser.add_argument("--step-processes", type=int, default=1,
+                        help="time the steps in this many fresh processes, the variants in another order in each "
+                             "(the ratios: their median, and each process's)")
+    parser.add_argument("--step-rotate", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--imatrix", default="off", help="passed to mixle finetune: off, calibrate, or a "
                                                          "llama-imatrix file of the model (the PTQ imatrix row)")
     parser.add_argument("--calibration-windows", type=int, default=64, help="passed to mixle finetune")
@@ -265,7 +307,7 @@ def main(argv=None):
         report["runs"][steps] = run_budget(args, steps)
         print(budget_table({steps: report["runs"][steps]}), flush=True)
     if args.step_timing:
-        report["timings"] = time_steps(args)
+        report["timings"] = time_steps_in_processes(args) if args.step_processes > 1 else time_steps(args)
     from mixle.core.fileformat import replace_atomically
 
     replace_atomically(Path(args.out, "benchmark.json"), lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))

@@ -5,6 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixle.models.qat import (
@@ -254,6 +255,28 @@ def test_tied_embedding_follows_its_head():
     np.testing.assert_array_equal(model.tok(x).detach().numpy(), reference_codes_scales(w, 4, "channel")[2][x.numpy()])
     with pytest.raises(ValueError, match="exclude both or neither"):
         apply_qat(make_lm(), bits=4, exclude=("tok",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", [QuantSpec(grid="q8_0"), QuantSpec(grid="q4_k"), QuantSpec(bits=4, group_size=32),
+                                  QuantSpec(bits=8, group_size=32, clip_percentile=90.0, clip_gradient=True),
+                                  QuantSpec(bits=8, granularity="tensor")])
+def test_an_embedding_lookup_equals_the_rows_of_the_fake_quantized_table(spec, dtype):
+    """The lookup fake-quantizes only the rows it reads (a per-tensor scale: the whole table): the
+    same rows and the same straight-through (or clip-masked) gradient, bit for bit."""
+    from mixle.torch_backend.layers import QATEmbedding
+
+    torch.manual_seed(0)
+    table = nn.Embedding(40, 256, padding_idx=3, scale_grad_by_freq=True).to(dtype)
+    reference = table.weight.detach().clone().requires_grad_()
+    layer = QATEmbedding(table, spec)
+    idx = torch.tensor([[1, 3, 5, 5], [39, 0, 3, 7]])
+    out = layer(idx)
+    grad = torch.randn(out.shape).to(dtype)
+    out.backward(grad)
+    want = F.embedding(idx, fake_quantize(reference, spec=spec), padding_idx=3, scale_grad_by_freq=True)
+    want.backward(grad)
+    assert torch.equal(out, want) and torch.equal(table.weight.grad, reference.grad)
 
 
 def test_multihead_attention_out_proj_is_quantized_with_its_attention_or_not_at_all():
