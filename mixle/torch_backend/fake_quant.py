@@ -9,7 +9,8 @@ stores it, and the product is cast to that dtype. On a CPU weight a version is q
 the entry is keyed on the Parameter's in-place version counter, its storage, dtype, shape, the
 spec and a generation counter bumped by every optimizer step and every ``load_state_dict`` into
 a QAT layer, so gradient-accumulation micro-batches, eval
-forwards and a tied embedding reuse it, while any optimizer step or checkpoint load makes the
+forwards and layers sharing a weight reuse it (a tied embedding's lookups fake-quantize only
+their rows, see ``QATEmbedding``), while any optimizer step or checkpoint load makes the
 next forward quantize afresh. On an accelerator every forward quantizes afresh (proving a reuse
 would read a fingerprint back to the host, a synchronisation); nothing there reads a value on
 the host: a NaN weight is refused by an asynchronous device assert.
@@ -141,7 +142,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _fingerprint(x):
     """``(wrapping integer sum of x's bit patterns, x's row sums)``: a reused entry is trusted
     only while both match, so ``.data`` edits, which leave the version counter alone, are seen.
-    Two reads of x, paid only when a version is reused (eval forwards, micro-batches, tied
+    Two reads of x, paid only when a version is reused (eval forwards, micro-batches, shared
     weights), never by a plain training step. An edit that keeps both sums (two elements of a
     row swapped) is not seen.
 
