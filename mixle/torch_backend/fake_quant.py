@@ -503,9 +503,7 @@ class _QATLinear(torch.autograd.Function):
         else:
             fused = _ggml_fused(weight, spec, importance)
         deq_dtype = _operand_dtype(weight, spec, dtype, importance)
-        out = _spare.take(weight, dtype=deq_dtype)[0] if fused else None
-        if out is None and deq_dtype != weight.dtype:
-            out = torch.empty_like(weight, dtype=deq_dtype)
+        out = _take_buffer(weight, deq_dtype, fused)[0]
         deq, entry = cache.lookup(weight, spec, False, out, importance)
         x_dtype, x = x.dtype, x.to(dtype)  # autocast's cast of x, saved below as autocast saves it
         y = F.linear(x, deq, bias)  # under autocast: the bf16 cast of the fake-quantized weight
@@ -557,10 +555,8 @@ def _backward_products(ctx, grad, flat, x, need_x):
     weight, entry, dtype, deq_dtype = ctx.weight, ctx.entry, ctx.dtype, ctx.deq_dtype
     buffer = grad_x = grad_w = None
     if need_x:
-        buffer, holds = _spare.take(weight, holding=entry, dtype=deq_dtype) if ctx.fused else (None, False)
+        buffer, holds = _take_buffer(weight, deq_dtype, ctx.fused, holding=entry)
         if not holds:
-            if buffer is None and deq_dtype != weight.dtype:
-                buffer = torch.empty_like(weight, dtype=deq_dtype)
             buffer = _rebuild(entry, weight.detach(), out=buffer)
         grad_x = grad.matmul(buffer.to(dtype))
         if buffer.dtype != weight.dtype:  # the matmul operand alone (autocast): dead now, recycled
@@ -575,6 +571,16 @@ def _backward_products(ctx, grad, flat, x, need_x):
         else:  # autocast: the product in its dtype, as F.linear's backward computes it
             grad_w = buffer.copy_(flat.t().mm(x))
     return grad_x, grad_w
+
+
+def _take_buffer(weight, dtype, fused, holding=None):
+    """``(buffer shaped like weight in dtype, or None, whether it holds holding's fake-quantized weight)``:
+    a recycled one where a fused kernel writes it, else a new one only where dtype is not the weight's
+    (a kernel writes bfloat16 only into a given buffer; in the weight's own dtype it allocates one)."""
+    buffer, holds = _spare.take(weight, holding=holding, dtype=dtype) if fused else (None, False)
+    if buffer is None and dtype != weight.dtype:
+        buffer = torch.empty_like(weight, dtype=dtype)
+    return buffer, holds
 
 
 def _writes_operand(x, spec, importance=None):

@@ -194,14 +194,27 @@ def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, 
     return x.new_empty((), dtype=torch.int64)
 
 
-def _suffix(x_dtype, out_dtype):
-    """The kernel for a weight of ``x_dtype`` whose values are written in ``out_dtype``."""
+def converts_to_bfloat16(x_dtype, out_dtype):
+    """Whether the fused kernels (these and ``fused_ggml``'s) write a weight of ``x_dtype`` converted:
+    False for its own dtype, True for float32 written in bfloat16 (autocast's matmul operand).
+
+    Raises:
+        ValueError: any other pair, which no kernel writes.
+
+    >>> converts_to_bfloat16(torch.float32, torch.bfloat16)
+    True
+    """
     if out_dtype == x_dtype:
-        return _DTYPES[x_dtype]
+        return False
     if (x_dtype, out_dtype) == (torch.float32, torch.bfloat16):
-        return _F32_TO_BF16
+        return True
     raise ValueError(f"the fused kernels write a {x_dtype} weight's values in its own dtype or, from float32, in "
                      f"bfloat16; not in {out_dtype}")
+
+
+def _suffix(x_dtype, out_dtype):
+    """The kernel for a weight of ``x_dtype`` whose values are written in ``out_dtype``."""
+    return _F32_TO_BF16 if converts_to_bfloat16(x_dtype, out_dtype) else _DTYPES[x_dtype]
 
 
 def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, from_float32: bool = False) -> None:

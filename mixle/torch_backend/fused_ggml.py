@@ -120,12 +120,7 @@ def _ptr(t):
 def _io_code(x_dtype, deq_dtype):
     """The kernels' dtype code: x and deq both float32 (0) or bfloat16 (1), or float32 x written as a
     bfloat16 deq (2)."""
-    if deq_dtype == x_dtype:
-        return _DTYPES[x_dtype]
-    if (x_dtype, deq_dtype) == (torch.float32, torch.bfloat16):
-        return 2
-    raise ValueError(f"the fused kernels write a {x_dtype} weight's fake-quantized values in its own dtype or, "
-                     f"from float32, in bfloat16; not in {deq_dtype}")
+    return 2 if fused_cpu.converts_to_bfloat16(x_dtype, deq_dtype) else _DTYPES[x_dtype]
 
 
 def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
