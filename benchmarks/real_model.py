@@ -192,9 +192,12 @@ def time_steps(args):
                 began = time.perf_counter()
                 trainer.step()
                 seconds[name].append(time.perf_counter() - began)
-        base = statistics.median(seconds["float (no fake-quant)"])
+        floats = seconds["float (no fake-quant)"]
+        base = statistics.median(floats)
+        # Each round's step over the float step of the same round: their spread is what one ratio resolves.
         timings[dtype] = {name: {"median_seconds": statistics.median(seconds[name]),
-                                 "ratio_to_float": statistics.median(seconds[name]) / base}
+                                 "ratio_to_float": statistics.median(seconds[name]) / base,
+                                 "round_ratios": [mine / float_step for mine, float_step in zip(seconds[name], floats)]}
                           for name, _ in variants}
         del trainers
     return timings
@@ -226,7 +229,8 @@ def time_steps_in_processes(args):
             ratios = [run[dtype][name]["ratio_to_float"] for run in runs]
             timings[dtype][name] = {
                 "median_seconds": statistics.median(run[dtype][name]["median_seconds"] for run in runs),
-                "ratio_to_float": statistics.median(ratios), "ratio_per_process": ratios}
+                "ratio_to_float": statistics.median(ratios), "ratio_per_process": ratios,
+                "round_ratios": [ratio for run in runs for ratio in run[dtype][name]["round_ratios"]]}
     return timings
 
 
@@ -260,12 +264,13 @@ def budget_table(runs):
 
 
 def timing_table(timings):
-    lines = ["dtype      variant                       step s   x float  (per process)"]
+    lines = ["dtype      variant                       step s   x float  rounds min-max  (per process)"]
     for dtype, variants in timings.items():
         for name, entry in variants.items():
             each = " ".join(f"{ratio:.3f}" for ratio in entry.get("ratio_per_process", ()))
-            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.3f}x"
-                         + (f"  ({each})" if each else ""))
+            rounds = entry["round_ratios"]
+            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.3f}x  "
+                         f"{min(rounds):.3f}-{max(rounds):.3f}" + (f"  ({each})" if each else ""))
     return "\n".join(lines)
 
 
