@@ -262,20 +262,17 @@ __attribute__((always_inline)) inline void quantize_range(const Job<S>& job, int
     int8_t* __restrict codes = job.codes ? job.codes + begin : nullptr;
     const int64_t n = K ? K : end - begin;
     const T lo = job.code_min, hi = job.code_max, held = E::held(s);
-    if (job.deq_bf16) {  // the float32 value rounded to nearest even, as autocast casts it
-        uint16_t* __restrict out = job.deq_bf16 + begin;
+    const auto write = [&](auto* __restrict out) {  // out's element decides how a value is stored
         for (int64_t j = 0; j < n; ++j) {
             T q = std::nearbyint(E::load(x, j) / s);
             q = q < lo ? lo : q;
-            out[j] = to_bf16((float)((q > hi ? hi : q) * held));
+            Elem<std::decay_t<decltype(*out)>>::store(out, j, (q > hi ? hi : q) * held);
         }
-    } else {
-        for (int64_t j = 0; j < n; ++j) {
-            T q = std::nearbyint(E::load(x, j) / s);
-            q = q < lo ? lo : q;
-            E::store(deq, j, (q > hi ? hi : q) * held);
-        }
-    }
+    };
+    if (job.deq_bf16)  // the float32 value rounded to nearest even, as autocast casts it
+        write(job.deq_bf16 + begin);
+    else
+        write(deq);
     if (codes) {  // a second loop over the same (cached) block keeps both loops vectorised
         for (int64_t j = 0; j < n; ++j) {
             T q = std::nearbyint(E::load(x, j) / s);
@@ -347,23 +344,14 @@ int64_t run(const Job<S>& job, int threads) {
 }
 
 // out = codes * scale per block (dequantize kept int8 codes; the scale held as quantize_range
-// holds it).
-template <typename S, typename T = typename Elem<S>::T>
-void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, S* __restrict out,
+// holds it for a weight of S). O: out's element, S's own or, for a float32 weight, bfloat16 (the
+// float32 value rounded to nearest even: the rebuild of a deq_bf16).
+template <typename S, typename O = S, typename T = typename Elem<S>::T>
+void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, O* __restrict out,
                 int threads) {
     for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
         const T s = Elem<S>::held(scale[b]);
-        for (int64_t j = begin; j < end; ++j) Elem<S>::store(out, j, (T)codes[j] * s);
-    });
-}
-
-// out = codes * scale per block of a float32 weight, written in bfloat16 (the float32 value rounded
-// to nearest even: the rebuild of a deq_bf16).
-void dequantize_to_bf16(const int8_t* __restrict codes, const float* scale, int64_t nblocks, int64_t K,
-                        uint16_t* __restrict out, int threads) {
-    for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
-        const float s = scale[b];
-        for (int64_t j = begin; j < end; ++j) out[j] = to_bf16((float)codes[j] * s);
+        for (int64_t j = begin; j < end; ++j) Elem<O>::store(out, j, (T)codes[j] * s);
     });
 }
 
@@ -394,7 +382,7 @@ void clip_mask_grad(const S* grad, const S* x, const T* threshold, int64_t nbloc
     }                                                                                                 \
     extern "C" void mixle_dequantize_##SUFFIX(const int8_t* codes, const T* scale, int64_t nblocks,   \
                                               int64_t K, S* out, int threads) {                       \
-        dequantize(codes, scale, nblocks, K, out, threads);                                           \
+        dequantize<S>(codes, scale, nblocks, K, out, threads);                                        \
     }                                                                                                 \
     extern "C" void mixle_clip_mask_grad_##SUFFIX(const S* grad, const S* x, const T* threshold,      \
                                                   int64_t nblocks, int64_t K, S* out, int threads) {  \
@@ -417,5 +405,5 @@ extern "C" int64_t mixle_fake_quant_f32_bf16(const float* x, int64_t nblocks, in
 }
 extern "C" void mixle_dequantize_f32_bf16(const int8_t* codes, const float* scale, int64_t nblocks, int64_t K,
                                           uint16_t* out, int threads) {
-    dequantize_to_bf16(codes, scale, nblocks, K, out, threads);
+    dequantize<float>(codes, scale, nblocks, K, out, threads);
 }
