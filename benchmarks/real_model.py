@@ -203,22 +203,16 @@ def time_steps(args):
     return timings
 
 
-def time_steps_in_processes(args):
+def time_steps_in_processes(args, argv):
     """``time_steps`` in ``args.step_processes`` fresh processes, each with the variants stepping in another
     order: a process's memory layout moves its float step by several percent on a small CPU, so the
-    ratios are the median over processes, with their range."""
+    ratios are the median over processes, with their range. Each process gets this run's ``argv``, with
+    no budgets, one process and its own order and ``--out`` appended (argparse keeps an option's last value)."""
     runs = []
     for rotate in range(args.step_processes):
         out = Path(args.out, f"step_timing_{rotate}")
-        command = [sys.executable, __file__, "--model", args.model, "--target", args.target, "--steps",
-                   "--batch-size", str(args.batch_size), "--block", str(args.block), "--lr", str(args.lr),
-                   "--step-timing", str(args.step_timing), "--step-dtypes", *args.step_dtypes, "--imatrix",
-                   args.imatrix, "--calibration-windows", str(args.calibration_windows), "--step-processes", "1",
-                   "--step-rotate", str(rotate), "--out", str(out)]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        if not args.qat_imatrix:
-            command.append("--no-qat-imatrix")
+        command = [sys.executable, __file__, *argv, "--steps", "--step-processes", "1", "--step-rotate", str(rotate),
+                   "--out", str(out)]
         print(f"step timing, process {rotate + 1} of {args.step_processes}", flush=True)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         runs.append(json.loads(Path(out, "benchmark.json").read_text())["timings"])
@@ -303,6 +297,7 @@ def main(argv=None):
     parser.add_argument("--gptq", default="off", choices=("off", "one-pass", "sequential"),
                         help="passed to mixle finetune: the GPTQ row (q4_0 and int targets)")
     parser.add_argument("--out", default="mixle_runs/real_model")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if not os.path.exists(args.model):
         parser.error(f"--model {args.model} does not exist: see this script's docstring for where to get it")
@@ -312,7 +307,7 @@ def main(argv=None):
         report["runs"][steps] = run_budget(args, steps)
         print(budget_table({steps: report["runs"][steps]}), flush=True)
     if args.step_timing:
-        report["timings"] = time_steps_in_processes(args) if args.step_processes > 1 else time_steps(args)
+        report["timings"] = time_steps_in_processes(args, argv) if args.step_processes > 1 else time_steps(args)
     from mixle.core.fileformat import replace_atomically
 
     replace_atomically(Path(args.out, "benchmark.json"), lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))
