@@ -147,7 +147,7 @@ def test_cli_smoke_preset_writes_table_json_and_png(tmp_path, capsys):
         if row["method"] == "QAT":
             # The converted int model == the fake-quant model, up to its packed kernel summing in
             # another order than F.linear: float32 eps x reductions of ~d_model terms per layer.
-            bound = 4 * smoke.n_layer * smoke.d_model * np.finfo(np.float32).eps
+            bound = 4 * smoke.n_layer * smoke.d_model * float(np.finfo(np.float32).eps)
             assert row["loss"] == pytest.approx(row["fake_quant_loss"], rel=bound)
     n_params = results["model"]["parameters"]
     assert results["model"]["fp32_bytes"] == 4 * n_params
