@@ -1,7 +1,12 @@
 """Doctest collection: skip modules whose optional dependencies (torch, jax/flax/qwix) are missing."""
 
 import importlib.util
+import os
 import pathlib
+
+# The tests compare matmul outputs with float32 references. A TPU multiplies float32 matrices in
+# bfloat16 passes unless asked for full precision (its quantization numerics are exact either way).
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 
 def _missing(*modules):

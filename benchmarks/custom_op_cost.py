@@ -11,6 +11,7 @@ its fp32 step time measured in the same run.
 """
 
 import argparse
+import ctypes
 import platform
 import statistics
 import time
@@ -30,7 +31,7 @@ def raw_call(w):
     deq, scale = torch.empty_like(w), torch.empty((1, w.shape[0], 1))
     fused_cpu._kernels().fake_quant["f32"](
         w.data_ptr(), w.shape[0], width, -1, -1, 0.0, SPEC.scale_divisor, float(SPEC.code_min), float(SPEC.code_max),
-        None, scale.data_ptr(), None, deq.data_ptr(), None, torch.get_num_threads())
+        None, scale.data_ptr(), None, deq.data_ptr(), None, ctypes.byref(ctypes.c_int64(0)), torch.get_num_threads())
     return deq, scale
 
 

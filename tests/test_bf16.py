@@ -1,17 +1,21 @@
 """bfloat16 done right: float32 grid numerics for bf16 weights, autocast on the memory-light path.
 
-A bf16 model gets exactly the codes a float32 copy of its weights gets; its fake-quantized weight
-is those codes times the scale held in bf16 (what convert stores), so convert equals the QAT
-forward. Under autocast the QAT linear keeps its one autograd node (x saved, nothing else) and
-computes exactly what ``F.linear`` computes on the fake-quantized weight under autocast.
+A bf16 weight gets exactly the codes, scales and values a float32 copy of it gets, the values
+rounded once to bf16, on every grid and path (the fused kernels, the torch ops, numpy's and jax's
+numerics); convert holds the float32 scales, so it equals the QAT forward. Under autocast the QAT
+linear keeps its one autograd node (x saved, nothing else) and computes exactly what ``F.linear``
+computes on the fake-quantized weight under autocast.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mixle.api import apply_qat, convert
+from mixle.core.grids import GRIDS
+from mixle.core.numerics import quantize_dequantize_array
 from mixle.core.spec import QuantSpec
 from mixle.torch_backend import fused_cpu, packed_linear
 from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches
@@ -39,19 +43,69 @@ def codes_of(weight, spec):
     return deq, entry
 
 
+def numpy_reference(w, spec):
+    """The promise: numpy's float32 numerics on the float32 copy of bf16 ``w``, rounded once to bf16."""
+    return torch.from_numpy(quantize_dequantize_array(w.detach().float().numpy(), spec)).bfloat16()
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.mark.parametrize("name", [*SPECS, *PLAIN])
-def test_a_bf16_weight_gets_the_codes_of_its_float32_copy(name, fake_quant_path):
+def test_a_bf16_weight_gets_the_codes_scales_and_values_of_its_float32_copy(name, fake_quant_path):
     spec = {**SPECS, **PLAIN}[name]
     torch.manual_seed(0)
     bf16 = nn.Parameter((torch.randn(96, 256) * 0.02).bfloat16())
     deq, entry = codes_of(bf16, spec)
     deq32, entry32 = codes_of(nn.Parameter(bf16.detach().float()), spec)
     assert torch.equal(entry.codes, entry32.codes)
-    assert entry.scale.dtype == torch.bfloat16 and torch.equal(entry.scale, entry32.scale.bfloat16())
-    # The value: the codes times the bf16-held scale, rounded once to bf16.
-    blocks = entry.codes.float().reshape(entry.scale.shape[0], entry.scale.shape[1], -1)
-    assert deq.dtype == torch.bfloat16
-    assert torch.equal(deq, (blocks * entry.scale.float()).reshape(deq.shape).bfloat16())
+    assert entry.scale.dtype == torch.float32 and torch.equal(entry.scale, entry32.scale)
+    # The values: the float32 copy's, rounded once to bf16 (fresh and rebuilt from the kept codes).
+    assert same_bits(deq, deq32.bfloat16()) and same_bits(deq, numpy_reference(bf16, spec))
+    assert same_bits(fake_quantized_weight(bf16, spec)[0], deq)
+
+
+# Every grid, the plain ones at every granularity, on tiny weights (rows of 256: the K-quants' block).
+EVERY_GRID = {**{f"{grid} int{bits} {granularity}": QuantSpec(bits=bits, grid=grid, granularity=granularity,
+                                                             group_size=32 if granularity == "group" else None)
+                 for grid in ("symmetric", "qwix") for bits in (4, 8) for granularity in ("tensor", "channel", "group")},
+              **{grid: QuantSpec(grid=grid, bits=max(GRIDS[grid].codes)) for grid in GRIDS
+                 if grid not in ("symmetric", "qwix") and "torch" in GRIDS[grid].backends}}
+
+
+@pytest.mark.parametrize("name", EVERY_GRID)
+def test_fake_quantize_of_a_bf16_tensor_is_its_float32_copys_values_rounded_once(name, fake_quant_path):
+    """The issue's probe: ``fake_quantize(w_bf16)`` against numpy's float32 numerics on ``w_bf16.float()``."""
+    spec = EVERY_GRID[name]
+    torch.manual_seed(1)
+    w = (torch.randn(8, 256) * 0.05).bfloat16()
+    w[0, 5] = 0.9  # an outlier: wide steps, many codes that a bf16-rounded scale moves
+    x = w.clone().requires_grad_()
+    got = fake_quantize(x, spec)
+    assert same_bits(got.detach(), numpy_reference(w, spec))
+    assert same_bits(got.detach(), fake_quantize(w.float(), spec).bfloat16())
+    got.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["int4 g32", "qwix int8 channel", "q8_0"])
+def test_a_bf16_jax_array_is_its_float32_copys_values_rounded_once(name):
+    jnp = pytest.importorskip("jax.numpy")
+    from mixle.api import fake_quantize as any_fake_quantize
+    from mixle.flax_backend.fake_quant import fake_quantize_weight
+
+    spec = SPECS[name]
+    torch.manual_seed(2)
+    w = (torch.randn(8, 256) * 0.05).bfloat16()
+    want = numpy_reference(w, spec).float().numpy()
+    w_jax = jnp.asarray(w.float().numpy()).astype(jnp.bfloat16)
+    got = any_fake_quantize(w_jax, spec=spec)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    if GRIDS[spec.grid].is_plain():  # a Flax kernel (in, out), quantized in its own layout
+        kernel = fake_quantize_weight(w_jax.T, (0,), spec)
+        np.testing.assert_array_equal(np.asarray(kernel.astype(jnp.float32)).T, want)
 
 
 def _bf16_steps(spec):
@@ -95,7 +149,7 @@ def test_a_bf16_model_converts_to_exactly_its_qat_forward(exact_converted_layers
         with torch.no_grad():
             expected = qat(ids)
             converted = convert(qat)
-            assert converted[1].scale.dtype == torch.bfloat16
+            assert converted[1].scale.dtype == torch.float32
             assert torch.equal(converted(ids), expected), spec.short()
 
 
@@ -105,7 +159,7 @@ def test_fake_quantize_of_bf16_runs_the_float32_numerics():
     out = fake_quantize(x, QuantSpec(bits=4))
     w = x.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True) / 7.0
-    expected = (torch.round(w / scale).clamp(-7, 7) * scale.bfloat16().float()).bfloat16()
+    expected = (torch.round(w / scale).clamp(-7, 7) * scale).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), expected)
     out.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))

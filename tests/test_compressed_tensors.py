@@ -161,7 +161,9 @@ def test_mixle_loads_its_checkpoint_into_quantized_linear_layers(saved):
 
 def test_bfloat16_int8_codes_survive_the_compressor(tmp_path):
     # In bfloat16, round(bf16(code * scale) / scale) can land on a neighbouring int8 code near
-    # +-127; the export must still store exactly mixle's codes and the bfloat16 scales.
+    # +-127; the export must still store exactly mixle's codes. The format keeps scales in the
+    # model's dtype, so the file's weights are code * bf16(scale) rounded to bfloat16: within one
+    # bfloat16 step of QAT's values (float32 scales, rounded once).
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
@@ -171,9 +173,21 @@ def test_bfloat16_int8_codes_survive_the_compressor(tmp_path):
     layer = convert(qat).model.layers[0].mlp.down_proj
     codes = unpack_from_int32(tensors["model.layers.0.mlp.down_proj.weight_packed"], 8, torch.Size([128, 256]))
     assert torch.equal(codes, layer.quantized_array().codes)
-    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
+    scale = tensors["model.layers.0.mlp.down_proj.weight_scale"]
+    assert scale.dtype == torch.bfloat16 and torch.equal(scale.reshape(-1), layer.scale.reshape(-1).bfloat16())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
-    assert loaded.dtype == torch.bfloat16 and torch.equal(logits(loaded), logits(qat))  # exact: same bf16 ops
+    assert loaded.dtype == torch.bfloat16
+    file_weight = (codes.float() * scale.float().reshape(-1, 1)).bfloat16()
+    qat_weight = layer.dequantized_weight()
+    assert qat_weight.dtype == torch.bfloat16
+    step = torch.finfo(torch.bfloat16).eps * qat_weight.float().abs()  # one bfloat16 step, or less
+    assert ((file_weight.float() - qat_weight.float()).abs() <= step).all()
+    reference = convert(qat)  # the converted model with the file's bfloat16-rounded scales
+    for module in reference.modules():
+        if hasattr(module, "quantized_array"):
+            module.scale = module.scale.bfloat16().float()
+    assert torch.equal(reference.model.layers[0].mlp.down_proj.dequantized_weight(), file_weight)
+    assert torch.equal(logits(loaded), logits(reference))  # exact: same bf16 ops on the file's weights
     back = load_pretrained_compressed(tmp_path / "bf16")
     assert torch.equal(back.model.layers[0].mlp.down_proj.codes, layer.codes)
 

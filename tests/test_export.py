@@ -147,11 +147,18 @@ def test_convert_after_qat_round_trips_a_wrapped_mlp(tmp_path):
 def test_bfloat16_models_round_trip(tmp_path):
     model = make_mlp().to(torch.bfloat16)
     quantized = quantize_model(model, bits=4)
-    assert quantized[0].scale.dtype == torch.bfloat16
+    # The float32 copy's scales, so that each value is rounded once to bf16, as the QAT forward's.
+    assert quantized[0].scale.dtype == torch.float32 and quantized[0].float_dtype == torch.bfloat16
     save_quantized(quantized, tmp_path / "bf16.safetensors")
-    assert_same_model(quantized, load_quantized(tmp_path / "bf16.safetensors", make_mlp().to(torch.bfloat16)))
+    loaded = load_quantized(tmp_path / "bf16.safetensors", make_mlp().to(torch.bfloat16))
+    assert_same_model(quantized, loaded)
     theirs = safetensors.torch.load_file(tmp_path / "bf16.safetensors")
-    assert theirs["0.scale"].dtype == torch.bfloat16 and torch.equal(theirs["0.scale"], quantized[0].scale)
+    assert theirs["0.scale"].dtype == torch.float32 and torch.equal(theirs["0.scale"], quantized[0].scale)
+    x = mlp_batch().to(torch.bfloat16)
+    with torch.no_grad():
+        assert loaded(x).dtype == torch.bfloat16 and torch.equal(loaded(x), quantized(x))
+        # model.to(bfloat16) leaves the float32 scales as they are (a bf16 copy would round values twice).
+        assert torch.equal(loaded.to(torch.bfloat16)(x), quantized(x)) and loaded[0].scale.dtype == torch.float32
 
 
 def test_load_leaves_the_skeleton_untouched(lm_file):

@@ -33,6 +33,7 @@ from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_train import NonFiniteLossError, Stopped, steps_that_fit  # noqa: E402
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
+from tests.gguf_tokenizer_cases import converter_keys, tokenizer_fields, with_tokenizer  # noqa: E402
 
 BLOCK, EVAL_WINDOWS = 16, 6
 FAST = ["--block", str(BLOCK), "--batch-size", "2", "--eval-windows", str(EVAL_WINDOWS), "--threads", "1",
@@ -147,6 +148,19 @@ def test_llama_directory_to_q4_0_gguf_with_numbers_checked(assets, tmp_path, cap
         assert rows["QAT"]["llama_cpp_loss"] == pytest.approx(loss, rel=1e-9)
         assert rows["QAT"]["llama_cpp_loss"] == pytest.approx(rows["QAT"]["loss"], rel=2e-3)
         assert rows["float"]["llama_cpp_loss"] == pytest.approx(rows["float"]["loss"], rel=2e-3)
+        # llama.cpp also tokenized each window's text itself, with the file's tokenizer: into the ids transformers
+        # makes of that text, on which the file's weights give its reported loss.
+        tokenizer = transformers.AutoTokenizer.from_pretrained(assets["llama"])
+        texts = [tokenizer.decode(w, skip_special_tokens=False, clean_up_tokenization_spaces=False) for w in windows]
+        ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        assert rows["QAT"]["llama_cpp_text_same_tokens"] == len(windows) == results["llama_cpp"]["text"]["held_out"]["windows"]
+        assert rows["QAT"]["llama_cpp_text_tokens"] == sum(map(len, ids))
+        with torch.no_grad():
+            nll = sum(F.cross_entropy(from_file(torch.tensor([i[:-1]])).logits[0].double(), torch.tensor(i[1:]),
+                                      reduction="sum").item() for i in ids)
+        assert rows["QAT"]["llama_cpp_text_loss"] == pytest.approx(nll / sum(len(i) - 1 for i in ids), rel=2e-3)
+        assert "held-out text, llama.cpp" in (out / "table.txt").read_text()
+        assert "eval_data_llama_cpp_text_loss" in rows["QAT"] and "llama_cpp_text_loss" in rows["PTQ"]
     # The teacher shares the frozen embedding (tied head) and norms; it owns copies of the trained matrices.
     frozen = [p for n, p in float_model.named_parameters() if "norm" in n or "embed" in n]
     trained = [p for n, p in float_model.named_parameters() if "proj" in n]
@@ -191,8 +205,11 @@ def test_max_minutes_schedule_is_fitted_to_the_pace_after_the_first_step():
 def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):
     """A GGUF file in (transformers' GGUF loader): the same float numbers as the directory it was written
     from; LoRA on the frozen base under bfloat16 autocast, merged and requantized into Q8_0 blocks."""
-    out = tmp_path / "run"
-    status = finetune("--model", str(assets["gguf"]), "--data", str(assets["data"]), "--out", str(out),
+    out, source = tmp_path / "run", tmp_path / "source.gguf"
+    # The source file's tokenizer as llama.cpp's converter writes it: pre-tokenizer name, ids, chat template.
+    with_tokenizer(assets["gguf"], source, lambda writer: converter_keys(writer, assets["tokenizer"], "gpt-2",
+                                                                         len(assets["tokenizer"])))
+    status = finetune("--model", str(source), "--data", str(assets["data"]), "--out", str(out),
                       "--target", "q8_0", "--lora", "4", "--dtype", "bfloat16", "--steps", "4", "--no-llama-cpp",
                       *FAST)
     assert status == 0, capsys.readouterr().err
@@ -205,6 +222,8 @@ def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):
     assert results["model"]["teacher_own_bytes"] == 0  # a frozen base: the teacher shares all of it
     reader = gguf.GGUFReader(out / "model.gguf")
     assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.ffn_down.weight"] == "Q8_0"
+    # Every tokenizer.* key of the source file, verbatim: llama.cpp tokenizes text with model.gguf as with it.
+    assert list(tokenizer_fields(out / "model.gguf").items()) == list(tokenizer_fields(source).items())
 
 
 # The block type llama.cpp's Q4_K_M gives each matrix of the 2-layer Llama of hidden 64 and ffn 256: rows of 64
@@ -335,7 +354,9 @@ def test_resume_refuses_another_result_flag_and_a_busy_out(assets, tmp_path, cap
         finetune("--resume", config.out, "--steps", "5")
     assert "--steps 5 differs from the interrupted run's 4" in capsys.readouterr().err
     assert finetune("--model", config.model, "--out", config.out) == 1
-    assert f"holds an interrupted run's checkpoint.pt: continue it with --resume {config.out}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"holds an interrupted run's checkpoint.pt, stopped after step 1, of another run (" in err
+    assert f"continue it with --resume {config.out}, or pass --overwrite" in err
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(assets, tmp_path):
@@ -386,7 +407,8 @@ def test_bad_models_are_refused_before_training_naming_the_file(assets, tmp_path
     assert f"{str(weights)!r} is truncated" in refusal(capsys, "--model", str(truncated), *out)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(assets["gguf"].read_bytes()[:-1000])
-    assert "is not a readable GGUF file" in refusal(capsys, "--model", str(cut), *out)
+    err = refusal(capsys, "--model", str(cut), *out)
+    assert f"{str(cut)!r} cannot be read as a GGUF file: tensor " in err and ": it is truncated (" in err
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 

@@ -69,6 +69,70 @@ def test_jitted_kernel_equals_numpy_on_the_ggml_grids(spec):
     np.testing.assert_array_equal(_jitted(w, (0,), spec), back(quantize_dequantize_array(matrix, spec)))
 
 
+def _tpu_like_quotient(self, a, b):
+    """A quotient as the TPU gives it: up to two ulps from a / b, not the nearest float. Half the
+    elements multiply by the reciprocal (XLA's rewrite), the rest step one ulp down or two up."""
+    q = a / b
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32) % 4
+    up = jnp.nextafter(jnp.nextafter(q, jnp.float32(jnp.inf)), jnp.float32(jnp.inf))
+    nudged = jnp.where(bits == 1, up, jnp.nextafter(q, jnp.float32(-jnp.inf)))
+    off = jnp.where(bits < 2, nudged, a * (1 / b))
+    return jnp.where((a != 0) & jnp.isfinite(q) & jnp.isfinite(off), off, q)  # 0 and inf stay exact
+
+
+# The stand-ins nudge the backend's own quotient: on a TPU that one is already off, and the real
+# quotients are what every other test here checks.
+stand_in = pytest.mark.skipif(jax.default_backend() == "tpu", reason="stands in for the TPU on other backends")
+
+
+@stand_in
+def test_tpu_like_quotients_are_corrected_to_numpys_division():
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal(20000) * np.exp(rng.uniform(-15, 15, 20000))).astype(np.float32)
+    b = (rng.standard_normal(20000) * np.exp(rng.uniform(-15, 15, 20000))).astype(np.float32)
+    a[:3], b[:3] = [0.0, 1.0, -2.0], [3.0, 0.0, 7.0]
+    ops = JaxOps()
+    raw = np.asarray(jax.jit(lambda a, b: _tpu_like_quotient(ops, a, b))(a, b))
+    assert (raw != a / b).sum() > 10000  # the stand-in really is off
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JaxOps, "quotient", _tpu_like_quotient)
+        got = np.asarray(jax.jit(ops.divide)(jnp.asarray(a), jnp.asarray(b)))
+    np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_16_bit_rounding_without_a_cast_equals_numpys_cast(name):
+    # The TPU skips a float32 -> float16 -> float32 round trip inside a jitted program (it keeps
+    # the float32 value), so JaxOps rounds to 16 bits with integer and exact float ops.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(100_000) * np.exp(rng.uniform(-30, 14, 100_000))).astype(np.float32)
+    x[:10] = [65504, 65519, 65520, -65520, 6.1e-5, 6e-8, 2.98e-8, -2.9e-8, np.inf, 3.4e38]
+    dtype = np.float16 if name == "float16" else ml_dtypes.bfloat16
+    with np.errstate(over="ignore"):
+        expected = x.astype(dtype).astype(np.float32)
+    got = np.asarray(jax.jit(lambda v: JaxOps().narrow_rounded(v, name))(x))
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@stand_in
+@pytest.mark.parametrize("shape,input_axes,grid,bits,granularity,group_size,percentile",
+                         [case for case in CASES if case[0] == (128, 48)])
+def test_numpys_codes_when_xla_divides_as_the_tpu_does(monkeypatch, shape, input_axes, grid, bits, granularity,
+                                                      group_size, percentile):
+    # CI has no TPU: its division (an ulp off numpy's for a third of quotients) is stood in for.
+    monkeypatch.setattr(JaxOps, "quotient", _tpu_like_quotient)
+    w = _kernel(shape, seed=3)
+    matrix, back = _as_matrix(w, input_axes)
+    spec = QuantSpec(bits=bits, grid=grid, granularity=granularity, group_size=group_size, clip_percentile=percentile)
+    expected = back(reference_codes_scales(matrix, bits, granularity, group_size, percentile, grid)[2])
+    np.testing.assert_array_equal(_jitted(w, input_axes, spec), expected)
+    if grid == "symmetric" and bits == 4 and percentile is None:
+        # The float16 scales: a float32 -> float16 -> float32 round trip XLA may skip (the TPU does).
+        for ggml in (QuantSpec(bits=4, grid="q4_0", group_size=32), QuantSpec(bits=8, grid="q8_0", group_size=32)):
+            np.testing.assert_array_equal(_jitted(w, input_axes, ggml), back(quantize_dequantize_array(matrix, ggml)))
+
+
 @pytest.mark.parametrize("count,percentile", [(2048, 99.9), (2048, 99.0), (2048, 90.0), (16, 95.0), (7, 50.0)])
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_jax_order_statistics_equal_a_sort_along_any_axis(count, percentile, axis):

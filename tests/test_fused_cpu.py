@@ -70,8 +70,9 @@ def test_kernel_equals_numpy_bit_for_bit(dtype, grid, bits, granularity, group_s
     spec = spec_for(bits, granularity, group_size, percentile, grid)
     codes, scale, deq = reference_codes_scales(w, bits, granularity, group_size, percentile, grid)
     x = torch.from_numpy(w)
-    got_deq, got_codes, got_scale, threshold, nonfinite = _fused_cpu.fake_quant(x, spec, want_codes=True, want_threshold=True)
-    assert int(nonfinite) == 0
+    got_deq, got_codes, got_scale, threshold, nonfinite, overflow = _fused_cpu.fake_quant(
+        x, spec, want_codes=True, want_threshold=True)
+    assert int(nonfinite) == 0 and int(overflow) == 0
     np.testing.assert_array_equal(got_codes.numpy(), codes)
     np.testing.assert_array_equal(got_scale.numpy().reshape(-1), scale.reshape(-1))
     np.testing.assert_array_equal(got_deq.numpy(), deq)
@@ -136,6 +137,40 @@ def test_nan_or_infinity_is_reported_not_hidden(bad, percentile):
     assert int(_fused_cpu.fake_quant(torch.from_numpy(w), spec_for(4, "channel", None, percentile))[4]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("grid", ["symmetric", "qwix"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("granularity,group_size", [("tensor", None), ("channel", None), ("group", 16)])
+def test_blocks_that_would_dequantize_to_infinity_are_counted(dtype, grid, bits, granularity, group_size):
+    """The kernel counts, in its own pass, the blocks whose scale times the grid's largest code overflows
+    the weight's dtype (rounds to infinity in bfloat16): numerics' check_dequantized_range, on its scales."""
+    from mixle.core.checks import ScaleOverflowError
+    from mixle.core.stored import check_dequantized_range
+
+    finfo = torch.finfo(dtype)
+    w = torch.from_numpy(weight(np.float64, rows=12, cols=32)).to(dtype)
+    w[0, 1] = -finfo.max  # overflows wherever the largest code exceeds the divisor (qwix; symmetric int8 rounds up)
+    w[2, 20] = -finfo.max / 2  # fits
+    spec = spec_for(bits, granularity, group_size, None, grid)
+    _, _, scale, _, nonfinite, overflow = _fused_cpu.fake_quant(w, spec)
+    largest = GRIDS_LARGEST[grid, bits]
+    with np.errstate(over="ignore"):
+        top = np.abs(scale.numpy()) * scale.numpy().dtype.type(largest)
+    limit = 2.0 ** 127 * (2 - 2.0 ** -8) if dtype == torch.bfloat16 else np.inf
+    want = int((~(top < limit)).sum())  # the numpy rule, independently
+    assert int(nonfinite) == 0 and int(overflow) == want
+    assert want > 0 or grid == "symmetric"
+    if want:
+        with pytest.raises(ScaleOverflowError):
+            check_dequantized_range(scale, spec, dtype=None if dtype != torch.bfloat16 else "bfloat16")
+    if dtype == torch.float32:  # written as bfloat16 (autocast's operand): the weight's own dtype decides
+        out = torch.empty_like(w, dtype=torch.bfloat16)
+        assert int(_fused_cpu.fake_quant(w, spec, out=out)[5]) == want
+
+
+GRIDS_LARGEST = {("symmetric", 4): 7, ("symmetric", 8): 127, ("qwix", 4): 8, ("qwix", 8): 128}
+
+
 def test_clip_mask_gradient_matches_numpy():
     w = weight(np.float32)
     spec = spec_for(4, "group", 16, 80.0)
@@ -153,13 +188,10 @@ def bits_of(t):
     return t.view(torch.int16)
 
 
-def held_bf16_values(codes, scale, deq):
-    """A bf16 weight's fake-quantized values from the numpy reference's ``(codes, scale, deq)`` of
-    its float32 copy: the codes times the scale held in bf16 (exact in float32; the codes signed
-    like deq, -0 included), rounded once to bf16."""
-    signed = torch.from_numpy(np.copysign(codes.astype(np.float32), deq))
-    held = torch.from_numpy(scale).bfloat16().float()
-    return (signed.reshape(held.shape[0], -1) * held).reshape(codes.shape).bfloat16()
+def bf16_values(deq):
+    """A bf16 weight's fake-quantized values from the numpy reference's values of its float32 copy:
+    those values rounded once to bf16 (-0 included)."""
+    return torch.from_numpy(deq).bfloat16()
 
 
 def bf16_weight():
@@ -176,22 +208,22 @@ def test_bf16_kernel_runs_the_float32_numerics_bit_for_bit(grid, bits, granulari
     x, w = bf16_weight()
     spec = spec_for(bits, granularity, group_size, percentile, grid)
     codes, scale, ref_deq = reference_codes_scales(w, bits, granularity, group_size, percentile, grid)
-    deq, got_codes, got_scale, threshold, nonfinite = _fused_cpu.fake_quant(x, spec, want_codes=True, want_threshold=True)
-    assert int(nonfinite) == 0
+    deq, got_codes, got_scale, threshold, nonfinite, overflow = _fused_cpu.fake_quant(
+        x, spec, want_codes=True, want_threshold=True)
+    assert int(nonfinite) == 0 and int(overflow) == 0
     # Codes, scales and thresholds: the float32 copy's, kept in float32.
     assert got_scale.dtype == threshold.dtype == torch.float32
     np.testing.assert_array_equal(got_codes.numpy(), codes)
     np.testing.assert_array_equal(got_scale.numpy().reshape(-1), scale.reshape(-1))
     np.testing.assert_array_equal(threshold.numpy().reshape(-1), reference_threshold(w, granularity, group_size, percentile).reshape(-1))
-    # Values: the codes times the scale held in bf16 (exact in float32), rounded once to bf16.
-    expected = held_bf16_values(codes, scale, ref_deq)
+    # Values: the float32 copy's, rounded once to bf16.
+    expected = bf16_values(ref_deq)
     assert deq.dtype == torch.bfloat16 and torch.equal(bits_of(deq), bits_of(expected))
-    # The rebuild on the float32 scales; the dequantize of the int8 codes (float32 or bf16-held
-    # scales; int8 codes have no -0, so values compare, as on float32).
+    # The rebuild on the float32 scales; the dequantize of the int8 codes (int8 codes have no -0,
+    # so values compare, as on float32).
     assert torch.equal(bits_of(_fused_cpu.fake_quant(x, spec, scale=got_scale)[0]), bits_of(expected))
-    for kept in (got_scale, got_scale.bfloat16()):
-        got = _fused_cpu.dequantize(got_codes, kept, spec, dtype=torch.bfloat16)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    got = _fused_cpu.dequantize(got_codes, got_scale, spec, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
 def test_bf16_per_tensor_block_over_threads_and_nan_blocks():
@@ -204,7 +236,7 @@ def test_bf16_per_tensor_block_over_threads_and_nan_blocks():
         deq, codes, *_ = _fused_cpu.fake_quant(x, spec, want_codes=True)
         ref = reference_codes_scales(w, 8, "tensor", None, percentile)
         np.testing.assert_array_equal(codes.numpy(), ref[0])
-        assert torch.equal(bits_of(deq), bits_of(held_bf16_values(*ref)))
+        assert torch.equal(bits_of(deq), bits_of(bf16_values(ref[2])))
     x[10, 3] = float("nan")
     assert int(_fused_cpu.fake_quant(x, spec_for(4, "group", 32, None))[4]) == 1
 

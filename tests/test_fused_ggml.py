@@ -118,13 +118,7 @@ def test_a_bf16_weight_is_the_float32_path_then_cast(grid):
     spec = spec_of(grid)
     w = torch.from_numpy(edge_weights(7, subnormal=grid not in SUBNORMAL_DIFFERS)).bfloat16()
     w32 = w.float().numpy()
-    if fused_ggml.KINDS[grid].hold_scale:  # q4_0 / q8_0: the float16 scale held in bf16, as the torch path does
-        q = quantize_array(w32, spec)
-        scale = torch.from_numpy(np.asarray(q.scale)).bfloat16().float()
-        codes = torch.from_numpy(np.asarray(q.codes)).float().reshape(scale.shape[0], scale.shape[1], -1)
-        want = (codes * scale).reshape(w.shape).bfloat16()
-    else:
-        want = torch.from_numpy(fake_quant_forward(w32, spec)[0]).bfloat16()
+    want = torch.from_numpy(fake_quant_forward(w32, spec)[0]).bfloat16()  # the float32 copy's, rounded once
     deq, codes, a, b, *_ = fused_ggml.fake_quant(w, spec, want_codes=True)
     assert deq.dtype == torch.bfloat16 and torch.equal(deq.view(torch.int16), want.view(torch.int16))
     rebuilt = fused_ggml.dequantize(codes, a, b, torch.bfloat16, grid=grid)

@@ -77,11 +77,11 @@ def test_fake_quantize_keeps_low_precision_dtype(dtype):
     x = torch.randn(6, 16).to(dtype).requires_grad_()
     out = fake_quantize(x, bits=4)
     assert out.dtype == dtype
-    # Reference: the grid numerics run in float32 (codes as for a float32 copy of x), the scale is
-    # stored in x's dtype, and the product is rounded to x's dtype.
+    # Reference: the grid numerics run in float32 (a float32 copy of x's codes, scales and values),
+    # and the values are rounded once to x's dtype.
     w = x.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True) / 7.0
-    expected = (torch.round(w / scale).clamp(-7, 7) * scale.to(dtype).float()).to(dtype)
+    expected = (torch.round(w / scale).clamp(-7, 7) * scale).to(dtype)
     assert torch.equal(out.detach(), expected)
     out.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))

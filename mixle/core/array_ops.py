@@ -58,6 +58,10 @@ class NumpyOps:
     def is_float(self, x):
         return self.xp.issubdtype(x.dtype, self.xp.floating) or x.dtype.name == "bfloat16"
 
+    def dtype_name(self, x):
+        """x's dtype as numpy names it: ``"float32"``, ``"bfloat16"``, ..."""
+        return x.dtype.name
+
     def all_finite(self, x):
         return bool(self.xp.isfinite(x).all())
 
@@ -96,8 +100,12 @@ class NumpyOps:
     def round_clip(self, x, lo, hi):
         return self.xp.clip(self.xp.round(x), lo, hi)
 
+    def divide(self, a, b):
+        """``a / b`` rounded once to the nearest float (IEEE), as numpy divides."""
+        return a / b
+
     def divide_round_clip(self, blocks, scale, lo, hi):
-        return self.round_clip(blocks / scale, lo, hi)
+        return self.round_clip(self.divide(blocks, scale), lo, hi)
 
     def to_int8(self, x):
         return x.astype(self.xp.int8)
@@ -205,8 +213,8 @@ class JaxOps(NumpyOps):
         return levels, seen
 
     def divisor(self, value, like):
-        # XLA rewrites division by a constant as multiplication by its reciprocal, which is one
-        # ulp off numpy half the time; a divisor behind a barrier is divided exactly.
+        # XLA rewrites division by a constant as multiplication by its reciprocal; a divisor
+        # behind a barrier is divided (and then corrected by ``divide``) as any other.
         return self.jax.lax.optimization_barrier(self.xp.full_like(like, value))
 
     def rounded(self, x):
@@ -216,15 +224,96 @@ class JaxOps(NumpyOps):
         # the two keeps the product rounded.
         return self.xp.where(x == x, x, self.xp.nan)
 
+    def divide(self, a, b):
+        """``a / b`` rounded once to the nearest float32, on every XLA backend.
+
+        The TPU divides (and takes reciprocals) with an approximation that misses the nearest
+        float by one or two ulps for a third of the quotients, and XLA rewrites a division by a
+        broadcast value as a multiplication by its reciprocal; products and sums are IEEE
+        everywhere. So the quotient ``q`` any backend gives is corrected with products and sums
+        only: ``a - q * b`` is computed exactly (Dekker's product, with halves cut by bit masks
+        so no rewrite or FMA can change them), and ``q`` steps to its neighbour on the side of
+        the true quotient while that neighbour's remainder is smaller (a quotient of floats is
+        never a tie, so the smallest remainder is the nearest float). Exact wherever the
+        products do not underflow (|a| above ~1e-30 in float32) and ``q`` is within
+        ``_DIVISION_STEPS`` ulps of the quotient.
+        """
+        xp, lax = self.xp, self.jax.lax
+        if a.dtype != xp.float32 or (hasattr(b, "dtype") and b.dtype != xp.float32):
+            return a / b
+        a, b = xp.broadcast_arrays(a, xp.asarray(b, xp.float32))
+        q = lax.optimization_barrier(self.quotient(a, b))  # no rewrite of q * b back into a
+        finite = xp.isfinite(q) & (q != 0)
+        remainder = self._remainder(a, b, q)
+        for _ in range(_DIVISION_STEPS):
+            toward = xp.where((remainder > 0) == (b > 0), xp.inf, -xp.inf).astype(xp.float32)
+            neighbour = xp.nextafter(q, toward)
+            neighbour_remainder = self._remainder(a, b, neighbour)
+            better = finite & (abs(neighbour_remainder) < abs(remainder))
+            q = xp.where(better, neighbour, q)
+            remainder = xp.where(better, neighbour_remainder, remainder)
+        return q
+
+    def to_named(self, x, name):
+        # XLA may skip a float32 -> 16-bit -> float32 round trip inside one program (excess
+        # precision: the TPU keeps the float32 values), so a 16-bit rounding is done with
+        # integer and exact float ops; the cast then only changes the storage.
+        if name not in _NARROW or x.dtype != self.xp.float32:
+            return x.astype(name)
+        return self.narrow_rounded(x, name).astype(name)
+
+    def narrow_rounded(self, x, name):
+        """float32 ``x`` rounded to the nearest ``name`` (float16 / bfloat16) value, ties to even,
+        still in float32: overflow to infinity, float16's subnormals on their 2**-24 grid."""
+        xp, lax = self.xp, self.jax.lax
+        explicit, smallest_normal, largest = _NARROW[name]
+        drop = 23 - explicit
+        bits = lax.bitcast_convert_type(x, xp.uint32)
+        half = xp.uint32((1 << (drop - 1)) - 1) + ((bits >> drop) & xp.uint32(1))
+        normal = lax.bitcast_convert_type((bits + half) & xp.uint32((0xFFFFFFFF >> drop) << drop), xp.float32)
+        normal = xp.where(abs(normal) > largest, xp.copysign(xp.float32(xp.inf), x), normal)
+        if not smallest_normal:
+            return xp.where(xp.isnan(x) | xp.isinf(x), x, normal)
+        step = smallest_normal * 2.0**-explicit  # the subnormals' spacing, a power of 2: exact products
+        tiny = xp.round(x * xp.float32(1 / step)) * xp.float32(step)
+        rounded = xp.where(abs(x) < smallest_normal, tiny, normal)
+        return xp.where(xp.isnan(x) | xp.isinf(x), x, rounded)
+
+    def quotient(self, a, b):
+        """The backend's own ``a / b`` that ``divide`` corrects (tests replace it with the TPU's
+        kinds of error)."""
+        return a / b
+
+    def _remainder(self, a, b, q):
+        """``a - q * b`` exactly (representable when q is within an ulp of ``a / b``)."""
+        xp = self.xp
+        product = self.rounded(q * b)
+        q_hi, q_lo = self._halves(q)
+        b_hi, b_lo = self._halves(b)
+        # q * b == product + error exactly: every partial product below has at most 24 bits.
+        error = self.rounded(self.rounded(q_hi * b_hi) - product)
+        error = self.rounded(error + self.rounded(q_hi * b_lo))
+        error = self.rounded(error + self.rounded(q_lo * b_hi))
+        error = error + self.rounded(q_lo * b_lo)
+        return self.rounded(a - product) - error
+
+    def _halves(self, x):
+        """``(hi, lo)`` with ``hi + lo == x``, each of at most 12 significant bits."""
+        xp, lax = self.xp, self.jax.lax
+        bits = lax.bitcast_convert_type(x, xp.uint32)
+        hi = lax.bitcast_convert_type(bits & xp.uint32(0xFFFFF000), xp.float32)
+        return hi, self.rounded(x - hi)
+
     def divide_round_clip(self, blocks, scale, lo, hi):
-        # XLA turns a division by a broadcast scale into a multiplication by its reciprocal
-        # (one ulp off for about a fifth of the elements, which moves the -absmax tie of the
-        # qwix grid); a divisor broadcast behind a barrier is divided exactly (the barrier is
-        # gone before fusion: nothing is materialised).
-        scale = self.jax.lax.optimization_barrier(self.xp.broadcast_to(scale, blocks.shape))
-        return self.round_clip(blocks / scale, lo, hi)
+        return self.round_clip(self.divide(blocks, self.xp.broadcast_to(scale, blocks.shape)), lo, hi)
 
 
+# Ulps between a backend's quotient and the nearest float that JaxOps.divide corrects (the TPU v5e
+# was seen two ulps off).
+_DIVISION_STEPS = 3
+# 16-bit floats as (explicit mantissa bits, smallest normal, largest finite) for JaxOps.to_named.
+# bfloat16 is float32's top half: its rounding of the bits is right for subnormals too.
+_NARROW = {"float16": (10, 2.0**-14, 65504.0), "bfloat16": (7, 0.0, 3.3895313892515355e38)}
 # Up to this many ranks from the top, jax order statistics come from distinct levels and counts.
 _LEVEL_RANKS = 8
 # Chunk length of JaxOps._top_chunks.
@@ -255,6 +344,9 @@ class TorchOps:
 
     def is_float(self, x):
         return x.is_floating_point()
+
+    def dtype_name(self, x):
+        return str(x.dtype).removeprefix("torch.")
 
     def all_finite(self, x):
         return bool(self.torch.isfinite(x).all())
@@ -338,6 +430,9 @@ class TorchOps:
         # Filled on the device: CUDA divides by a host scalar as a multiplication by its
         # reciprocal, one ulp off numpy's division for some values; by a device tensor exactly.
         return self.torch.full((), value, dtype=like.dtype, device=like.device)
+
+    def divide(self, a, b):
+        return a / b
 
     def rounded(self, x):
         return x

@@ -37,6 +37,9 @@ __all__ = [
     "block_scale",
     "block_stats",
     "stored_scale",
+    "check_scale_range",
+    "widened",
+    "NARROW_FLOATS",
     "round_codes",
     "quantize_blocks",
     "quantize_linear_weight",
@@ -131,7 +134,7 @@ def block_scale(ops, blocks, threshold, spec, axis=-1):
     """
     grid = spec.grid_record
     top = _SCALE_TOPS[grid.scale_rule](ops, blocks, threshold, axis)
-    scale = top / ops.divisor(spec.scale_divisor, top)
+    scale = ops.divide(top, ops.divisor(spec.scale_divisor, top))
     # An all-zero block (or one whose scale underflows) gets the grid's zero scale: with 1,
     # codes 0 and no NaN. ggml's grids (None) keep the signed zero and multiply by a reciprocal of 0.
     if grid.zero_scale is None:
@@ -173,13 +176,14 @@ def block_stats(ops, blocks, spec, with_max=False, axis=-1):
     return block_scale(ops, blocks, threshold, spec, axis), threshold, block_max
 
 
-def stored_scale(ops, scale, spec):
+def stored_scale(ops, scale, spec, name=None):
     """The scale as stored and dequantized with: rounded through the grid's scale dtype, if any.
 
     Args:
         ops: ``array_ops`` of the scales.
         scale: scales from ``block_stats``.
         spec: the QuantSpec (its grid's ``scale_dtype``, e.g. float16 for llama.cpp's grids).
+        name: what the error calls the array (None: a caller that names it adds the name).
 
     Returns:
         The scales in their own dtype, holding values of the grid's scale dtype.
@@ -199,11 +203,12 @@ def stored_scale(ops, scale, spec):
     narrow = ops.to_named(scale, dtype)
     advice = (f"which grid={spec.grid!r} stores its scales in: the weights are too large for this file "
               f"format; rescale them or use another grid")
+    where = "" if name is None else f"{name}: "
     if not ops.readable(narrow):
-        ops.assert_finite(narrow, f"a block scale does not fit {dtype} (or is NaN), {advice}")
+        ops.assert_finite(narrow, f"{where}a block scale does not fit {dtype} (or is NaN), {advice}")
     elif not ops.all_finite(narrow):
         raise ScaleOverflowError(
-            f"a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), {advice}")
+            f"{where}a block scale does not fit {dtype} (largest {float(abs(scale).max()):.6g}), {advice}")
     return ops.to_dtype(narrow, scale)
 
 
@@ -250,11 +255,12 @@ def round_codes(ops, blocks, scale, spec):
     rounding = spec.grid_record.rounding
     if rounding == "half_even":
         return ops.divide_round_clip(blocks, scale, spec.code_min, spec.code_max)
-    inverse = ops.where(scale == 0, ops.scalar(0.0, scale), 1 / ops.where(scale == 0, ops.scalar(1.0, scale), scale))
+    nonzero = ops.where(scale == 0, ops.scalar(1.0, scale), scale)
+    inverse = ops.where(scale == 0, ops.scalar(0.0, scale), ops.divide(ops.scalar(1.0, nonzero), nonzero))
     return _RECIPROCAL_ROUNDINGS[rounding](ops, ops.rounded(blocks * inverse), spec.code_min, spec.code_max)
 
 
-def quantize_blocks(ops, blocks, spec, axis=-1):
+def quantize_blocks(ops, blocks, spec, axis=-1, name=None):
     """The whole pipeline on a block view: ``block_stats``, ``round_codes``, ``stored_scale``.
 
     Elementwise ops see the same operands in any layout, and the reductions are exact (max,
@@ -265,6 +271,7 @@ def quantize_blocks(ops, blocks, spec, axis=-1):
         blocks: the block view, e.g. ``x.reshape(block_shape(x.shape, spec))``.
         spec: the QuantSpec.
         axis: the axis each block lies along.
+        name: what errors call the array (see ``stored_scale``).
 
     Returns:
         ``(codes, scale, threshold)``: the codes as floats shaped like ``blocks``, the stored
@@ -278,15 +285,68 @@ def quantize_blocks(ops, blocks, spec, axis=-1):
     """
     scale, threshold, _ = block_stats(ops, blocks, spec, axis=axis)
     codes = round_codes(ops, blocks, scale, spec)
-    return codes, stored_scale(ops, scale, spec), threshold
+    return codes, stored_scale(ops, scale, spec, name), threshold
 
 
-def _quantize_blocks(x, spec, batch_ndim, out_ndim):
+def _quantize_blocks(x, spec, batch_ndim, out_ndim, name=None):
     """``quantize_blocks`` of x's (B, S, K) view: ``(ops, blocks, codes, scale, threshold)``."""
     blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
     ops = array_ops(blocks)
-    codes, scale, threshold = quantize_blocks(ops, blocks, spec)
+    codes, scale, threshold = quantize_blocks(ops, blocks, spec, name=name)
     return ops, blocks, codes, scale, threshold
+
+
+# 16-bit floats: their numerics run in float32 (a 16-bit array gets exactly the codes and scales
+# of its float32 copy) and the dequantized values are rounded once to their dtype.
+NARROW_FLOATS = ("bfloat16", "float16")
+
+
+def widened(ops, x):
+    """``(x as the numerics compute it, the 16-bit dtype name its values are rounded to or None)``:
+    a bfloat16/float16 array in float32 (``NARROW_FLOATS``), any other as it is.
+
+    >>> widened(array_ops(np.ones(2, np.float16)), np.ones(2, np.float16))
+    (array([1., 1.], dtype=float32), 'float16')
+    """
+    name = ops.dtype_name(x)
+    if name in NARROW_FLOATS:
+        return ops.to_named(x, "float32"), name
+    return x, None
+
+
+def check_scale_range(ops, scale, spec, name="x", dtype=None):
+    """``check_dequantized_range`` (no level times a scale may overflow, nor round to infinity in the
+    16-bit ``dtype`` the values are written in) where the host can read the scales; an asynchronous
+    device assert (a RuntimeError with the same advice) where it cannot; nothing on jax tracers.
+
+    Args:
+        ops: ``array_ops`` of the scales.
+        scale: the stored scales.
+        spec: the QuantSpec.
+        name: what the error calls the array.
+        dtype: ``widened``'s 16-bit dtype name, or None.
+
+    Raises:
+        ScaleOverflowError: a finite weight would dequantize to infinity.
+
+    >>> scale = np.float32([4.25e37])  # times 8: 3.4e38, finite in float32, infinite in bfloat16
+    >>> check_scale_range(array_ops(scale), scale, QuantSpec(grid="qwix"), "w")
+    >>> check_scale_range(array_ops(scale), scale, QuantSpec(grid="qwix"), "w", "bfloat16")
+    Traceback (most recent call last):
+    mixle.core.checks.ScaleOverflowError: w: on int4/channel/qwix the block scale 4.2e+37 times the grid's largest level 8 overflows bfloat16 (the block's weights reach about 3.2e+38), so a finite weight would dequantize to infinity: rescale the weights (e.g. halve them and double what they feed), or use a grid whose largest code is its divisor (grid='symmetric' at bits=4)
+    """
+    if is_tracer(scale) or (spec.grid_record.scale_dtype is not None and dtype is None):
+        return
+    if ops.readable(scale):
+        # The largest |scale| decides (the product rounds monotonically): one reduction, no temporary.
+        check_dequantized_range(ops.absmax(scale.reshape(-1), -1), spec, name, dtype)
+        return
+    largest = spec.grid_record.largest_level(spec.bits)
+    top = abs(scale) * largest
+    ops.assert_finite(top if dtype is None else ops.to_named(top, dtype),
+                      f"{name}: on {spec.short()} a block scale times the grid's largest level {largest:g} overflows "
+                      f"{dtype or ops.dtype_name(scale)}, so a finite weight would dequantize to infinity: rescale the "
+                      f"weights (e.g. halve them and double what they feed)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +358,7 @@ from mixle.core.stored import QuantizedArray, block_quantized_array, check_dequa
 from mixle.core.ggml_weighted import check_importance, importance_grid  # noqa: E402
 
 
-def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", importance=None, **spec_fields):
+def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name=None, importance=None, **spec_fields):
     """Quantize an array to integer codes and per-block scales.
 
     A grid with block numerics (llama.cpp's ``q4_1`` ... ``q6_k``, ``mxfp4``; ``nf4``) is quantized
@@ -310,7 +370,8 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", impor
         spec: a QuantSpec; or pass its fields as keywords (``bits=4, group_size=32``).
         batch_ndim: leading axes with their own scales.
         out_ndim: output axes (default: 1 for 2-D and larger arrays, else 0).
-        name: what errors call x (e.g. ``"layer 'fc'"``).
+        name: what errors call x (e.g. ``"layer 'fc'"``; default ``x``, which a float16 scale's
+            overflow leaves to a caller that names it).
         importance: llama.cpp's importance matrix entry of x (the mean squared activation of
             each input column: shape ``(in,)``, or ``batch + (in,)`` for stacked experts; numpy
             or torch), or None. With it, x is quantized as ``llama-quantize --imatrix`` quantizes
@@ -319,30 +380,34 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name="x", impor
             llama.cpp ignores it, and so does this (after checking it); other grids refuse it.
 
     Returns:
-        QuantizedArray with int8 codes in ``[spec.code_min, spec.code_max]``.
+        QuantizedArray with int8 codes in ``[spec.code_min, spec.code_max]``; a bfloat16/float16 x
+        is quantized in float32 (``widened``), so its scales are float32.
 
     Raises:
         ScaleOverflowError: a scale does not fit the grid's scale dtype, or its largest code times
-            the scale overflows (a finite weight would dequantize to infinity).
+            the scale overflows (a finite weight would dequantize to infinity; for a 16-bit x, in
+            its dtype).
 
     >>> q = quantize_array(np.array([[0.7, -0.35], [0.0, 0.0]], np.float32), bits=4)
     >>> q.codes.tolist(), q.scale.ravel().tolist()
     ([[7, -4], [0, 0]], [0.10000000149011612, 1.0])
     """
     spec = resolve_spec(spec, spec_fields)
-    check_array(x, name)
+    label = "x" if name is None else name
+    check_array(x, label)
     if importance is not None:
-        if importance_grid(spec.grid, name) == "ignored":
-            check_importance(importance, tuple(x.shape), batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
+        if importance_grid(spec.grid, label) == "ignored":
+            check_importance(importance, tuple(x.shape), batch_ndim=batch_ndim, out_ndim=out_ndim, name=label)
             importance = None
         else:
-            return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=name,
+            return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=label,
                                          importance=importance)
     if spec.grid_record.numerics is not None:
-        return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
-    ops, blocks, codes, scale, _ = _quantize_blocks(x, spec, batch_ndim, out_ndim)
+        return block_quantized_array(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim, name=label)
+    wide, narrow = widened(array_ops(x), x)
+    ops, blocks, codes, scale, _ = _quantize_blocks(wide, spec, batch_ndim, out_ndim, name)
     if not is_tracer(scale):
-        check_dequantized_range(scale, spec, name)
+        check_dequantized_range(scale, spec, label, narrow)
     return QuantizedArray(ops.to_int8(codes).reshape(x.shape), scale, spec, batch_ndim, out_ndim)
 
 
@@ -371,38 +436,32 @@ def quantize_dequantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, **sp
     return fake_quant_forward(x, spec, batch_ndim=batch_ndim, out_ndim=out_ndim)[0]
 
 
-def fake_quant_forward(x, spec, *, with_mask=False, batch_ndim=0, out_ndim=None):
+def fake_quant_forward(x, spec, *, with_mask=False, batch_ndim=0, out_ndim=None, name="x"):
     """Fake-quant forward for the STE backends: the round trip, plus the clip mask if asked.
 
     Returns ``(dequantized, mask)``; ``mask`` is True where the STE passes the gradient
-    (``|w| <= c``), or None when not asked for. The input is not validated here: backends call
-    ``check_array`` once where it is cheap.
+    (``|w| <= c``), or None when not asked for. A bfloat16/float16 x runs the float32 numerics
+    (``widened``) and its values are rounded once to its dtype. The input is not validated here:
+    backends call ``check_array`` once where it is cheap.
+
+    Raises:
+        ScaleOverflowError: a finite weight would dequantize to infinity (``check_scale_range``);
+            ``name`` is what the message calls x.
 
     >>> fake_quant_forward(np.array([4.0, 1.0, 0.5], np.float32), QuantSpec(clip_percentile=50), with_mask=True)[1].tolist()
     [False, True, True]
     """
     if spec.grid_record.numerics is not None:
-        return _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim)
-    ops, blocks, codes, scale, threshold = _quantize_blocks(x, spec, batch_ndim, out_ndim)
-    _check_range(ops, scale, spec)
+        return _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim, name)
+    wide, narrow = widened(array_ops(x), x)
+    ops, blocks, codes, scale, threshold = _quantize_blocks(wide, spec, batch_ndim, out_ndim, name)
+    check_scale_range(ops, scale, spec, name, narrow)
     deq = (codes * scale).reshape(x.shape)
+    if narrow is not None:
+        deq = ops.to_dtype(deq, x)
     if not with_mask:
         return deq, None
     return deq, (abs(blocks) <= threshold).reshape(x.shape)
-
-
-def _check_range(ops, scale, spec, name="x"):
-    """``check_dequantized_range`` where the host can read the scales; an asynchronous device
-    assert where it cannot (no host synchronisation); nothing on jax tracers."""
-    if is_tracer(scale) or spec.grid_record.scale_dtype is not None:
-        return
-    if ops.readable(scale):
-        check_dequantized_range(scale, spec, name)
-        return
-    largest = spec.grid_record.largest_level(spec.bits)
-    ops.assert_finite(abs(scale) * largest, f"{name}: on {spec.short()} a block scale times the grid's largest level "
-                                            f"{largest:g} overflows, so a finite weight would dequantize to infinity: "
-                                            f"rescale the weights (e.g. halve them and double what they feed)")
 
 
 def _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim, name="x"):
@@ -419,27 +478,40 @@ def _block_numerics_forward(x, spec, with_mask, batch_ndim, out_ndim, name="x"):
                     f"grid={spec.grid_record.name!r} stores it in: the weights are too large for this file "
                     f"format; rescale them or use another grid"))
     deq = ops.to_dtype(q.dequantize(), x).reshape(x.shape)
+    if ops.dtype_name(x) == "float16":  # float16 scales times codes can pass float16's largest value
+        require_finite(deq, ScaleOverflowError(
+            f"{name}: on grid={spec.grid_record.name!r} a block's largest level overflows float16, so a finite weight "
+            f"would dequantize to infinity: rescale the weights, or quantize a float32 copy"))
     return deq, ((abs(x) >= 0) | True) if with_mask else None  # all True (x is finite)
 
 
-def fake_quant_blocks(blocks, spec, *, axis=-1):
+def fake_quant_blocks(blocks, spec, *, axis=-1, name="x"):
     """Fake-quant forward of a view in which each 1-D slice along ``axis`` is one scale block.
 
     The same values as ``fake_quant_forward`` on the ``batch + out + in`` layout, computed where
     the blocks lie (e.g. along a Flax kernel's own input axis, without transposing it). The
     caller builds the view: ``(in, out)`` per channel reduces ``axis=0``; groups of 32 inputs
-    are the view ``(in // 32, 32, out)`` with ``axis=1``.
+    are the view ``(in // 32, 32, out)`` with ``axis=1``. A bfloat16/float16 view runs the
+    float32 numerics and its values are rounded once to its dtype.
 
     Returns:
         ``(dequantized, threshold)``: the round trip in the view's shape, and the per-block
         clipping threshold ``c`` (``axis`` kept, length 1); ``|w| <= c`` is the STE's mask.
 
+    Raises:
+        ScaleOverflowError: a finite weight would dequantize to infinity (values the host can
+            read; ``name`` is what the message calls the array).
+
     >>> deq, c = fake_quant_blocks(np.array([[0.7, 0.1], [0.04, 0.2]], np.float32), QuantSpec(bits=4), axis=0)
     >>> deq.tolist(), c.tolist()
     ([[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]], [[0.699999988079071, 0.20000000298023224]])
     """
-    codes, scale, threshold = quantize_blocks(array_ops(blocks), blocks, spec, axis)
-    return codes * scale, threshold
+    ops = array_ops(blocks)
+    wide, narrow = widened(ops, blocks)
+    codes, scale, threshold = quantize_blocks(ops, wide, spec, axis, name)
+    check_scale_range(ops, scale, spec, name, narrow)
+    deq = codes * scale
+    return (deq if narrow is None else ops.to_dtype(deq, blocks)), threshold
 
 
 def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
@@ -453,5 +525,6 @@ def clip_threshold(x, spec=None, *, batch_ndim=0, out_ndim=None, **spec_fields):
     spec = resolve_spec(spec, spec_fields)
     check_array(x)
     ops = array_ops(x)
-    blocks = x.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
+    wide = widened(ops, x)[0]  # a 16-bit x's threshold is its float32 copy's, as its codes are
+    blocks = wide.reshape(block_shape(x.shape, spec, batch_ndim, out_ndim))
     return block_threshold(ops, abs(blocks), spec)

@@ -298,16 +298,24 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
     return QuantizedArray(codes, scale, spec, batch_ndim, out_ndim, **parts)
 
 
-def check_dequantized_range(scale, spec, name="x"):
-    """Refuse scales whose largest level dequantizes to infinity (``Grid.largest_level`` times the
-    scale overflowing its dtype: e.g. code -8 of ``grid="qwix"`` near float32's maximum).
+# The smallest magnitude a 16-bit float rounds to infinity: its largest value plus half a step.
+_ROUNDS_TO_INFINITY = {"float16": 65520.0, "bfloat16": 2.0 ** 127 * (2 - 2.0 ** -8)}
 
-    Grids that store scales as float16 or E8M0 cannot overflow float32 and are not checked.
+
+def check_dequantized_range(scale, spec, name="x", dtype=None):
+    """Refuse scales whose largest level dequantizes to infinity (``Grid.largest_level`` times the
+    scale overflowing its dtype: e.g. code -8 of ``grid="qwix"`` near float32's maximum), or
+    rounds to infinity in ``dtype``, the 16-bit dtype the values are then written in.
+
+    Grids that store scales as float16 or E8M0 cannot overflow float32 and are checked only for a
+    16-bit ``dtype``.
 
     Args:
         scale: the scales (any shape; numpy, torch or jax).
         spec: the QuantSpec.
         name: what the error calls the array.
+        dtype: ``"bfloat16"`` or ``"float16"`` for values rounded to that dtype (a 16-bit weight's,
+            whose numerics run in float32), else None (the scales' own dtype).
 
     Raises:
         ScaleOverflowError: a dequantized level would be infinite; names ``name`` and the fix.
@@ -318,21 +326,23 @@ def check_dequantized_range(scale, spec, name="x"):
     mixle.core.checks.ScaleOverflowError: w: on int4/channel/qwix the block scale 4.4e+37 times the grid's largest level 8 overflows float32 (the block's weights reach about 3.3e+38), so a finite weight would dequantize to infinity: rescale the weights (e.g. halve them and double what they feed), or use a grid whose largest code is its divisor (grid='symmetric' at bits=4)
     """
     grid = spec.grid_record
-    if grid.scale_dtype is not None:
+    limit = _ROUNDS_TO_INFINITY.get(dtype)
+    if grid.scale_dtype is not None and limit is None:
         return
     largest = grid.largest_level(spec.bits)
     array = _view(scale)[0]
     with np.errstate(over="ignore", invalid="ignore"):
-        bad = ~np.isfinite(np.abs(array) * array.dtype.type(largest))
+        top = np.abs(array) * array.dtype.type(largest)
+        bad = ~np.isfinite(top) if limit is None else ~(top < limit)
     if not bad.any():
         return
     worst = float(np.abs(array[bad]).max())
     divisor = abs(spec.scale_divisor)
     raise ScaleOverflowError(
         f"{name}: on {spec.short()} the block scale {worst:.2g} times the grid's largest level {largest:g} overflows "
-        f"{array.dtype} (the block's weights reach about {worst * divisor:.2g}), so a finite weight would dequantize "
-        f"to infinity: rescale the weights (e.g. halve them and double what they feed), or use a grid whose largest "
-        f"code is its divisor (grid='symmetric' at bits=4)")
+        f"{dtype if limit is not None else array.dtype} (the block's weights reach about {worst * divisor:.2g}), so a "
+        f"finite weight would dequantize to infinity: rescale the weights (e.g. halve them and double what they "
+        f"feed), or use a grid whose largest code is its divisor (grid='symmetric' at bits=4)")
 
 
 def _int_dtype(low, high):

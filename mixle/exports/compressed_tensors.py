@@ -31,6 +31,7 @@ compressed-tensors and transformers are imported on first use (the ``hf`` extra)
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -49,7 +50,8 @@ from mixle.torch_backend.qat import qat_layers
 from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from mixle.torch_backend.swap import Change
 
-__all__ = ["save_pretrained_compressed", "load_pretrained_compressed", "weight_args", "spec_of_args"]
+__all__ = ["save_pretrained_compressed", "load_pretrained_compressed", "weight_args", "spec_of_args",
+           "check_quantization_config"]
 
 FORMAT = "pack-quantized"
 QUANT_METHOD = "compressed-tensors"
@@ -314,8 +316,10 @@ def _compress_in_place(model, groups, tied):
             with torch.no_grad():
                 linear.weight_scale.copy_(layer.scale.reshape(linear.weight_scale.shape))
             compress_module(linear, CompressionFormat.pack_quantized)
-            # Stored in the model's dtype, as compressed-tensors' loaders create weight_scale.
-            linear.weight_scale = nn.Parameter(linear.weight_scale.detach().to(layer.scale.dtype), requires_grad=False)
+            # Stored in the model's dtype, as compressed-tensors' loaders create weight_scale and
+            # dequantize: a bfloat16 model's file holds mixle's codes with bfloat16-rounded scales,
+            # so its weights are within one bfloat16 step of QAT's (float32-scale) values.
+            linear.weight_scale = nn.Parameter(linear.weight_scale.detach().to(layer.float_dtype), requires_grad=False)
             packed = unpack_from_int32(linear.weight_packed, args.num_bits, torch.Size(layer.weight_shape))
             if not torch.equal(packed, codes):
                 raise RuntimeError(f"layer {path!r}: compressed-tensors' compressor re-rounded some of mixle's codes; "
@@ -419,34 +423,130 @@ def load_pretrained_compressed(directory, *, grid=None, **from_pretrained_kwargs
         raise TypeError("load_pretrained_compressed reads the checkpoint's own quantization_config: drop the "
                         "quantization_config argument")
     config = transformers.AutoConfig.from_pretrained(directory)
-    qconfig = _checked_quantization_config(getattr(config, "quantization_config", None), directory)
-    _check_layer_types(transformers, config, qconfig, directory)
+    check_quantization_config(config, directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, **from_pretrained_kwargs)
     return _to_quantized_linear(model, grid, directory)
 
 
-def _checked_quantization_config(raw, directory):
+def check_quantization_config(config, directory, *, mixle_layers=True):
+    """The compressed-tensors ``QuantizationConfig`` of a transformers ``config``, checked by mixle before
+    transformers reads a weight of the checkpoint ``directory``.
+
+    Every config group's weights (and input activations) must have a bit width compressed-tensors
+    stores (int 1..8, float 4 or 8), and on an empty (meta) copy of the model every layer the group
+    targets must hold whole groups: a ``group`` strategy's ``group_size`` divides the layer's input
+    width, a ``block`` strategy's block width divides it. Otherwise the stored scales
+    cannot fit the weight, and transformers refuses with a size mismatch naming neither. With
+    ``mixle_layers`` (``load_pretrained_compressed``) the scheme must also be one mixle's
+    ``QuantizedLinear`` holds: ``pack-quantized`` symmetric int4 / int8 weights of Linear layers
+    with tensor, channel or group scales, and no activation or KV-cache quantization.
+
+    Args:
+        config: the checkpoint's transformers config (``AutoConfig.from_pretrained(directory)``).
+        directory: the checkpoint (named in messages).
+        mixle_layers: also require a scheme mixle's layers represent; False (``mixle finetune``,
+            which reads the model as float through transformers) checks only that the config fits
+            the model.
+
+    Returns:
+        The ``QuantizationConfig``; None when ``config`` has no compressed-tensors
+        ``quantization_config`` and ``mixle_layers`` is False.
+
+    Raises:
+        ValueError: the reason, naming the config group, the layer, its width and the group size.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    >>> weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 48}
+    >>> config.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+    ...     "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ["lm_head"]}
+    >>> check_quantization_config(config, "llama-int4")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: llama-int4: quantization_config group_0 quantizes tensor 'model.layers.0.self_attn.q_proj.weight' of ...
+    """
+    transformers = _require_hf("reading a compressed-tensors checkpoint")
+    raw = getattr(config, "quantization_config", None)
+    if hasattr(raw, "to_dict"):
+        raw = raw.to_dict()
+    if not mixle_layers and (not isinstance(raw, dict) or raw.get("quant_method") != QUANT_METHOD):
+        return None
+    qconfig = _checked_quantization_config(raw, directory, mixle_layers)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    if mixle_layers:
+        _check_layer_types(skeleton, qconfig, directory)
+    _check_widths(skeleton, qconfig, directory)
+    return qconfig
+
+
+def _bits_problems(name, kind, args):
+    if args is None:
+        return []
+    allowed = range(1, 9) if args.type == "int" else (4, 8)
+    if args.num_bits not in allowed:
+        return [f"{name}: {kind} of num_bits={args.num_bits} ({args.type}): compressed-tensors stores int codes of 1 to "
+                f"8 bits and floats of 4 or 8"]
+    return []
+
+
+def _check_widths(skeleton, qconfig, directory):
+    """Every layer a config group targets holds whole groups (blocks) of its ``group_size`` (``block_structure``)."""
+    from compressed_tensors.utils import match_named_modules
+
+    for name, scheme in qconfig.config_groups.items():
+        layers = [(path, module.weight.shape) for path, module in
+                  match_named_modules(skeleton, scheme.targets, qconfig.ignore)
+                  if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2]
+        for kind, args in (("weights", scheme.weights), ("input_activations", scheme.input_activations)):
+            if args is None:
+                continue
+            group = args.group_size if args.group_size is not None and args.group_size > 0 else None
+            block = args.block_structure if kind == "weights" else None
+            for path, shape in layers:
+                width = int(shape[-1])
+                what = f"tensor {path + '.weight'!r}" if kind == "weights" else f"the input of {path!r}"
+                if group and width % group:
+                    common = math.gcd(*(int(s[-1]) for _, s in layers))
+                    raise ValueError(
+                        f"{directory}: quantization_config {name} quantizes {what} of width {width} in groups of "
+                        f"group_size={group}, which does not divide {width}: the checkpoint's scales cannot fit this "
+                        f"model (a damaged or hand-edited config.json?); the group needs a group_size dividing "
+                        f"{common} (every width it targets), or {path!r} in ignore")
+                if block and width % block[-1]:  # a last block of fewer rows is allowed (vLLM's kernels take it)
+                    raise ValueError(
+                        f"{directory}: quantization_config {name} quantizes {what} of width {width} in blocks of "
+                        f"block_structure={list(block)}, whose {block[-1]} columns do not divide {width}: the "
+                        f"checkpoint's scales cannot fit this model; the group needs blocks whose width divides every "
+                        f"width it targets, or {path!r} in ignore")
+
+
+def _checked_quantization_config(raw, directory, mixle_layers=True):
     """compressed-tensors' QuantizationConfig of the checkpoint, or ValueError saying why mixle refuses it."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    if hasattr(raw, "to_dict"):
-        raw = raw.to_dict()
     if not isinstance(raw, dict) or raw.get("quant_method") != QUANT_METHOD:
         method = raw.get("quant_method") if isinstance(raw, dict) else None
         raise ValueError(
             f"{directory}: config.json has no compressed-tensors quantization_config (quant_method={method!r}): "
             f"load a float checkpoint with from_pretrained and quantize it with quantize_model(model, ...)"
         )
-    problems = []
-    for key in ("sparsity_config", "transform_config"):
-        if raw.get(key):
-            problems.append(f"{key} is set (sparse or transformed weights)")
     fields = {k: v for k, v in raw.items() if k in QuantizationConfig.model_fields}
     try:
         qconfig = QuantizationConfig.model_validate(fields)
     except ValueError as err:  # pydantic's ValidationError
         raise ValueError(f"{directory}: config.json's quantization_config is not one this compressed-tensors "
                          f"reads: {err}") from None
+    invalid = [problem for name, scheme in qconfig.config_groups.items() for kind in ("weights", "input_activations")
+               for problem in _bits_problems(name, kind, getattr(scheme, kind))]
+    if invalid:
+        raise ValueError(f"{directory}: config.json's quantization_config is not a valid compressed-tensors config: "
+                         + "; ".join(invalid))
+    if not mixle_layers:
+        return qconfig
+    problems = [f"{key} is set (sparse or transformed weights)" for key in ("sparsity_config", "transform_config")
+                if raw.get(key)]
     if qconfig.kv_cache_scheme is not None:
         problems.append("kv_cache_scheme quantizes the KV cache, which mixle's layers do not")
     for name, scheme in qconfig.config_groups.items():
@@ -466,12 +566,10 @@ def _checked_quantization_config(raw, directory):
     return qconfig
 
 
-def _check_layer_types(transformers, config, qconfig, directory):
+def _check_layer_types(skeleton, qconfig, directory):
     """Refuse schemes that target anything but Linear layers, on an empty (meta) copy of the model."""
     from compressed_tensors.utils import match_named_modules
 
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
     for name, scheme in qconfig.config_groups.items():
         for path, module in match_named_modules(skeleton, scheme.targets, qconfig.ignore):
             if type(module) is not nn.Linear:

@@ -30,6 +30,10 @@ The model may be float, QAT-wrapped (``apply_qat``) or converted (``convert``):
   tensor in that mix, quantized bit for bit as it does: the file then equals what
   ``llama-quantize`` makes of the float model (and QAT layers must be on the mix's type).
 * Position embeddings, norm weights and all biases are F32.
+* The tokenizer: every ``tokenizer.*`` key llama.cpp's converter writes (pre-tokenizer name,
+  special-token ids and flags, chat template), copied verbatim from ``source_gguf`` or derived
+  from a transformers tokenizer (``mixle.exports.gguf_tokenizer``), so llama.cpp tokenizes a
+  user's text as the model's own tokenizer does.
 * A tied head is stored once, as ``token_embd`` (no ``output.weight``: llama.cpp then uses the
   token embedding as its output matrix); an untied head is written as ``output.weight``.
 
@@ -44,9 +48,6 @@ q4_0/q8_0 grids to fake-quantize them the same way).
 """
 
 import copy
-import math
-import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +62,9 @@ from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray
 from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, block_scale_problem, pack_array
+from mixle.exports.gguf_file import open_gguf
 from mixle.exports.gguf_layouts import expert_shape, layout_of
-from mixle.exports.gguf_vocab import vocabulary
+from mixle.exports.gguf_tokenizer import gguf_tokenizer
 from mixle.exports.imatrix_file import importance_by_tensor, require_entry
 from mixle.torch_backend.convert import check_convertible
 from mixle.torch_backend.expert_layers import is_fused, stored_arrays
@@ -332,7 +334,7 @@ def _file_type(tensors, gguf, mix):
 
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,
-              name=None, allow_activation_mismatch=False, importance=None):
+              name=None, allow_activation_mismatch=False, importance=None, source_gguf=None, tokenizer_pre=None):
     """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama``, ``qwen2`` or ``qwen3moe``).
 
     Layers QAT-trained (or converted) on a llama.cpp grid are written as the ggml blocks of their
@@ -344,9 +346,9 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
         model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
             / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
-        vocab: the token of each id (str or bytes), e.g. a CharTokenizer's characters.
-        tokenizer: instead of ``vocab``: a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a
-            Hugging Face fast byte-level BPE tokenizer (see ``mixle.exports.gguf_vocab``).
+        vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
+            id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
+            its pre-tokenizer name), a mixle Char/ByteTokenizer; or the GGUF the model was read from (copied verbatim).
         float_matrices: how float weight matrices are stored: ``"q8_0"`` (default), ``"f16"``, ``"f32"``.
         gguf_mix: instead, a llama.cpp ftype (``"Q4_K_M"``, ...: ``mixle.core.mixes.GGUF_MIXES``):
             float matrices become what llama.cpp's quantizer makes of them, QAT layers must be on
@@ -368,7 +370,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     Raises:
         ValueError: an unsupported architecture, a layer on a grid GGUF has no type for (or not the
             mix's), a float16-overflowing scale, an activation llama.cpp does not compute, or a
-            vocabulary that does not fit; the message names the layer or argument and the fix.
+            tokenizer that does not fit (``gguf_tokenizer``); the message names the layer or argument and the fix.
 
     >>> import os, tempfile, torch
     >>> from mixle.models.transformer import build_causal_lm
@@ -384,13 +386,19 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     layout = _checked_layout(model, gguf, allow_activation_mismatch)
     with torch.no_grad():
         tensors = _plan(layout, float_matrices, gguf, mix, quantized, importance)
-    words = vocabulary(layout.vocab_size, vocab, tokenizer)
+    words = _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre)
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
     title, file_type = name or path.stem, _file_type(tensors, gguf, mix)
     replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, title, file_type, gguf))
     return {t.name: t.ggml_type for t in tensors}
+
+
+def _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre):
+    """The file's ``tokenizer.*`` keys (``gguf_tokenizer``) for the model's embedding rows and architecture."""
+    return gguf_tokenizer(layout.vocab_size, vocab=vocab, tokenizer=tokenizer, source_gguf=source_gguf,
+                          tokenizer_pre=tokenizer_pre, arch=layout.arch, config=getattr(model, "config", None))
 
 
 def _checked_layout(model, gguf, allow_activation_mismatch):
@@ -435,13 +443,7 @@ def _write(path, layout, tensors, words, name, file_type, gguf):
             getattr(writer, method)(value)
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(words.tokens)
-        writer.add_token_types(words.types)
-        writer.add_token_merges(words.merges)
-        for method, token_id in (("add_bos_token_id", words.bos), ("add_eos_token_id", words.eos)):
-            if token_id is not None:
-                getattr(writer, method)(token_id)
+        words.add_to(writer)
         for tensor in tensors:
             raw_dtype = None if tensor.ggml_type in ("F32", "F16") else getattr(gguf.GGMLQuantizationType, tensor.ggml_type)
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=raw_dtype)
@@ -469,8 +471,9 @@ def load_gguf_weights(model, path):
         The float copy.
 
     Raises:
-        ValueError: the file is truncated or corrupt (a tensor cut short, a NaN/inf float16 block
-            scale, NaN/inf values), its architecture, tensor names or shapes do not match
+        ValueError: the file is truncated or corrupt (a tensor cut short or not fitting the file's
+            layout, e.g. a changed type or two tensors at one offset: ``mixle.exports.gguf_file``;
+            a NaN/inf float16 block scale, NaN/inf values), its architecture, tensor names or shapes do not match
             ``model``'s layout, or ``model`` has quantized layers (pass its float original); the
             message names the tensor and the file.
 
@@ -503,10 +506,7 @@ def load_gguf_weights(model, path):
 
 def _read_tensors(path, layout, gguf):
     """``{gguf tensor name: ReaderTensor}`` of the file, after checking it holds ``layout``'s tensors."""
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as err:  # gguf-py fails deep inside numpy on a truncated or corrupt file
-        raise ValueError(_unreadable(path, err, gguf)) from None
+    reader = open_gguf(path, purpose="load_gguf_weights")
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     if arch != layout.arch:
         raise ValueError(f"{str(path)!r} holds llama.cpp's {arch!r}, but the model is written as {layout.arch!r}")
@@ -539,80 +539,3 @@ def _part_values(tensor, part, target, path, gguf):
         unpermuted[part.rows] = values
         values = unpermuted
     return values
-
-
-# GGUF metadata value types (gguf's GGUFValueType) -> struct format; 8 is a string, 9 an array.
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _tensor_infos(path):
-    """``([(name, ggml type id, ne), offset], data start)`` of a GGUF file's header, read by hand;
-    EOFError where the header itself ends early."""
-    with open(path, "rb") as file:
-        def take(fmt):
-            raw = file.read(struct.calcsize("<" + fmt))
-            if len(raw) < struct.calcsize("<" + fmt):
-                raise EOFError
-            return struct.unpack("<" + fmt, raw)
-
-        def text():
-            size = take("Q")[0]
-            raw = file.read(size)
-            if len(raw) < size:
-                raise EOFError
-            return raw.decode("utf-8", "replace")
-
-        def skip(kind):
-            if kind == 8:
-                text()
-            elif kind == 9:
-                sub, count = take("IQ")
-                for _ in range(count):
-                    skip(sub)
-            else:
-                take(_GGUF_SCALARS[kind])
-
-        magic, _, n_tensors, n_kv = take("4sIQQ")
-        if magic != b"GGUF":
-            raise ValueError(f"its first bytes are {magic!r}, not GGUF's magic b'GGUF'")
-        alignment = 32
-        for _ in range(n_kv):
-            key, kind = text(), take("I")[0]
-            if key == "general.alignment" and kind == 4:
-                alignment = take("I")[0]
-            else:
-                skip(kind)
-        infos = []
-        for _ in range(n_tensors):
-            tensor, dims = text(), take("I")[0]
-            ne = take("Q" * dims)
-            ggml_type, offset = take("IQ")
-            infos.append(((tensor, ggml_type, ne), offset))
-        start = file.tell()
-    return infos, start + (-start % alignment)
-
-
-def _unreadable(path, err, gguf):
-    """Why gguf-py could not read ``path``: the tensor cut short (or misshapen) and the file, if found."""
-    where = f"{str(path)!r} cannot be read as a GGUF file"
-    try:
-        infos, start = _tensor_infos(path)
-    except ValueError as problem:
-        return f"{where}: {problem}"
-    except (EOFError, KeyError, OverflowError, MemoryError):
-        return f"{where}: its header is cut short or corrupt ({err}); copy or write the file again"
-    size = os.path.getsize(path)
-    for (tensor, type_id, ne), offset in infos:
-        try:
-            ggml_type = gguf.GGMLQuantizationType(type_id)
-        except ValueError:
-            return f"{where}: tensor {tensor!r} has the unknown ggml type {type_id}"
-        block, nbytes = gguf.GGML_QUANT_SIZES[ggml_type]
-        if ne and ne[0] % block:
-            return (f"{where}: tensor {tensor!r} has rows of {ne[0]} values, which {ggml_type.name} blocks of {block} "
-                    f"do not divide; the file is corrupt")
-        end = start + offset + math.prod(ne) // block * nbytes
-        if end > size:
-            return (f"{where}: tensor {tensor!r} needs bytes {start + offset}..{end}, but the file ends at {size}: it "
-                    f"is truncated; copy or write it again")
-    return f"{where} ({type(err).__name__}: {err}); copy or write the file again"

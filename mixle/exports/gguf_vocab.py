@@ -19,7 +19,7 @@ it tokenizes text, where a merged symbol that is no token falls back to its part
 import json
 from dataclasses import dataclass
 
-__all__ = ["Vocabulary", "vocabulary", "byte_symbols"]
+__all__ = ["Vocabulary", "vocabulary", "byte_symbols", "check_token_ids", "split_merges"]
 
 # llama.cpp's token types (LLAMA_TOKEN_TYPE_*).
 NORMAL, UNUSED, CONTROL, USER_DEFINED = 1, 5, 3, 4
@@ -53,7 +53,12 @@ def byte_symbols():
     return symbols
 
 
-def _split_merges(tokens):
+def split_merges(tokens):
+    """Merges for a vocabulary without its own: each token's first split into two tokens.
+
+    >>> split_merges(["a", "b", "ab", "ba"])
+    ['a b', 'b a']
+    """
     known = set(tokens)
     merges = []
     for token in tokens:
@@ -73,10 +78,7 @@ def _from_hf(tokenizer, n_vocab):
             f"pre-tokenizer, which llama.cpp's gpt2 tokenizer does not reproduce: pass vocab=[token of each id] "
             f"(the file then runs on token ids)"
         )
-    ids = tokenizer.get_vocab()
-    if max(ids.values(), default=-1) >= n_vocab:
-        raise ValueError(f"tokenizer has ids up to {max(ids.values())} but the model's embedding has {n_vocab} rows: "
-                         f"pass the tokenizer the model was trained with")
+    ids = check_token_ids(tokenizer, n_vocab)
     tokens, types = [f"[PAD{i}]" for i in range(n_vocab)], [UNUSED] * n_vocab
     for token, index in ids.items():
         tokens[index], types[index] = token, NORMAL
@@ -85,8 +87,33 @@ def _from_hf(tokenizer, n_vocab):
             types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if not merges:
-        merges = _split_merges(tokens)
+        merges = split_merges(tokens)
     return Vocabulary(tokens, types, merges, tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+
+def check_token_ids(tokenizer, n_vocab):
+    """The ``{token: id}`` of a Hugging Face ``tokenizer`` after checking that an embedding of
+    ``n_vocab`` rows has a row for every id (ids 0..N-1 need N rows); ValueError otherwise.
+
+    The one check of the GGUF writer (``vocabulary``) and of ``mixle finetune`` before training.
+
+    >>> class Tokenizer:
+    ...     def get_vocab(self):
+    ...         return {"a": 0, "b": 1, "<|endoftext|>": 2}
+    >>> check_token_ids(Tokenizer(), 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: the tokenizer has ids 0..2 (id 2 is '<|endoftext|>'), which need 3 embedding rows, but the model's ...
+    """
+    ids = tokenizer.get_vocab()
+    top = max(ids.values(), default=-1)
+    if top >= n_vocab:
+        last = next(token for token, index in ids.items() if index == top)
+        raise ValueError(f"the tokenizer has ids 0..{top} (id {top} is {last!r}), which need {top + 1} embedding "
+                         f"rows, but the model's embedding has {n_vocab} (ids 0..{n_vocab - 1}): pass the "
+                         f"tokenizer the model was trained with (a directory with its tokenizer.json), or resize the "
+                         f"embedding to {top + 1} rows (model.resize_token_embeddings({top + 1}))")
+    return ids
 
 
 def _token_bytes(vocab, tokenizer, n_vocab):
@@ -130,7 +157,7 @@ def vocabulary(n_vocab, vocab=None, tokenizer=None):
     else:
         symbols = byte_symbols()
         tokens = ["".join(symbols[b] for b in token) for token in _token_bytes(vocab, tokenizer, n_vocab)]
-    merges = _split_merges(tokens)
+    merges = split_merges(tokens)
     if not merges and n_vocab >= 2:
         merges = [f"{tokens[0]} {tokens[1]}"]
     return Vocabulary(tokens, [NORMAL] * n_vocab, merges)

@@ -20,6 +20,7 @@ import numpy as np
 
 from mixle._optional import require
 from mixle.core.imatrix import Imatrix, check_entries
+from mixle.exports.gguf_file import open_gguf
 
 __all__ = ["read_imatrix", "write_imatrix", "model_imatrix_names", "save_imatrix", "load_imatrix",
            "importance_by_layer", "importance_by_tensor", "require_entry"]
@@ -64,8 +65,10 @@ def read_imatrix(path):
     """An ``Imatrix`` (GGUF tensor names) from a llama.cpp imatrix file, GGUF or legacy.
 
     Raises:
-        ValueError: a file that is neither, a ``.in_sum2`` without its ``.counts`` (or the other
-            way), a tensor not F32, or counts that do not fit the sums; the message names it.
+        ValueError: a file that is neither, a GGUF whose tensors do not fit its layout (truncated,
+            a changed type, overlapping offsets: ``mixle.exports.gguf_file.open_gguf``), a
+            ``.in_sum2`` without its ``.counts`` (or the other way), a tensor not F32, or counts that
+            do not fit the sums; the message names the file and the tensor.
     """
     path = Path(path)
     with open(path, "rb") as handle:
@@ -77,7 +80,7 @@ def read_imatrix(path):
 
 def _read_gguf(path):
     gguf = require("gguf", extra="gguf", purpose="read_imatrix")
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path, purpose="read_imatrix")  # every tensor checked against the file's layout
     pairs = {}
     for tensor in reader.tensors:
         for suffix, slot in ((_SUMS, 0), (_COUNTS, 1)):

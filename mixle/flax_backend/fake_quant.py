@@ -86,7 +86,7 @@ def from_matrix(matrix, shape, perm):
     return jax.numpy.transpose(matrix.reshape(transposed_shape), inverse)
 
 
-def fake_quantize_weight(w, input_axes, spec):
+def fake_quantize_weight(w, input_axes, spec, name="kernel"):
     """Fake-quantize a kernel contracted over ``input_axes`` with mixle's own numerics.
 
     The kernel is quantized as its ``(out, in)`` matrix would be (see ``weight_layout``) by
@@ -95,14 +95,16 @@ def fake_quantize_weight(w, input_axes, spec):
     adjacent (``kernel_blocks``), so no transpose runs in the training step. The gradient is
     the straight-through estimator (masked outside the clip threshold with ``clip_gradient``).
     These are the values ``convert`` stores as codes and scales, so the converted forward is
-    the same computation.
+    the same computation. A bfloat16/float16 kernel runs the float32 numerics, its values
+    rounded once to its dtype. Eagerly, a kernel that would dequantize to infinity raises a
+    ScaleOverflowError calling it ``name`` (under ``jit`` values cannot be read: no check).
 
     >>> import jax.numpy as jnp
     >>> from mixle.core.spec import QuantSpec
     >>> fake_quantize_weight(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4)).tolist()
     [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
     """
-    return _fake_quant_kernel(w, tuple(sorted(int(a) for a in input_axes)), spec)
+    return _fake_quant_kernel(w, tuple(sorted(int(a) for a in input_axes)), spec, name)
 
 
 def kernel_blocks(shape, input_axes, spec):
@@ -142,9 +144,9 @@ def _kernel_blocks(w, input_axes, spec):
     return blocks, -1, lambda v: from_matrix(v.reshape(matrix.shape), w.shape, perm)
 
 
-def _kernel_forward(w, input_axes, spec):
+def _kernel_forward(w, input_axes, spec, name):
     blocks, axis, back = _kernel_blocks(w, input_axes, spec)
-    deq, threshold = fake_quant_blocks(blocks, spec, axis=axis)
+    deq, threshold = fake_quant_blocks(blocks, spec, axis=axis, name=name)
     # Its own value in the kernel's layout: where an XLA version fused the quantizer into the
     # matmul's operand, the CPU matmul ran about twice as slow.
     return jax.lax.optimization_barrier(back(deq)), threshold
@@ -152,19 +154,19 @@ def _kernel_forward(w, input_axes, spec):
 
 # One straight-through node around the whole kernel: the gradient reaches the kernel as is (or
 # masked), without running back through the quantizer.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _fake_quant_kernel(w, input_axes, spec):
-    return _kernel_forward(w, input_axes, spec)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _fake_quant_kernel(w, input_axes, spec, name):
+    return _kernel_forward(w, input_axes, spec, name)[0]
 
 
-def _fake_quant_kernel_fwd(w, input_axes, spec):
-    deq, threshold = _kernel_forward(w, input_axes, spec)
+def _fake_quant_kernel_fwd(w, input_axes, spec, name):
+    deq, threshold = _kernel_forward(w, input_axes, spec, name)
     # With clip_gradient the mask is recomputed from the kernel and the small per-block
     # threshold in the backward pass instead of being kept as a residual of the kernel's size.
     return deq, (w, threshold) if spec.clip_gradient else None
 
 
-def _fake_quant_kernel_bwd(input_axes, spec, residual, grad):
+def _fake_quant_kernel_bwd(input_axes, spec, name, residual, grad):
     if residual is None:
         return (grad,)
     w, threshold = residual

@@ -24,6 +24,7 @@ from flax import nnx
 
 from mixle.core.report import LayerDecision, QATReport
 from mixle.flax_backend import qat as flax_qat
+from mixle.flax_backend import qwix_seam
 from mixle.flax_backend.provider import dotted_path
 
 # root model -> QATReport of its last apply_lora. Not an attribute: a static attribute of an NNX
@@ -141,9 +142,8 @@ def _install(planned, adapters, state, layer_class):
         for path, (module, lora) in planned.items():
             adapter = adapters[path]
             if state is not None:  # as apply_qat set them on every module: Qwix finds modules by these
-                adapter.qwix_path = tuple(module.qwix_path) + ("lora",)
-                adapter.disable_quant_stats_update = False
-                adapter.qwix_rngs = vars(module).get("qwix_rngs")
+                qwix_seam.mark_nnx_module(adapter, tuple(qwix_seam.nnx_module_path(module)) + ("lora",),
+                                          qwix_seam.nnx_module_rngs(module))
             module.lora = adapter
             module.lora_spec = lora
             object.__setattr__(module, "__class__", layer_class)

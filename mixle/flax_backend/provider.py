@@ -34,13 +34,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
-from qwix._src import interception
-from qwix._src.core import conv_general_qt, dot_general_qt, qarray, stochastic_rounding
-from qwix._src.providers import qt
-from qwix._src.utils import flax_util
 
 from mixle.core.checks import check_array
 from mixle.core.numerics import block_shape, clip_threshold
+from mixle.flax_backend import qwix_seam
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
 
@@ -113,9 +110,20 @@ def dotted_path(path):
 def _own_params(module):
     """``{name: array}`` of the Params the module owns directly (what Qwix can detect)."""
     if isinstance(module, nn.Module):
-        return {n: flax_util.unbox(v) for n, v in module.scope._collection("params").items()
-                if isinstance(flax_util.unbox(v), jax.Array)}
+        return {n: qwix_seam.unbox(v) for n, v in module.scope._collection("params").items()
+                if isinstance(qwix_seam.unbox(v), jax.Array)}
     return {n: v.get_raw_value() for n, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
+def _cast_master(module, name, w):
+    """The Param ``name`` of ``module`` when ``w`` is that Param cast to a narrower float dtype,
+    else ``w`` itself."""
+    master = _own_params(module).get(name)
+    if (master is None or master is w or tuple(master.shape) != tuple(w.shape)
+            or not jnp.issubdtype(master.dtype, jnp.floating)
+            or jnp.dtype(master.dtype).itemsize <= jnp.dtype(w.dtype).itemsize):
+        return w
+    return master
 
 
 def _shape_match(params, x):
@@ -124,7 +132,7 @@ def _shape_match(params, x):
     return names[0] if len(names) == 1 else None
 
 
-class QATProvider(qt.QtProvider):
+class QATProvider(qwix_seam.QtProviderBase):
     """A Qwix ``QtProvider`` for ``MixleQtRule``s (see the module docstring).
 
     Args:
@@ -183,8 +191,8 @@ class QATProvider(qt.QtProvider):
         self.records[key] = (state, reason)
 
     def _module_and_path(self):
-        module = flax_util.get_current_module()
-        return module, dotted_path(flax_util.get_current_module_path())
+        module = qwix_seam.current_module()
+        return module, dotted_path(qwix_seam.current_module_path())
 
     def _find_weight(self, module, lhs, rhs):
         """``('lhs' | 'rhs' | None, param name)``: which operand is a weight of ``module``.
@@ -222,7 +230,7 @@ class QATProvider(qt.QtProvider):
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     *, out_sharding=None):
-        rule, _ = self._get_current_rule_and_op_id("dot_general")
+        rule = self.current_rule("dot_general")
         plain = functools.partial(jax.lax.dot_general, lhs, rhs, dimension_numbers, precision=precision,
                                   preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None:
@@ -232,7 +240,7 @@ class QATProvider(qt.QtProvider):
 
     def einsum(self, einsum_str, *operands, precision=None, preferred_element_type=None,
                _dot_general=jax.lax.dot_general, out_sharding=None):
-        rule, _ = self._get_current_rule_and_op_id("einsum")
+        rule = self.current_rule("einsum")
         kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
         if rule is None or rule.weight_qtype is None or len(operands) != 2:
             self._note_foreign(*operands)
@@ -274,7 +282,11 @@ class QATProvider(qt.QtProvider):
                 except ValueError as err:
                     raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
             if uses_mixle_numerics(spec):
-                w = fake_quantize_weight(w, contracting, spec)
+                # A layer computing in bfloat16 casts its float32 kernel before the product: the
+                # float32 master weight is fake-quantized, and its values cast once, so training
+                # sees the lattice convert stores.
+                master = _cast_master(module, name, w)
+                w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}").astype(w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
                 # Nothing else is quantized: the plain product (its backward is the textbook STE).
@@ -290,19 +302,19 @@ class QATProvider(qt.QtProvider):
             lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
         config = self._config(rule, side, weight_qtype, tile_size)
         with _naming_kernel(path, name, spec):
-            return dot_general_qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
+            return qwix_seam.quantized_dot_general(lhs, rhs, dimension_numbers, **config)
 
     def _fake_quantize_tiled(self, w, contracting, rule):
         """Qwix's group-wise quantize-dequantize of a weight, straight-through gradient."""
         spec = rule.spec
         channelwise = [a for a in range(w.ndim) if a not in contracting]
-        how = qarray.HowToQuantize(qtype=rule.weight_qtype, channelwise_axes=channelwise,
-                                   tiled_axes={contracting[-1]: spec.group_size},
-                                   calibration_method=range_calibration(spec))
-        deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(w), how))
+        deq = qwix_seam.quantize_dequantize(jax.lax.stop_gradient(w), rule.weight_qtype, channelwise_axes=channelwise,
+                                            tiled_axes={contracting[-1]: spec.group_size},
+                                            calibration_method=range_calibration(spec))
         return _straight_through(w, deq)
 
     def _config(self, rule, side, weight_qtype, tile_size):
+        """The Qwix config fields of ``quantized_dot_general`` (``qwix_seam.DOT_GENERAL_QT_FIELDS``)."""
         spec = rule.spec
         act_qtype, act_method = rule.act_qtype, rule.act_calibration_method
         tensor = spec.granularity == "tensor"
@@ -316,12 +328,12 @@ class QATProvider(qt.QtProvider):
             )
         noise_fn = None
         if rule.bwd_qtype is not None and rule.bwd_stochastic_rounding is not None:
-            noise_fn = stochastic_rounding.get_noise_fn(
+            noise_fn = qwix_seam.stochastic_noise_fn(
                 method=rule.bwd_stochastic_rounding,
-                key=flax_util.make_rng("stochastic_rounding"),
+                key=qwix_seam.make_rng("stochastic_rounding"),
                 channelwise_noise_axes=rule.channelwise_noise_axes,
             )
-        return dot_general_qt.DotGeneralQtConfig(
+        return dict(
             lhs_qtype=per_side["lhs"]["qtype"],
             rhs_qtype=per_side["rhs"]["qtype"],
             tile_size=tile_size if act_qtype is not None else None,
@@ -343,7 +355,7 @@ class QATProvider(qt.QtProvider):
     def conv_general_dilated(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                              dimension_numbers=None, feature_group_count=1, batch_group_count=1,
                              precision=None, preferred_element_type=None, out_sharding=None):
-        rule, _ = self._get_current_rule_and_op_id("conv_general_dilated", only_rule=True)
+        rule = self.current_rule("conv_general_dilated", only_rule=True)
         geometry = (window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
                     feature_group_count, batch_group_count)
 
@@ -370,12 +382,12 @@ class QATProvider(qt.QtProvider):
         _check_conv_dtypes(spec, path, name)
         weight_qtype = rule.weight_qtype
         if uses_mixle_numerics(spec):
-            rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec), None
+            rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec, f"module {path!r}, weight {name!r}"), None
             if rule.bwd_qtype is None:
                 return plain(rhs)
         elif spec.clip_percentile is not None and spec.clip_percentile < 100:
             rhs = clip_live(rhs, inputs, spec)
-        config = conv_general_qt.ConvGeneralQtConfig(
+        config = dict(
             lhs_qtype=rule.act_qtype,
             rhs_qtype=weight_qtype,
             lhs_calibration_method=rule.act_calibration_method or "absmax",
@@ -388,15 +400,15 @@ class QATProvider(qt.QtProvider):
         )
         # Qwix's conv QT keeps the quantized operands as residuals: the textbook STE already.
         with _naming_kernel(path, name, spec):
-            return conv_general_qt.conv_general_qt(lhs, rhs, config, window_strides, padding, lhs_dilation,
-                                                   rhs_dilation, dimension_numbers, feature_group_count,
-                                                   batch_group_count, out_sharding)
+            return qwix_seam.quantized_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation,
+                                                            rhs_dilation, dimension_numbers, feature_group_count,
+                                                            batch_group_count, out_sharding, **config)
 
     def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None):
         """Mixture-of-experts products stay float, reported with the reason: Qwix's ``ragged_dot_qt``
         scales the ``(experts, in, out)`` weight per output channel across all experts, where mixle's
         torch experts and llama.cpp's files have one scale per expert and channel."""
-        rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
+        rule = self.current_rule("ragged_dot", only_rule=True)
         if rule is not None and rule.weight_qtype is not None:
             module, path = self._module_and_path()
             name = self._find_weight(module, lhs, rhs)[1]
@@ -412,11 +424,12 @@ class QATProvider(qt.QtProvider):
 
     def get_intercept_map(self):
         mapping = super().get_intercept_map()
-        mapping["flax.nnx.nn.linear.Embed.attend"] = _handler("attend", self)
-        mapping["flax.nnx.nn.linear.Embed.__call__"] = _handler("lookup", self)
+        attend, lookup = qwix_seam.module_method(self.attend), qwix_seam.module_method(self.lookup)
+        mapping["flax.nnx.nn.linear.Embed.attend"] = attend
+        mapping["flax.nnx.nn.linear.Embed.__call__"] = lookup
         # Linen wraps methods (scope handling); patch the inner functions it calls.
-        mapping["flax.linen.linear.Embed.attend.__wrapped__"] = _handler("attend", self)
-        mapping["flax.linen.linear.Embed.__call__.__wrapped__"] = _handler("lookup", self)
+        mapping["flax.linen.linear.Embed.attend.__wrapped__"] = attend
+        mapping["flax.linen.linear.Embed.__call__.__wrapped__"] = lookup
         return mapping
 
     @staticmethod
@@ -434,7 +447,7 @@ class QATProvider(qt.QtProvider):
 
     def attend(self, embed, query, **kwargs):
         """``Embed.attend`` with the table contracted directly as the weight (channel = vocab row)."""
-        rule, _ = self._get_current_rule_and_op_id("dot_general")
+        rule = self.current_rule("dot_general")
         if rule is None or rule.weight_qtype is None:
             return self._original(embed, "attend")(embed, query, **kwargs)
         query, table = self._table(embed, query)
@@ -443,7 +456,8 @@ class QATProvider(qt.QtProvider):
             self._record(path, "embedding", QUANTIZED, layout=(1,))
             self.tied.add(path)
             # flax's own attend computation on the fake-quantized table: what the converted model runs.
-            return _dot_transposed(query, fake_quantize_weight(table, (1,), rule.spec), **kwargs)
+            return _dot_transposed(query, fake_quantize_weight(table, (1,), rule.spec, f"module {path!r}, embedding"),
+                                   **kwargs)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
         out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))
@@ -453,11 +467,11 @@ class QATProvider(qt.QtProvider):
 
     def _peek_rule(self, path):
         """The first rule matching a '/'-joined module path, without counting it as used."""
-        return next((r for r in self._rules if re.fullmatch(r.module_path, path)), None)
+        return next((r for r in self.rules if re.fullmatch(r.module_path, path)), None)
 
     def lookup(self, embed, inputs, **kwargs):
         """Lookups of a tied embedding read the same quantized table as its ``attend``."""
-        path = dotted_path(flax_util.get_current_module_path())
+        path = dotted_path(qwix_seam.current_module_path())
         # A lookup is not an intercepted op: it must not make an unused rule look used.
         rule = self._peek_rule(path.replace(".", "/"))
         if path not in self.tied or rule is None or rule.weight_qtype is None or embed.num_embeddings == 1:
@@ -468,16 +482,15 @@ class QATProvider(qt.QtProvider):
         check_array(table, f"module {path!r}, embedding")
         spec = rule.spec
         if uses_mixle_numerics(spec):
-            return jnp.take(fake_quantize_weight(table, (1,), spec), inputs, axis=0)
+            return jnp.take(fake_quantize_weight(table, (1,), spec, f"module {path!r}, embedding"), inputs, axis=0)
         if spec.clip_percentile is not None and spec.clip_percentile < 100:
             table = clip_live(table, (1,), spec)
         if spec.granularity == "group":
             table = self._fake_quantize_tiled(table, (1,), rule)
         else:
-            how = qarray.HowToQuantize(qtype=rule.weight_qtype,
-                                       channelwise_axes=[] if spec.granularity == "tensor" else [0],
-                                       calibration_method=range_calibration(spec))
-            deq = qarray.dequantize(qarray.quantize(jax.lax.stop_gradient(table), how))
+            deq = qwix_seam.quantize_dequantize(jax.lax.stop_gradient(table), rule.weight_qtype,
+                                                channelwise_axes=[] if spec.granularity == "tensor" else [0],
+                                                calibration_method=range_calibration(spec))
             table = _straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)
 
@@ -510,24 +523,7 @@ def _check_conv_dtypes(spec, path, name):
             f"{spec.replace(bits=8)!r}), '.*']")
 
 
-@interception.disable_interceptions
+@qwix_seam.not_intercepted
 def _dot_transposed(query, table, **kwargs):
     """``Embed.attend``'s product (``jnp.dot(query, table.T)``), not intercepted again."""
     return jnp.dot(query, table.T, **kwargs)
-
-
-def _handler(kind, provider):
-    """A replacement for ``Embed.attend`` / ``Embed.__call__`` whose first argument is ``self``.
-
-    Qwix finds the current NNX module by looking for a frame variable named ``self``.
-    """
-    if kind == "attend":
-        def attend(self, query, **kwargs):
-            return provider.attend(self, query, **kwargs)
-
-        return attend
-
-    def lookup(self, inputs, **kwargs):
-        return provider.lookup(self, inputs, **kwargs)
-
-    return lookup

@@ -24,18 +24,16 @@ as ``qwix_rngs`` (part of their state then; reseed with
 """
 
 import dataclasses
-import functools
 import inspect
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import qwix
 from flax import linen as nn
 from flax import nnx
-from qwix._src import model as qwix_model
 
+from mixle.flax_backend import qwix_seam
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
@@ -278,10 +276,9 @@ def qat_variant(float_class, provider):
     model rebuilt by ``nnx.merge`` (the class is in its graphdef) is fake-quantized too.
     Nested calls do not intercept twice (Qwix's interception is not re-entrant).
     """
-    fields = {"_unquantized_type": float_class, FLOAT_CLASS: float_class}
+    fields = {qwix_seam.UNQUANTIZED_TYPE: float_class, FLOAT_CLASS: float_class}
     for name in entry_points(float_class):
-        fields[name] = qwix_model._apply_interceptors(
-            getattr(float_class, name), provider, output_transform=functools.partial(provider.process_model_output, name))
+        fields[name] = qwix_seam.intercept_method(getattr(float_class, name), provider, name)
     return _name_like(type(float_class.__name__, (float_class,), fields), float_class)
 
 
@@ -294,7 +291,8 @@ def _nnx_classes(modules, provider, float_class):
             variants[cls] = qat_variant(cls, provider)
     if float_class not in variants:
         variants[float_class] = qat_variant(float_class, provider)
-    off_class = type(float_class.__name__, (float_class,), {"_unquantized_type": float_class, FLOAT_CLASS: float_class})
+    off_class = type(float_class.__name__, (float_class,), {qwix_seam.UNQUANTIZED_TYPE: float_class,
+                                                            FLOAT_CLASS: float_class})
     return variants[float_class], _name_like(off_class, float_class), variants
 
 
@@ -327,7 +325,7 @@ def _probe_nnx(model, inputs):
 
 def _apply_nnx(model, selector, reconfigure, inputs):
     state = qat_state(model)
-    if state is None and hasattr(type(model), "_unquantized_type"):
+    if state is None and qwix_seam.quantized_by_qwix(type(model)):
         raise ValueError(
             f"{type(model).__name__} was already quantized by qwix.quantize_model directly; apply_qat "
             f"needs the float model"
@@ -346,15 +344,13 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     provider = QATProvider(rules)
     enabled = state is None or type(model) is state.qat_class
     saved_classes = {path: type(m) for path, m in modules.items()}
-    saved = {path: {k: m.__dict__[k] for k in ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
-                    if k in m.__dict__} for path, m in modules.items()}
+    saved = {path: {k: m.__dict__[k] for k in qwix_seam.MODULE_ATTRIBUTES if k in m.__dict__}
+             for path, m in modules.items()}
     rngs = nnx.Rngs(stochastic_rounding=0) if _needs_rng(plan.specs) else None
     try:
         qat_class, off_class, variants = _nnx_classes(modules, provider, float_class)
         for path, module in modules.items():
-            module.qwix_path = path
-            module.disable_quant_stats_update = False
-            module.qwix_rngs = rngs
+            qwix_seam.mark_nnx_module(module, path, rngs)
         probe_state = FlaxQATState(float_class, qat_class, off_class, provider, None, {}, variants)
         _set_module_classes(model, probe_state, True)
         _probe_nnx(model, inputs)
@@ -365,7 +361,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     except BaseException:
         for path, module in modules.items():
             object.__setattr__(module, "__class__", saved_classes[path])
-            for key in ("qwix_path", "disable_quant_stats_update", "qwix_rngs"):
+            for key in qwix_seam.MODULE_ATTRIBUTES:
                 if key in saved[path]:
                     setattr(module, key, saved[path][key])
                 elif key in module.__dict__:
@@ -378,14 +374,11 @@ def _apply_nnx(model, selector, reconfigure, inputs):
     return model
 
 
-QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
-
-
 def restore_float_classes(model, state):
     """Put an NNX model (a private copy) back in the user's own classes, without Qwix's attributes."""
     for _, module in nnx.iter_modules(model):
         object.__setattr__(module, "__class__", float_class_of(module))
-        for key in QWIX_ATTRIBUTES:
+        for key in qwix_seam.MODULE_ATTRIBUTES:
             if key in vars(module):
                 delattr(module, key)
 
@@ -442,7 +435,7 @@ def _probe_linen(float_module, qat_module, inputs):
 
 def _apply_linen(module, selector, reconfigure, inputs):
     state = qat_state(module)
-    if state is None and hasattr(type(module), "_unquantized_type"):
+    if state is None and qwix_seam.quantized_by_qwix(type(module)):
         raise ValueError(f"{type(module).__name__} was already quantized by qwix.quantize_model directly")
     float_class = state.float_class if state else type(module)
     float_module = module.copy()
@@ -456,13 +449,12 @@ def _apply_linen(module, selector, reconfigure, inputs):
         return module
     rules = _rules(plan.specs, "/")
     provider = QATProvider(rules)
-    qat_module = qwix.quantize_model(float_module, provider)
+    qat_module = qwix_seam.quantize_model(float_module, provider)
     qat_class = _name_like(type(qat_module), float_class)
     # Qwix intercepts only the listed methods of the root; intercepting the whole apply also
     # covers apply(..., method=<any method or function>) and submodules called from it.
-    qat_apply = qwix_model._apply_interceptors(
-        float_class.apply, provider, output_transform=functools.partial(provider.process_model_output, "apply"))
-    off_class = _name_like(type(float_class.__name__, (float_class,), {"_unquantized_type": float_class}),
+    qat_apply = qwix_seam.intercept_method(float_class.apply, provider, "apply")
+    off_class = _name_like(type(float_class.__name__, (float_class,), {qwix_seam.UNQUANTIZED_TYPE: float_class}),
                            float_class)
     qat_class.apply = off_class.apply = _switching_apply(qat_apply, float_class, qat_class)
     # The probe records what was quantized on the traced (grad) path; it leaves nothing behind.

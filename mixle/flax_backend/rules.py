@@ -28,19 +28,13 @@ from mixle.core.spec import QuantSpec
 __all__ = ["MixleQtRule", "qwix_rule", "qwix_rules", "module_path_regex", "weight_calibration"]
 
 
-def _qt():
-    from qwix._src.providers import qt
-
-    return qt
-
-
 def _rule_class():
     global _MixleQtRule
     if _MixleQtRule is None:
-        qt = _qt()
+        from mixle.flax_backend.qwix_seam import QtRule  # imports jax, flax and qwix: only when a rule is built
 
         @dataclasses.dataclass(frozen=True, kw_only=True)
-        class MixleQtRule(qt.QtRule):
+        class MixleQtRule(QtRule):
             """A Qwix QtRule that also carries the mixle QuantSpec it was built from."""
 
             spec: QuantSpec | None = None

@@ -2,9 +2,10 @@
 
 The job (``run_finetune``):
 
-1. checks the output directory (writable, room for the files and the checkpoint), loads the
-   model (``mixle.lm.finetune_load``) and checks the target fits it, tokenizes the data
-   (``mixle.lm.finetune_data``), all before any training;
+1. checks the output directory (new or empty unless ``--overwrite``; writable, room for the files
+   and the checkpoint), loads the model and its tokenizer (``mixle.lm.finetune_load``) and checks
+   the target and the GGUF writer fit them, tokenizes the data (``mixle.lm.finetune_data``), all
+   before any training or writing;
 2. evaluates the float model and PTQ on the same target (``quantize_model``: what
    ``llama-quantize`` gives the user), on the held-out windows, in mixle and, from their GGUF
    files, in llama.cpp;
@@ -47,19 +48,24 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.lm.family import TRANSFORMERS
 from mixle.lm import finetune_baselines as baselines
-from mixle.lm.finetune_checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
+from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
-from mixle.lm.finetune_load import load_model
+from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      summarize, write_outputs)
 from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
-from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module, llama_cpp_skipped
+from mixle.lm.llama_cpp_eval import (llama_cpp_loss, llama_cpp_module, llama_cpp_skipped, llama_cpp_text_loss,
+                                     window_texts)
 from mixle.lm.training import held_out_loss
 
 __all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory"]
 
+# What the llama_cpp_text_* numbers are (results.json's llama_cpp.text).
+TEXT_EVALUATION = ("each window's text (as the model's tokenizer decodes it) tokenized by llama.cpp with the file's "
+                   "tokenizer, as a user's prompt is (special tokens parsed, no BOS); llama_cpp_text_same_tokens: "
+                   "windows llama.cpp split into exactly the ids the model's tokenizer makes of that text")
 EXCLUDE = ("lm_head",)  # the head (tied to the embedding or not) stays float, as PTQ leaves it
 
 
@@ -233,10 +239,12 @@ def store_matmul_weights(model, dtype, keep=()):
 class _Evaluator:
     """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's."""
 
-    def __init__(self, config, data, tokenizer):
+    def __init__(self, config, data, tokenizer, gguf_tokenizer=None):
         self.config, self.data, self.tokenizer = config, data, tokenizer
+        self.gguf_tokenizer = gguf_tokenizer  # checked before training (check_vocabulary), written into every GGUF
         self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
         self.llama_cpp_info = llama_cpp_skipped() if config.llama_cpp else None
+        self.texts, self.texts_seen = {}, {}
 
     def mixle(self, model, row):
         batch = self.config.batch_size
@@ -248,20 +256,39 @@ class _Evaluator:
         return row
 
     def from_file(self, path, row):
+        """llama.cpp's losses of the GGUF ``path``: on the windows' token ids (``llama_cpp_loss``, parity
+        with mixle's), and on their text tokenized by llama.cpp itself (``llama_cpp_text_loss``: what a
+        user's prompt gets, the file's own tokenizer included)."""
         if not self.llama_cpp:
             return row
         for key, windows in (("", self.data.eval_windows), ("eval_data_", self.data.extra_windows)):
             if windows is not None:
-                loss, self.llama_cpp_info = llama_cpp_loss(path, windows, self.config.threads)
+                loss, info = llama_cpp_loss(path, windows, self.config.threads)
                 row[f"{key}llama_cpp_loss"], row[f"{key}llama_cpp_perplexity"] = loss, math.exp(loss)
+                texts, reference = self._texts(key, windows)
+                text_loss, text = llama_cpp_text_loss(path, texts, self.config.threads, reference)
+                row[f"{key}llama_cpp_text_loss"] = text_loss
+                row[f"{key}llama_cpp_text_perplexity"] = math.exp(text_loss)
+                row[f"{key}llama_cpp_text_tokens"] = text["tokens"]
+                row[f"{key}llama_cpp_text_same_tokens"] = text["same_tokens"]
+                self.texts_seen[key.rstrip("_") or "held_out"] = {"windows": text["texts"],
+                                                                  "model_tokenizer_tokens": text["reference_tokens"]}
+                self.llama_cpp_info = {**info, "text": {"what": TEXT_EVALUATION, **self.texts_seen}}
         return row
+
+    def _texts(self, key, windows):
+        """The text of each window and the model tokenizer's ids of it (computed once per set of windows)."""
+        if key not in self.texts:
+            texts = window_texts(self.tokenizer, windows)
+            self.texts[key] = texts, [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return self.texts[key]
 
     def gguf(self, model, path, float_matrices, row, mix=None, importance=None):
         """Write ``model`` as the GGUF ``path`` (in the llama.cpp ``mix`` if given, with the types it gives
         with ``importance``), record its bytes and llama.cpp's losses."""
         from mixle.exports.gguf import save_gguf
 
-        save_gguf(model, path, tokenizer=self.tokenizer, float_matrices=float_matrices, gguf_mix=mix,
+        save_gguf(model, path, tokenizer=self.gguf_tokenizer, float_matrices=float_matrices, gguf_mix=mix,
                   importance=importance)
         row["file_bytes"] = os.path.getsize(path)
         return self.from_file(path, row)
@@ -431,12 +458,12 @@ class _Run:
         self.out = Path(config.out)
         self.checkpoint_path = self.out / CHECKPOINT
         self.payload = read_checkpoint(self.checkpoint_path) if resume else None
-        if not resume and self.checkpoint_path.exists():
-            raise ValueError(f"out={config.out!r} holds an interrupted run's {CHECKPOINT}: continue it with --resume "
-                             f"{config.out}, or choose another --out")
+        if not resume:
+            check_new_out(self.out, config)
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
+        gguf_words = check_vocabulary(self.loaded, gguf=self.outputs["gguf"], tokenizer_pre=config.tokenizer_pre)
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
         check_output_room(self.out, _needed_bytes(self.model, self.outputs, config))
@@ -447,7 +474,9 @@ class _Run:
             raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
                              f"({str(self.checkpoint_path)!r}): resume with the same --model, --data and --imatrix "
                              f"file")
-        self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer)
+        self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer, gguf_words)
+        if not resume and config.overwrite:  # every input is checked: a checkpoint left there is another run's
+            ranks.on_main(lambda: self.checkpoint_path.unlink(missing_ok=True))
 
     def digests(self):
         """What a resumed run must have in common with this one: the data's, the model's and the

@@ -11,15 +11,20 @@ nothing), then checked against the run resuming it.
 
 import dataclasses
 import os
+from pathlib import Path
 
 from mixle._optional import require
 from mixle.core.fileformat import replace_atomically
 
-__all__ = ["CHECKPOINT", "FORMAT", "write_checkpoint", "read_checkpoint", "config_of_checkpoint"]
+__all__ = ["CHECKPOINT", "FORMAT", "TRANSIENT", "write_checkpoint", "read_checkpoint", "config_of_checkpoint",
+           "check_new_out"]
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = "mixle.finetune.checkpoint"
 VERSION = 1
+# Name prefixes of what a run makes in --out and removes itself (write probes, scratch directories):
+# ignored by ``check_new_out``, since under torchrun one process may probe while another checks.
+TRANSIENT = (".mixle-write-check-", ".mixle-finetune-")
 
 
 def write_checkpoint(path, payload):
@@ -89,3 +94,65 @@ def config_of_checkpoint(payload, config_type, changes, path):
         saved[name] = value
     known = {f.name for f in dataclasses.fields(config_type)}
     return config_type(**{k: v for k, v in saved.items() if k in known})
+
+
+def check_new_out(out, config):
+    """Refuse an output directory a new run would write into over other files.
+
+    ``out`` must not exist, or be empty, or ``config.overwrite`` be set. A directory holding an
+    interrupted run's checkpoint is refused saying to continue it with ``--resume`` (and, when that
+    run's flags are not these, which differ); any other content is refused naming it.
+
+    Args:
+        out: the run's ``--out``.
+        config: the new run's ``FinetuneConfig``.
+
+    Raises:
+        ValueError: the message names the directory, what it holds and the fix.
+
+    >>> import tempfile
+    >>> from mixle.lm.finetune_config import FinetuneConfig
+    >>> out = tempfile.mkdtemp()
+    >>> check_new_out(out, FinetuneConfig(model="m", out=out))
+    >>> _ = open(os.path.join(out, "notes.txt"), "w").write("mine")
+    >>> check_new_out(out, FinetuneConfig(model="m", out=out))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: out=... is not empty (it holds notes.txt): ...
+    """
+    path = Path(out)
+    if config.overwrite or not path.is_dir():
+        return
+    entries = sorted(p.name for p in path.iterdir() if not p.name.startswith(TRANSIENT))
+    if CHECKPOINT in entries:
+        raise ValueError(_interrupted(path, config))
+    if entries:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ValueError(f"out={str(out)!r} is not empty (it holds {shown}): this run would write over files of the "
+                         f"same names; choose a new or empty directory, or pass --overwrite to write into it anyway")
+
+
+def _interrupted(path, config):
+    """The refusal of a new run in a directory holding a checkpoint: resume it; which flags differ, if any."""
+    from mixle.lm.finetune_config import RESULT_FIELDS
+
+    out = str(config.out)
+    fix = f"continue it with --resume {out}, or pass --overwrite to discard it and start this run there"
+    try:
+        payload = read_checkpoint(path / CHECKPOINT)
+        saved, step = dict(payload["config"]), payload.get("state", {}).get("step")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return (f"out={out!r} holds a {CHECKPOINT} that cannot be read ({str(err).splitlines()[0]}): choose another "
+                f"--out, or pass --overwrite to discard it")
+    mine = dataclasses.asdict(config)
+    differ = [name for name in ("model",) + RESULT_FIELDS if _normal(saved.get(name)) != _normal(mine.get(name))]
+    at = f" after step {step}" if step is not None else ""
+    if not differ:
+        return f"out={out!r} holds an interrupted run's {CHECKPOINT}: this very run, stopped{at}; {fix}"
+    flags = ", ".join(f"--{name.replace('_', '-')} {saved.get(name)!r} (here {mine.get(name)!r})" for name in differ[:4])
+    return (f"out={out!r} holds an interrupted run's {CHECKPOINT}, stopped{at}, of another run ({flags}): {fix}, "
+            f"or choose another --out")
+
+
+def _normal(value):
+    return list(value) if isinstance(value, tuple | list) else value

@@ -31,7 +31,7 @@ GPTQ_MODES = ("off", "one-pass", "sequential")
 IMATRIX_MODES = ("off", "calibrate")
 # The fields that may differ between an interrupted run and its ``--resume``: they change how long
 # or where it runs and what it shows, not what a step computes.
-RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp")
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp", "overwrite")
 # Every other field decides the result: a resumed run must be given the same values.
 RESULT_FIELDS = None  # filled below from the dataclass
 
@@ -112,7 +112,10 @@ class FinetuneConfig:
         model: a transformers causal-LM directory (config + safetensors + tokenizer), a ``.gguf``
             file (read through transformers' GGUF loader, dequantized to float), or a hub id
             (``owner/name``: downloaded by ``from_pretrained`` where the hub is reachable).
-        out: the output directory (created; checked for room before training).
+        out: the output directory (created; checked for room before training). It must be new or
+            empty (a directory holding an interrupted run's checkpoint is continued with ``--resume``).
+        overwrite: write into a non-empty ``out`` anyway: files of the same names are replaced,
+            other files kept, a checkpoint there discarded once every input is checked.
         data: UTF-8 text files or directories of them (``*.txt``, ``*.md``, ``*.rst``, sorted);
             None: the embedded corpus (CPython's documentation topics).
         eval_data: optional second held-out text (files/directories), never trained on.
@@ -143,6 +146,9 @@ class FinetuneConfig:
         checkpoint_every: write the training state every this many steps (and on Ctrl-C/SIGTERM).
         float_matrices: how the GGUF stores matrices QAT leaves float (the token embedding); None:
             ``q8_0`` (with a mix target the mix decides every matrix, so it must stay None).
+        tokenizer_pre: llama.cpp's pre-tokenizer name the GGUF files get (``tokenizer.ggml.pre``,
+            e.g. ``smollm``) when the model's transformers tokenizer is one mixle cannot name
+            (``mixle.exports.gguf_tokenizer``); a ``.gguf`` model's tokenizer is copied from it whole.
         seed, threads, llama_cpp: data order seed; torch/llama.cpp threads; also evaluate
             the written files in llama.cpp when llama-cpp-python is installed.
         imatrix: ``"off"``; ``"calibrate"``: llama.cpp's importance matrix (what ``llama-imatrix``
@@ -166,6 +172,9 @@ class FinetuneConfig:
 
     model: str = option(None, "a transformers causal-LM directory, a .gguf file, or a hub id (owner/name)")
     out: str = option(None, "output directory: the GGUF / compressed-tensors files, results, plot, model card")
+    overwrite: bool = option(False, "write into an --out that is not empty: files of the same names are replaced, "
+                                     "other files kept, an interrupted run's checkpoint there discarded (without it "
+                                     "--out must be new or empty, or hold this run's checkpoint: then use --resume)")
     data: tuple[str, ...] | None = option(None, "UTF-8 text files or directories of them to train on (default: "
                                                 "the embedded CPython documentation topics)")
     eval_data: tuple[str, ...] | None = option(None, "a second held-out text (files or directories), never trained on")
@@ -207,6 +216,9 @@ class FinetuneConfig:
     float_matrices: str | None = option(None, "GGUF storage of matrices left float (the token embedding): q8_0 "
                                                 "(default), f16, f32; not with a mix --target, which decides them",
                                         choices=("q8_0", "f16", "f32"))
+    tokenizer_pre: str | None = option(None, "llama.cpp's pre-tokenizer name for the GGUF files (tokenizer.ggml.pre, "
+                                             "e.g. smollm), for a tokenizer whose name mixle cannot derive; a .gguf "
+                                             "--model's tokenizer is copied from it as it is")
     seed: int = option(0, "seed of the data order (default: 0)")
     threads: int | None = option(None, "torch and llama.cpp CPU threads", type=positive_int)
     llama_cpp: bool = option(True, "skip the llama.cpp evaluation of the written files")
@@ -273,9 +285,12 @@ class FinetuneConfig:
             raise ValueError(f"objective={self.objective!r} is unknown: use one of {OBJECTIVES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown: use one of {DTYPES}")
-        for name in ("learned_scales", "llama_cpp", "qat_imatrix"):
+        for name in ("learned_scales", "llama_cpp", "qat_imatrix", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.tokenizer_pre is not None and not (isinstance(self.tokenizer_pre, str) and self.tokenizer_pre.strip()):
+            raise ValueError(f"tokenizer_pre={self.tokenizer_pre!r} must be llama.cpp's pre-tokenizer name, "
+                             f"e.g. 'smollm'")
         if self.float_matrices is not None and self.float_matrices not in ("q8_0", "f16", "f32"):
             raise ValueError(f"float_matrices={self.float_matrices!r} is unknown: use q8_0, f16 or f32")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?", self.device):

@@ -8,7 +8,12 @@ Everything read is checked before it is trusted, and refused naming the file and
   mixle exports (``SUPPORTED``), checked from the config before any weight is read. A truncated
   or unreadable file, weights that do not fit the architecture (missing or mis-shaped tensors)
   and non-finite values (a NaN float16 block scale dequantizes to NaN weights) are refused
-  naming the tensor and the file.
+  naming the tensor and the file. A tokenizer that cannot be loaded (whatever the tokenizer
+  libraries raise, Rust panics included) is refused naming the file and the fix, and so is a
+  compressed-tensors directory whose ``quantization_config`` does not fit the model
+  (``mixle.exports.compressed_tensors.check_quantization_config``), before transformers reads it.
+* the vocabulary (``check_vocabulary``): every tokenizer id has an embedding row, and the GGUF
+  writer takes the tokenizer (its own checks, run before training instead of after it).
 * the text (``load_texts``): UTF-8 files or directories of them; a file that is not UTF-8, is
   empty, or a directory without text files is refused naming it.
 """
@@ -20,12 +25,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from mixle._optional import require
+from mixle.exports.gguf_file import open_gguf
+from mixle.exports.gguf_tokenizer import split_as_llama_cpp
 
 __all__ = ["SUPPORTED", "TEXT_SUFFIXES", "LoadedModel", "load_model", "load_texts", "check_finite", "model_kind",
-           "tokens_needed"]
+           "tokens_needed", "check_vocabulary"]
 
 # The transformers classes mixle writes as llama.cpp files (``mixle.exports.gguf_layouts``) and as
 # compressed-tensors checkpoints: class name -> llama.cpp architecture.
@@ -96,8 +101,9 @@ def load_model(source):
 
     Raises:
         FileNotFoundError: ``source`` does not exist (and is no hub id).
-        ValueError: an architecture mixle cannot export, an unreadable or truncated file, weights
-            that do not fit the architecture, non-finite weights, no tokenizer.
+        ValueError: an architecture mixle cannot export, an unreadable or truncated file, a
+            compressed-tensors config that does not fit the model, weights that do not fit the
+            architecture, non-finite weights, no tokenizer or one that cannot be loaded.
 
     >>> load_model("/no/such/model")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -130,10 +136,14 @@ def _load_pretrained(transformers, torch, source, kind):
         names = config.get("architectures") or [config.get("model_type", "model without 'architectures'")]
         if not any(n in SUPPORTED for n in names):
             raise _refuse_architecture(names[0], source)
+        if isinstance(config.get("quantization_config"), dict):
+            _check_compressed(transformers, source)
         for weights in sorted(Path(source).glob("*.safetensors")):
             _check_safetensors(weights)
     else:
         _check_hub_config(transformers, source)
+    tokenizer = _load_tokenizer(transformers, source, "save the tokenizer with the model (tokenizer.save_pretrained("
+                                                      "directory) writes tokenizer.json beside config.json)")
     try:
         model, loading = transformers.AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, output_loading_info=True)
@@ -144,12 +154,37 @@ def _load_pretrained(transformers, torch, source, kind):
     if missing or bad:
         raise ValueError(f"model={source!r}: the weights do not fit its config ({'missing ' + str(missing[:3]) if missing else ''}"
                          f"{' mis-shaped ' + str(bad[:3]) if bad else ''}): the files belong to another model")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"model={source!r} has no usable tokenizer ({_first_line(err)}): save the tokenizer with "
-                         f"the model (tokenizer.save_pretrained(directory))") from None
     return model, tokenizer
+
+
+def _load_tokenizer(transformers, source, fix, name=None, **kwargs):
+    """``AutoTokenizer.from_pretrained(source, **kwargs)``; whatever the tokenizer libraries raise
+    (``tokenizers``' Rust panics are ``pyo3_runtime.PanicException``, a BaseException) becomes a
+    ValueError naming the model (``name``, default ``source``) and the ``fix``; KeyboardInterrupt and
+    SystemExit pass through."""
+    try:
+        return transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    except BaseException as err:
+        if not isinstance(err, Exception) and type(err).__name__ != "PanicException":
+            raise
+        raise ValueError(f"model={str(name or source)!r}: its tokenizer could not be loaded ({type(err).__name__}: "
+                         f"{_first_line(err)}): {fix}") from None
+
+
+def _check_compressed(transformers, source, config=None):
+    """A compressed-tensors checkpoint's quantization_config fits the model (mixle's check, before
+    transformers reads a weight)."""
+    from mixle.exports.compressed_tensors import check_quantization_config
+
+    if config is None:
+        try:
+            config = transformers.AutoConfig.from_pretrained(source)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"model={source!r}: config.json cannot be read by transformers ({_first_line(err)})") from None
+    try:
+        check_quantization_config(config, f"model={source!r}", mixle_layers=False)
+    except ValueError as err:
+        raise ValueError(f"{err}; pass the float model, or re-export the checkpoint") from None
 
 
 def _check_hub_config(transformers, source):
@@ -162,6 +197,8 @@ def _check_hub_config(transformers, source):
     names = getattr(config, "architectures", None) or [type(config).__name__]
     if not any(n in SUPPORTED for n in names):
         raise _refuse_architecture(names[0], source)
+    if getattr(config, "quantization_config", None) is not None:
+        _check_compressed(transformers, source, config)
 
 
 def _tied_names(model):
@@ -192,35 +229,74 @@ def _check_safetensors(path):
 
 def _load_gguf(transformers, torch, path):
     """A GGUF file: readable, of a supported architecture, then through transformers' GGUF loader."""
-    gguf = require("gguf", extra="gguf", purpose="reading a GGUF model")
+    reader = open_gguf(path, purpose="reading a GGUF model", name=f"model={str(path)!r}")  # its layout checked
     try:
-        reader = gguf.GGUFReader(str(path))
         arch = reader.fields["general.architecture"].contents()
-    except (ValueError, KeyError, IndexError, OSError) as err:
-        raise ValueError(f"model={str(path)!r} is not a readable GGUF file ({err}): it may be truncated "
-                         f"(an interrupted download?); fetch it again") from None
+    except (ValueError, KeyError, IndexError) as err:
+        raise ValueError(f"model={str(path)!r} is not a readable GGUF file (general.architecture: {err}): it may be "
+                         f"damaged; fetch it again") from None
     if arch not in SUPPORTED.values():
         raise _refuse_architecture(f"llama.cpp {arch!r} model", str(path))
-    _check_gguf_sizes(reader, path, gguf)
+    pre = reader.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in reader.fields else None
     del reader
-    kwargs = {"gguf_file": path.name, "dtype": torch.float32}
+    tokenizer = _load_tokenizer(
+        transformers, str(path.parent), f"transformers reads a GGUF's tokenizer from its tokenizer.ggml.* "
+        f"metadata, which {path.name} lacks or holds incomplete (e.g. a GGUF written by save_gguf without "
+        f"tokenizer=): pass a transformers directory with the model and its tokenizer.json instead, or a GGUF "
+        f"written with its tokenizer", name=path, gguf_file=path.name)
+    split_as_llama_cpp(tokenizer, pre)  # training sees the ids llama.cpp gives the same text
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), **kwargs)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"model={str(path)!r} could not be read by transformers' GGUF loader: {_first_line(err)}") from None
     return model, tokenizer
 
 
-def _check_gguf_sizes(reader, path, gguf):
-    """Every tensor's bytes are what its type and shape need (the reader trusts the header)."""
-    for tensor in reader.tensors:
-        block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-        count = int(np.prod([int(d) for d in tensor.shape]))
-        if count % block or int(tensor.n_bytes) != count // block * size:
-            raise ValueError(f"tensor {tensor.name!r} of {str(path)!r} holds {int(tensor.n_bytes)} bytes, but "
-                             f"{tensor.tensor_type.name} of shape {[int(d) for d in tensor.shape]} needs "
-                             f"{count // block * size}: the file is damaged; fetch it again")
+def check_vocabulary(loaded, gguf, tokenizer_pre=None):
+    """Refuse, before training, a tokenizer the run cannot use: an id without a row in the model's
+    embedding, or (``gguf``: the run writes GGUF files) one the GGUF writer does not take. The
+    checks are the writer's own (``mixle.exports.gguf_vocab.check_token_ids``,
+    ``mixle.exports.gguf_tokenizer.gguf_tokenizer``), and what they return is what the run writes.
+
+    Args:
+        loaded: the ``LoadedModel``.
+        gguf: whether the run writes GGUF files.
+        tokenizer_pre: llama.cpp's pre-tokenizer name for a transformers tokenizer mixle cannot name
+            (``--tokenizer-pre``); a ``.gguf`` model's tokenizer is copied from the file, every
+            ``tokenizer.*`` key as it is (``gguf_tokenizer(source_gguf=...)``).
+
+    Returns:
+        The ``GGUFTokenizer`` every GGUF file of the run is written with (``save_gguf(tokenizer=...)``);
+        None when ``gguf`` is False.
+
+    Raises:
+        ValueError: naming the model, the ids and the rows (or what the writer refuses), and the fix.
+
+    >>> check_vocabulary  # doctest: +ELLIPSIS
+    <function check_vocabulary at ...>
+    """
+    from mixle.exports.gguf_tokenizer import gguf_tokenizer
+    from mixle.exports.gguf_vocab import check_token_ids
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    rows = model.get_input_embeddings().num_embeddings
+    read = " (read by transformers' GGUF loader)" if loaded.info["kind"] == "gguf" else ""
+    try:
+        check_token_ids(tokenizer, rows)  # training looks every id up in the embedding, whatever the file
+        if not gguf:
+            return None
+        if loaded.info["kind"] == "gguf":
+            if tokenizer_pre is not None:
+                raise ValueError(f"tokenizer_pre={tokenizer_pre!r}: the tokenizer of a .gguf model is copied from the "
+                                 f"file, its pre-tokenizer name included; leave --tokenizer-pre out")
+            return gguf_tokenizer(rows, source_gguf=loaded.info["source"])
+        return gguf_tokenizer(rows, tokenizer=tokenizer, tokenizer_pre=tokenizer_pre, arch=loaded.info["architecture"],
+                              config=model.config)
+    except (ValueError, TypeError) as err:
+        cli = ("; on the command line: --tokenizer-pre NAME, or --model a .gguf of the model"
+               if "pass tokenizer_pre=" in str(err) else "")
+        raise ValueError(f"model={str(loaded.info['source'])!r}{read}: {err}{cli}") from None
 
 
 def check_finite(model, source):

@@ -23,9 +23,11 @@ TRAINED = (QAT, QAT_IMATRIX)
 GGUF_FILE = "model.gguf"
 COMPRESSED_DIR = "compressed-tensors"
 OUTPUTS = ("results.json", "table.txt", "finetune.png", "README.md")
-# (key prefix, label) of each measure: mixle's and llama.cpp's, on the held-out split and on --eval-data.
-MEASURES = (("", "held-out"), ("llama_cpp_", "held-out, llama.cpp"), ("eval_data_", "eval data"),
-            ("eval_data_llama_cpp_", "eval data, llama.cpp"))
+# (key prefix, label) of each measure: mixle's and llama.cpp's, on the held-out split and on --eval-data;
+# llama.cpp's on the windows' token ids and on their text, which llama.cpp tokenizes itself ("text").
+MEASURES = (("", "held-out"), ("llama_cpp_", "held-out, llama.cpp"), ("llama_cpp_text_", "held-out text, llama.cpp"),
+            ("eval_data_", "eval data"), ("eval_data_llama_cpp_", "eval data, llama.cpp"),
+            ("eval_data_llama_cpp_text_", "eval data text, llama.cpp"))
 
 
 def _row(rows, methods):
@@ -116,7 +118,21 @@ def format_table(results):
                          f"{entry['qat_perplexity_increase_percent']:+.2f}% perplexity vs float: {what}")
     data = results["data"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['source']}; target {results['config']['target']}")
+    lines += _text_lines(results)
     return "\n".join(lines)
+
+
+def _text_lines(results):
+    """How llama.cpp tokenized the windows' text with the written files, beside the model's tokenizer."""
+    text, lines = (results.get("llama_cpp") or {}).get("text") or {}, []
+    for key, label in (("", "held-out text"), ("eval_data_", "eval data text")):
+        seen = text.get(key.rstrip("_") or "held_out")
+        row = next((r for r in results["rows"] if f"{key}llama_cpp_text_tokens" in r), None)
+        if seen and row:
+            tokens, same = row[f"{key}llama_cpp_text_tokens"], row[f"{key}llama_cpp_text_same_tokens"]
+            lines.append(f"{label}: llama.cpp split it into {tokens:,} tokens (the model's tokenizer: "
+                         f"{seen['model_tokenizer_tokens']:,}), {same} of {seen['windows']} windows into the same ids")
+    return lines
 
 
 def _plot_curve(axis, results):

@@ -3,7 +3,9 @@
 ``gguf_loss`` writes a model with ``save_gguf``, reads the file back with gguf-py into a float
 copy of a template model (``load_gguf_weights``: gguf's own dequantization) and evaluates that
 copy with the model's own forward. ``llama_cpp_loss`` runs the file in llama.cpp (through
-llama-cpp-python, the optional ``llama`` extra) on the same windows and scores its logits.
+llama-cpp-python, the optional ``llama`` extra) on the same windows and scores its logits: token-id
+parity. ``llama_cpp_text_loss`` gives llama.cpp the windows' text instead, which it tokenizes
+itself with the file's tokenizer, as it does a user's prompt: what a user of the file gets.
 """
 
 import collections
@@ -24,7 +26,7 @@ from mixle._optional import is_available, require
 from mixle.lm.training import held_out_loss
 
 __all__ = ["llama_cpp_module", "llama_cpp_problem", "llama_cpp_skipped", "require_llama_cpp", "quiet_stderr",
-           "llama_cpp_loss", "gguf_loss", "GGUFLoss"]
+           "llama_cpp_loss", "llama_cpp_text_loss", "window_texts", "gguf_loss", "GGUFLoss"]
 
 
 # What the subprocess of llama_cpp_problem runs.
@@ -216,6 +218,83 @@ def llama_cpp_loss(path, windows, threads=None):
     return total / (windows.shape[0] * block), info
 
 
+def window_texts(tokenizer, windows):
+    """The text of each token window, as the model's transformers ``tokenizer`` decodes it (special
+    tokens spelled out, no clean-up of spaces).
+
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> from transformers import PreTrainedTokenizerFast
+    >>> backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    >>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> window_texts(PreTrainedTokenizerFast(tokenizer_object=backend), np.array([[0, 1], [1, 1]]))
+    ['a b', 'b b']
+    """
+    return [tokenizer.decode([int(i) for i in window], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for window in windows]
+
+
+def llama_cpp_text_loss(path, texts, threads=None, reference=None):
+    """``(held-out loss, info)`` of the GGUF file run by llama.cpp on its own tokens of ``texts``, or
+    None without llama-cpp-python.
+
+    llama.cpp tokenizes each text with the file's tokenizer, as it does a user's prompt (special
+    tokens such as ``<|im_end|>`` parsed; no BOS, as the texts are cut from running text like the
+    token-id windows of ``llama_cpp_loss``), and predicts every token after the first from the ones
+    before it (F32 KV cache). A file whose tokenizer differs from the model's (another pre-tokenizer,
+    say) splits the same text into other tokens, which this loss sees and ``llama_cpp_loss`` cannot.
+
+    Args:
+        path: a GGUF file.
+        texts: the texts (str), e.g. ``window_texts`` of the held-out windows.
+        threads: llama.cpp's threads (default: torch's).
+        reference: optional ids of each text as the model's own tokenizer makes them, e.g.
+            ``tokenizer.encode(text, add_special_tokens=False)``: compared with llama.cpp's.
+
+    Returns:
+        ``(loss, info)``: the mean negative log-likelihood per predicted llama.cpp token, and
+        ``info`` with ``tokens`` (llama.cpp's tokens of all texts), ``predicted``, ``texts`` and,
+        with ``reference``, ``reference_tokens`` and ``same_tokens`` (texts llama.cpp split into
+        exactly the reference's ids).
+
+    >>> import os, tempfile, torch
+    >>> from mixle.exports.gguf import save_gguf
+    >>> from mixle.lm.transformer import build_causal_lm
+    >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
+    >>> lm = build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh")
+    >>> _ = save_gguf(lm, path, vocab=[chr(97 + i) for i in range(40)])
+    >>> result = llama_cpp_text_loss(path, ["abcdefgh", "hgfedcba"], threads=1)
+    >>> result is None or (result[0] > 0 and result[1]["predicted"] == result[1]["tokens"] - 2)
+    True
+    """
+    llama_cpp = llama_cpp_module()
+    if llama_cpp is None:
+        return None
+    threads = threads or require("torch", extra="torch", purpose="llama_cpp_text_loss").get_num_threads()
+    with quiet_stderr():
+        vocab = llama_cpp.Llama(model_path=os.fspath(path), vocab_only=True, verbose=False)
+        ids = [vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True) for text in texts]
+        vocab.close()
+    scored = [np.asarray(i, dtype=np.int64) for i in ids if len(i) > 1]
+    if not scored:
+        raise ValueError(f"llama.cpp split none of the {len(texts)} texts into two tokens or more: nothing to predict")
+    context = max(len(i) for i in scored) - 1
+    total = 0.0
+    with quiet_stderr():
+        llm = llama_cpp.Llama(model_path=os.fspath(path), n_ctx=context, logits_all=True, n_threads=threads,
+                              n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+        for window in scored:
+            total += _window_nll(llm, window, len(window) - 1)
+        llm.close()
+        del llm
+    predicted = sum(len(i) - 1 for i in scored)
+    info = {"tokens": sum(len(i) for i in ids), "predicted": predicted, "texts": len(texts)}
+    if reference is not None:
+        reference = [[int(t) for t in r] for r in reference]
+        info.update(reference_tokens=sum(len(r) for r in reference),
+                    same_tokens=sum(list(a) == b for a, b in zip(ids, reference)))
+    return total / predicted, info
+
+
 @dataclass(frozen=True)
 class GGUFLoss:
     """``gguf_loss``'s result: the held-out loss of the file's weights, the file's tensor bytes and
@@ -256,12 +335,12 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None, 
     >>> abs(result.loss - held_out_loss(qat, windows)) < 1e-5, result.nbytes > 0
     (True, True)
     """
-    gguf = require("gguf", extra="gguf", purpose="evaluating a model from its GGUF file")
     from mixle.exports.gguf import load_gguf_weights, save_gguf
+    from mixle.exports.gguf_file import open_gguf
 
     save_gguf(model, path, tokenizer=tokenizer, gguf_mix=gguf_mix, importance=importance)
     from_file = load_gguf_weights(template, path)
-    tensors = gguf.GGUFReader(path).tensors
+    tensors = open_gguf(path, purpose="evaluating a model from its GGUF file").tensors
     nbytes = sum(int(t.n_bytes) for t in tensors)
     types = collections.Counter(t.tensor_type.name for t in tensors if t.tensor_type.name not in ("F32", "F16"))
     return GGUFLoss(held_out_loss(from_file, windows), nbytes, dict(sorted(types.items())))

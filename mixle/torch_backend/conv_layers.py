@@ -96,6 +96,7 @@ class QuantizedConv(QuantizedWeight):
         conv_shape: the convolution weight's shape ``(out, in / groups, *kernel)``.
         stride, padding, dilation, groups, padding_mode, reversed_padding: as for ``nn.Conv2d``.
         bias: float bias of shape ``(out,)`` or None.
+        dtype: the replaced weight's float dtype (default: the scales', see ``QuantizedWeight``).
 
     >>> import torch
     >>> from mixle.core.spec import QuantSpec
@@ -109,9 +110,9 @@ class QuantizedConv(QuantizedWeight):
     KIND = "conv"
 
     def __init__(self, codes, scale, spec, weight_shape, bias=None, *, conv_shape, stride=1, padding=0,
-                 dilation=1, groups=1, padding_mode="zeros", reversed_padding=None):
+                 dilation=1, groups=1, padding_mode="zeros", reversed_padding=None, dtype=None):
         super().__init__()
-        self._set_storage(codes, scale, spec, weight_shape)
+        self._set_storage(codes, scale, spec, weight_shape, dtype)
         conv_shape = tuple(int(d) for d in conv_shape)
         if len(conv_shape) not in (3, 4) or (conv_shape[0], math.prod(conv_shape[1:])) != self.weight_shape:
             raise ValueError(f"QuantizedConv: conv_shape {conv_shape} does not hold a {list(self.weight_shape)} "

@@ -12,7 +12,6 @@ from torch import nn
 from mixle.core.spec import resolve_spec
 from mixle.core.selection import LayerSelector
 from mixle.torch_backend import learned_scale, qat
-from mixle.torch_backend.fake_quant import held_scale
 from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat, qat_importance, stored_array
 from mixle.torch_backend.layers import PATH_ATTRIBUTE
 from mixle.torch_backend.quantized import to_storage
@@ -79,12 +78,9 @@ def _convert_in_place(model):
 
 def _stored(kind, weight, spec, importance=None):
     """``(codes, scale, parts)`` of ``weight`` as the QAT forward made them: bfloat16/float16 weights run
-    the numerics in float32 and hold the scale in their own dtype (``fake_quant.held_scale``); with an
-    ``importance``, ggml's weighted search."""
-    codes, scale, parts = to_storage(stored_array(kind, weight, spec, importance))
-    if spec.grid_record.numerics is not None:  # block numerics dequantize in float32, as the QAT forward
-        return codes, scale, parts
-    return codes, held_scale(scale, weight.dtype), parts
+    the numerics in float32 and keep its float32 scales; with an ``importance``, ggml's weighted
+    search."""
+    return to_storage(stored_array(kind, weight, spec, importance))
 
 
 def check_convertible(model):

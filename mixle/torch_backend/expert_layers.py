@@ -42,7 +42,7 @@ from torch import nn
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, block_shape
 from mixle.torch_backend.activations import fake_quant_activations
-from mixle.torch_backend.fake_quant import fake_quantized_weight, held_scale, numerics_input
+from mixle.torch_backend.fake_quant import fake_quantized_weight, numerics_input
 from mixle.torch_backend.layers import QATLayerMixin, check_supported, named_error
 from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight
 
@@ -457,10 +457,7 @@ def quantize_experts(w, spec):
 
 def _array_of(weight, spec, batch_axes):
     """The QuantizedArray the QAT forward's weight is the round trip of (as ``convert`` stores it)."""
-    q = quantize_linear_weight(numerics_input(weight.detach()), spec, batch_axis_count=batch_axes)
-    if spec.grid_record.numerics is not None:
-        return q
-    return dataclasses.replace(q, scale=held_scale(q.scale, weight.dtype))
+    return quantize_linear_weight(numerics_input(weight.detach()), spec, batch_axis_count=batch_axes)
 
 
 def forward_weights(module):

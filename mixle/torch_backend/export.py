@@ -181,6 +181,15 @@ def _skeleton_copy(model, replaced_paths):
     return copy.deepcopy(model, memo)
 
 
+def _scale_dtype(weight_dtype, spec):
+    """The dtype convert holds a ``weight_dtype`` weight's scales in: float32 on block-numerics grids and
+    for bfloat16/float16 weights (their float32 copy's; files written before hold them in the weight's
+    dtype, which loads too: each value is then that scale times its code, as it was), else the weight's."""
+    if spec.grid_record.numerics is not None or weight_dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return weight_dtype
+
+
 def _held_parts(entry, stored, own_weight, widened, where):
     """``(codes, scale, parts)`` of a manifest layer, float16-stored scales (and mins) in the dtype
     convert holds them in for ``own_weight`` (one copy per stored tensor: ``widened``), checked
@@ -194,7 +203,7 @@ def _held_parts(entry, stored, own_weight, widened, where):
             raise ValueError(f"{where}: grid={spec.grid!r} stores {stored_dtype} scales, the file has "
                              f"{scale.dtype}: the data is corrupt or was written by another tool")
         if isinstance(own_weight, torch.Tensor) and own_weight.is_floating_point():
-            held = torch.float32 if spec.grid_record.numerics is not None else own_weight.dtype  # as convert holds it
+            held = _scale_dtype(own_weight.dtype, spec)  # as convert holds it
             scale = widened.setdefault(id(scale), scale.to(held))
             if parts.get("offset") is not None and parts["offset"].is_floating_point():  # float16 mins too
                 parts["offset"] = widened.setdefault(id(parts["offset"]), parts["offset"].to(held))
@@ -230,7 +239,7 @@ def _build_layer(entry, tensors, module, source, widened):
         raise ValueError(f"{where}: the file holds a {kind.name} {list(shape)} (bias={bias is not None}), the model "
                          f"has {module!r}: pass a model built like the saved one")
     weight, own_bias = kind.weight_of(module), kind.bias_of(module)
-    if scale.dtype != weight.dtype and spec.grid_record.numerics is None:
+    if scale.dtype not in (weight.dtype, _scale_dtype(weight.dtype, spec)):
         raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {weight.dtype}: "
                          f"pass a model built like the saved one (in {scale.dtype})")
     if bias is not None and bias.dtype != own_bias.dtype:
@@ -244,7 +253,7 @@ def _build_layer(entry, tensors, module, source, widened):
     extra.update({name: getattr(module, name) for name in kind.linear_children})
     if kind.has_bias:
         extra["bias"] = bias
-    return kind.quantized_type(codes, scale, spec, shape, **extra, **parts).train(module.training)  # MHA's path depends on it
+    return kind.quantized_type(codes, scale, spec, shape, **extra, **parts, dtype=weight.dtype).train(module.training)  # MHA's path depends on it
 
 
 def _fused_owner(path, modules):
@@ -268,7 +277,7 @@ def _build_fused_weight(entry, tensors, module, name, source, widened):
                          f"has {type(module).__name__}.{name} {list(getattr(weight, 'shape', []))}: pass a model "
                          f"built like the saved one")
     codes, scale, parts = _held_parts(entry, stored, weight, widened, where)
-    if scale.dtype != weight.dtype and stored.spec.grid_record.numerics is None:
+    if scale.dtype not in (weight.dtype, _scale_dtype(weight.dtype, stored.spec)):
         raise ValueError(f"{where}: its scales are {scale.dtype} but the model's weight is {weight.dtype}: "
                          f"pass a model built like the saved one (in {scale.dtype})")
     return QuantizedFusedWeight(codes, scale, stored.spec, tuple(weight.shape), kind.name, **parts)

@@ -3,9 +3,10 @@
 The numerics are ``mixle.core.numerics``'s (block view, scales, rounding, dequantize); this
 module only decides when they run, and on contiguous float32/float64/bfloat16 CPU weights runs them as
 ``_fused_cpu``'s kernels (one pass per block, bit-identical; the tests run both paths). The
-numerics of a bfloat16/float16 weight run in float32 (it gets exactly the codes of its float32
-copy); the scale its codes are multiplied by is held in the weight's dtype, as a converted layer
-stores it, and the product is cast to that dtype. On a CPU weight a version is quantized once:
+numerics of a bfloat16/float16 weight run in float32: it gets exactly the codes, scales and values
+of its float32 copy, the values rounded once to its dtype. Every path refuses a weight that would
+dequantize to infinity (``numerics.check_scale_range``: a ScaleOverflowError; the kernel counts
+such blocks in the pass it makes anyway). On a CPU weight a version is quantized once:
 the entry is keyed on the Parameter's in-place version counter, its storage, dtype, shape, the
 spec and a generation counter bumped by every optimizer step and every ``load_state_dict`` into
 a QAT layer, so gradient-accumulation micro-batches, eval
@@ -48,13 +49,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mixle.torch_backend import fused_cpu as _fused_cpu
 from mixle.torch_backend import fused_ggml as _fused_ggml
 from mixle.core.array_ops import TorchOps, array_ops
-from mixle.core.checks import check_array, check_block_max, not_finite_error
+from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error, require_finite
 from mixle.core.grids import GRIDS
-from mixle.core.stored import block_quantized_array
+from mixle.core.stored import block_quantized_array, check_dequantized_range
 from mixle.core.numerics import (
+    NARROW_FLOATS,
     QuantizedArray,
     block_shape,
     block_stats,
+    check_scale_range,
     dequantize_array,
     fake_quant_forward,
     round_codes,
@@ -101,21 +104,26 @@ def numerics_input(x):
     return x.float() if x.dtype in _LOW_PRECISION else x
 
 
-def held_scale(scale, dtype):
-    """The scale codes are multiplied by, held in the weight's ``dtype`` (what convert stores).
-
-    >>> held_scale(torch.tensor([0.1]), torch.bfloat16).dtype
-    torch.bfloat16
-    """
-    return scale if scale.dtype == dtype else scale.to(dtype)
+def _narrow(x):
+    """The 16-bit dtype name x's values are rounded to from the float32 numerics, or None."""
+    name = _OPS.dtype_name(x)
+    return name if name in NARROW_FLOATS else None
 
 
-def _check_no_bad_blocks(nonfinite, x):
-    """The fused kernel's count of blocks holding NaN or infinity must be 0."""
+def _check_no_bad_blocks(nonfinite, overflow, x, scale, spec):
+    """The fused kernel's counts of blocks holding NaN or infinity and of blocks that would
+    dequantize to infinity (``check_scale_range``'s rule, on the scales it computed) must be 0."""
     if torch.compiler.is_compiling():
         torch._assert_async(nonfinite == 0, str(not_finite_error(x, "weight")))
+        torch._assert_async(overflow == 0, f"weight: on {spec.short()} a block scale times the grid's largest level "
+                                           f"overflows {x.dtype}, so a finite weight would dequantize to infinity: "
+                                           f"rescale the weights (e.g. halve them and double what they feed)")
     elif int(nonfinite):
         raise not_finite_error(x, "weight")
+    elif int(overflow):
+        check_dequantized_range(scale, spec, "weight", _narrow(x))  # raises, with the worst scale
+        raise ScaleOverflowError(f"weight: on {spec.short()} {int(overflow)} block(s) would dequantize to infinity "
+                                 f"in {x.dtype}: rescale the weights (e.g. halve them and double what they feed)")
 
 
 class _Entry:
@@ -165,7 +173,7 @@ def _blocks(x, spec):
 # Grids with their own block numerics (offsets, second-level scales: llama.cpp's K-quants):
 # grid name -> fn(x in float32 or float64, spec) -> the round trip of x, same shape and dtype.
 # Their entries keep no scales: a rebuild runs fn again.
-BLOCK_NUMERICS = {name: (lambda x, spec: fake_quant_forward(x, spec)[0])
+BLOCK_NUMERICS = {name: (lambda x, spec: fake_quant_forward(x, spec, name="weight")[0])
                   for name, grid in GRIDS.items() if grid.numerics is not None}
 
 
@@ -198,16 +206,11 @@ def _quantize_weighted(x, spec, key, importance, out):
         if not overflow:
             shape = block_shape(x.shape, spec)
             shape = (shape[0], shape[1], a.numel() // (shape[0] * shape[1]))
-            scale = a.reshape(shape)
-            if _fused_ggml.KINDS[spec.grid].hold_scale:  # q4_0 holds it as the torch path does (bf16-exact)
-                scale = held_scale(scale, x.dtype)
-            return deq, _Entry(key, spec, scale, None, codes, offset=None if b is None else b.reshape(shape),
+            return deq, _Entry(key, spec, a.reshape(shape), None, codes, offset=None if b is None else b.reshape(shape),
                                importance=importance)
     check_block_max(x.detach().abs().amax(), x, "weight")  # the search would turn a NaN into codes
     q = block_quantized_array(numerics_input(x.detach()), spec, importance=importance, check=_OPS.readable(x),
                               name="weight")
-    if spec.grid_record.numerics is None:  # q4_0: its scale held in the weight's dtype, as convert holds it
-        q = QuantizedArray(q.codes, held_scale(q.scale, x.dtype), spec)
     deq = q.dequantize().reshape(x.shape).to(x.dtype)
     return deq if out is None else out.copy_(deq), _Entry(key, spec, None, None, None, importance=importance)
 
@@ -225,10 +228,7 @@ def _quantize_ggml(x, spec, key, keep_codes, out):
         return deq, _Entry(key, spec, None, None, None)
     batch, count, width = block_shape(x.shape, spec)
     shape = (batch, count, a.numel() // (batch * count))  # per sub-block (one per block of 32 but on K-quants)
-    scale = a.reshape(shape)
-    if _fused_ggml.KINDS[spec.grid].hold_scale:  # q4_0 / q8_0 hold it as the torch path does (bf16-exact)
-        scale = held_scale(scale, x.dtype)
-    return deq, _Entry(key, spec, scale, None, codes, offset=None if b is None else b.reshape(shape))
+    return deq, _Entry(key, spec, a.reshape(shape), None, codes, offset=None if b is None else b.reshape(shape))
 
 
 def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
@@ -249,18 +249,23 @@ def _quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
     if own is not None:
         # The block searches would turn a NaN into codes: refuse it (a device assert off the host).
         check_block_max(x.detach().abs().amax(), x, "weight")
-        return own(numerics_input(x), spec).to(x.dtype), _Entry(key, spec, None, None, None)
+        deq = own(numerics_input(x), spec).to(x.dtype)
+        if x.dtype == torch.float16:  # float16 scales times codes can pass float16's largest value
+            require_finite(deq, ScaleOverflowError(f"weight: on grid={spec.grid!r} a block's largest level overflows "
+                                                   f"float16, so a finite weight would dequantize to infinity: rescale "
+                                                   f"the weights, or quantize a float32 copy"))
+        return deq, _Entry(key, spec, None, None, None)
     if _fused_cpu.applies_to(x, spec):
-        deq, codes, scale, threshold, nonfinite = _fused_cpu.fake_quant(
+        deq, codes, scale, threshold, nonfinite, overflow = _fused_cpu.fake_quant(
             x, spec, want_codes=keep_codes, want_threshold=spec.clip_gradient, out=out)
-        _check_no_bad_blocks(nonfinite, x)
-        stored = held_scale(scale, x.dtype)  # a bf16 weight: float32 scales, codes times their bf16
-        return deq, _Entry(key, spec, stored, threshold, codes, None if stored is scale else scale)
+        _check_no_bad_blocks(nonfinite, overflow, x, scale, spec)
+        return deq, _Entry(key, spec, scale, threshold, codes, None)
     ops, blocks = _blocks(numerics_input(x), spec)
     scale, threshold, block_max = block_stats(ops, blocks, spec, with_max=True)
     check_block_max(block_max, x, "weight")  # a device assert on accelerators and under torch.compile
     codes = round_codes(ops, blocks, scale, spec)
-    stored = held_scale(stored_scale(ops, scale, spec), x.dtype)
+    stored = stored_scale(ops, scale, spec, "weight")
+    check_scale_range(ops, stored, spec, "weight", _narrow(x))
     codes_kept = ops.to_int8(codes).reshape(x.shape) if keep_codes else None
     entry = _Entry(key, spec, stored, threshold if spec.clip_gradient else None, codes_kept,
                    None if stored is scale else scale)
@@ -281,7 +286,7 @@ def _rebuild(entry, x, keep_codes=False, out=None):
         if fused:
             return _fused_cpu.dequantize(entry.codes, entry.scale, entry.spec, out=out, dtype=x.dtype,
                                          weight_dtype=x.dtype)
-        deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec))
+        deq = dequantize_array(QuantizedArray(entry.codes, entry.scale, entry.spec)).to(x.dtype)
     elif fused:  # rounded with the scale the codes were computed with (float32 for a bf16 weight)
         code_scale = entry.scale if entry.code_scale is None else entry.code_scale
         deq, entry.codes, *_ = _fused_cpu.fake_quant(x, entry.spec, scale=code_scale,

@@ -2,9 +2,9 @@
 
 The kernels compute exactly ``mixle.core.numerics``'s numerics (tests compare both with numpy,
 bit for bit) in one pass over each block of a float32, float64 or bfloat16 CPU tensor (a
-bfloat16 one runs the float32 numerics: its scales, thresholds and codes are those of its
-float32 copy, kept in float32; its values are the codes times the scale held in bfloat16,
-rounded once to bfloat16, as the torch path computes them). They are built
+bfloat16 one runs the float32 numerics: its scales, thresholds, codes and values are those of
+its float32 copy, kept in float32, and its values are rounded once to bfloat16, as the torch
+path computes them). They are built
 once per machine with the system C++ compiler into a private cache directory (``MIXLE_CACHE_DIR``,
 else ``~/.cache/mixle``; only libraries this user built and recorded are loaded, see
 ``kernel_cache``); without a compiler mixle warns once and QAT runs the same numerics as
@@ -86,7 +86,7 @@ class _Kernels:
         lib = kernel_cache.load(path)  # only a library this user built, re-verified on dlopen's descriptor
         p, i64, f64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
         self.fake_quant, self.dequantize, self.clip_mask_grad = {}, {}, {}
-        kinds = ((self.fake_quant, "fake_quant", [p, i64, i64, i64, i64, f64, f64, f64, f64, p, p, p, p, p, i32], i64),
+        kinds = ((self.fake_quant, "fake_quant", [p, i64, i64, i64, i64, f64, f64, f64, f64, p, p, p, p, p, p, i32], i64),
                  (self.dequantize, "dequantize", [p, p, i64, i64, p, i32], None),
                  (self.clip_mask_grad, "clip_mask_grad", [p, p, p, i64, i64, p, i32], None))
         for suffix in (*_DTYPES.values(), _F32_TO_BF16):
@@ -179,10 +179,11 @@ def _ptr(t):
 def _fake_quant_kernel(x: torch.Tensor, given: Optional[torch.Tensor], deq: torch.Tensor, scale_out: Optional[torch.Tensor],
                    threshold: Optional[torch.Tensor], codes: Optional[torch.Tensor], width: int, lo: int, hi: int,
                    frac: float, divisor: float, code_min: float, code_max: float) -> torch.Tensor:
+    overflow = ctypes.c_int64(0)
     bad = _kernels().fake_quant[_suffix(x.dtype, deq.dtype)](
         x.data_ptr(), x.numel() // width, width, lo, hi, frac, divisor, code_min, code_max, _ptr(given),
-        _ptr(scale_out), _ptr(threshold), deq.data_ptr(), _ptr(codes), torch.get_num_threads())
-    return torch.tensor(bad, dtype=torch.int64)
+        _ptr(scale_out), _ptr(threshold), deq.data_ptr(), _ptr(codes), ctypes.byref(overflow), torch.get_num_threads())
+    return torch.tensor([bad, overflow.value], dtype=torch.int64)  # blocks with NaN / infinity, overflowing blocks
 
 
 _fake_quant_op = torch.library.custom_op("mixle::fused_fake_quant", _fake_quant_kernel,
@@ -191,7 +192,7 @@ _fake_quant_op = torch.library.custom_op("mixle::fused_fake_quant", _fake_quant_
 
 @_fake_quant_op.register_fake
 def _(x, given, deq, scale_out, threshold, codes, width, lo, hi, frac, divisor, code_min, code_max):
-    return x.new_empty((), dtype=torch.int64)
+    return x.new_empty((2,), dtype=torch.int64)
 
 
 def converts_to_bfloat16(x_dtype, out_dtype):
@@ -218,7 +219,7 @@ def _suffix(x_dtype, out_dtype):
 
 
 def _dequantize_kernel(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, from_float32: bool = False) -> None:
-    # from_float32 with a bfloat16 out: a float32 weight's values rounded once (a bfloat16 weight's scales are held)
+    # from_float32 with a bfloat16 out: a float32 weight's values rounded once (as a bfloat16 weight's are)
     _kernels().dequantize[_suffix(torch.float32 if from_float32 else out.dtype, out.dtype)](
         codes.data_ptr(), scale.data_ptr(), scale.numel(), codes.numel() // scale.numel(), out.data_ptr(),
         torch.get_num_threads())
@@ -252,15 +253,17 @@ def _traced_or_direct(op, kernel):
 
 
 def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, out=None):
-    """One pass over x's blocks: ``(deq, codes, scale, threshold, nonfinite)``.
+    """One pass over x's blocks: ``(deq, codes, scale, threshold, nonfinite, overflow)``.
 
     Scales and thresholds are in ``_SCALE_DTYPES[x.dtype]`` (float32 for a bfloat16 x, whose
-    values are the codes times ``scale.bfloat16()``, rounded once to bfloat16).
+    values are its float32 copy's, codes times scale, rounded once to bfloat16).
 
     ``scale`` (shape ``(B, S, 1)``, in that dtype) given: only the values/codes on those scales (a rebuild),
-    threshold None. Otherwise the scales are computed, and ``nonfinite`` (a 0-d int64 tensor)
-    counts the blocks holding NaN or infinity (the other outputs are then meaningless; the
-    caller raises). Codes and threshold not asked for are None; ``out`` (contiguous, shaped like
+    threshold None. Otherwise the scales are computed, ``nonfinite`` (a 0-d int64 tensor)
+    counts the blocks holding NaN or infinity and ``overflow`` (likewise) the blocks whose scale
+    times the grid's largest code overflows x's dtype (``numerics.check_scale_range``'s rule; a
+    finite weight would dequantize to infinity). Where either is non-zero the other outputs are
+    meaningless (the caller raises). Codes and threshold not asked for are None; ``out`` (contiguous, shaped like
     x; in x's dtype, or bfloat16 for a float32 x: its values rounded to nearest even) receives deq
     instead of a new tensor. Call ``applies_to`` first.
     """
@@ -278,18 +281,17 @@ def fake_quant(x, spec, *, scale=None, want_codes=False, want_threshold=False, o
         given = scale.to(_SCALE_DTYPES[x.dtype]).contiguous()
     deq = torch.empty_like(x) if out is None else out
     codes = torch.empty(x.shape, dtype=torch.int8) if want_codes else None
-    nonfinite = _traced_or_direct(torch.ops.mixle.fused_fake_quant, _fake_quant_kernel)(
+    counts = _traced_or_direct(torch.ops.mixle.fused_fake_quant, _fake_quant_kernel)(
         x, given, deq, computed, threshold, codes, width, lo, hi, frac, float(spec.scale_divisor),
         float(spec.code_min), float(spec.code_max))
-    return deq, codes, scale, threshold, nonfinite
+    return deq, codes, scale, threshold, counts[0], counts[1]
 
 
 def dequantize(codes, scale, spec, out=None, dtype=None, weight_dtype=None):
     """``codes * scale`` per block in ``dtype`` (default: scale's; codes int8 with the weight's
-    shape), into ``out`` when given (then in its dtype). A bfloat16 result takes float32 scales,
-    held in bfloat16 as ``fake_quant`` holds them for a bfloat16 weight; for a float32 weight
-    (``weight_dtype``) the float32 values are rounded once, as ``fake_quant`` writes them into a
-    bfloat16 ``out``."""
+    shape), into ``out`` when given (then in its dtype). A bfloat16 result takes float32 scales
+    and is the float32 product rounded once, as ``fake_quant`` writes a bfloat16 weight's values
+    (and, for a float32 weight, ``weight_dtype``, its values into a bfloat16 ``out``)."""
     if out is None:
         out = torch.empty(codes.shape, dtype=scale.dtype if dtype is None else dtype)
     scale = scale.to(_SCALE_DTYPES[out.dtype])

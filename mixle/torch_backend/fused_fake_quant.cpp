@@ -9,9 +9,12 @@
 //
 // A bfloat16 weight (stored as its 16 bits) is read exactly as float32 and its numerics run in
 // float32: scales, thresholds and codes are its float32 copy's, the scales and thresholds are
-// written as float32. Its fake-quantized value is code * bf16(scale) (the scale held in the
-// weight's dtype, as the torch path and a converted layer hold it), rounded to bfloat16 to
-// nearest even as torch casts.
+// written as float32. Its fake-quantized value is its float32 copy's, code * scale, rounded once
+// to bfloat16 to nearest even as torch casts.
+//
+// A block whose scale times the grid's largest code overflows the weight's dtype (a bfloat16
+// weight: rounds to infinity in bfloat16) is counted, from the scale alone, as numerics'
+// check_dequantized_range refuses it; the caller raises.
 //
 // Why a kernel: with separate torch ops a weight is read and written about five times per
 // step; here a block (one row or group, a few KB) is read from memory once and stays in L1
@@ -21,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -45,14 +49,14 @@ inline uint16_t to_bf16(float f) {
 // run on these patterns: for non-negative IEEE values the integer order is the numeric order and
 // every NaN pattern sorts above infinity, so a maximum is NaN if the block holds one (as torch's
 // amax gives). Integer reductions vectorise; a float max reduction would not, without fast-math
-// flags. held(s): the scale codes are multiplied by (in the weight's dtype).
+// flags. limit(): the smallest magnitude (in T) that is infinite once stored as S.
 template <typename S> struct Elem {  // float32, float64: their own dtype
     using T = S;
     using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
     static U mag(const S* x, int64_t j) { return from_bits<U>(x[j]) & ~(U(1) << (8 * sizeof(U) - 1)); }
     static T load(const S* x, int64_t j) { return x[j]; }
     static void store(S* y, int64_t j, T v) { y[j] = v; }
-    static T held(T s) { return s; }
+    static T limit() { return std::numeric_limits<T>::infinity(); }
 };
 template <> struct Elem<uint16_t> {  // bfloat16: the upper half of its float32 value
     using T = float;
@@ -60,7 +64,7 @@ template <> struct Elem<uint16_t> {  // bfloat16: the upper half of its float32 
     static U mag(const uint16_t* x, int64_t j) { return (U)(x[j] & 0x7fffu) << 16; }
     static T load(const uint16_t* x, int64_t j) { return from_bits<float>((U)x[j] << 16); }
     static void store(uint16_t* y, int64_t j, T v) { y[j] = to_bf16(v); }
-    static T held(T s) { return from_bits<float>((U)to_bf16(s) << 16); }
+    static T limit() { return from_bits<float>(0x7f7f8000u); }  // bfloat16's largest plus half a step
 };
 
 template <typename S>
@@ -70,6 +74,7 @@ struct Job {
     int64_t nblocks, K;
     int64_t lo, hi;        // percentile ranks (ascending, 0-based); lo < 0: threshold = max|x|
     T frac, divisor, code_min, code_max;
+    T largest;             // the largest |code|: a block overflows where largest * scale >= Elem<S>::limit()
     const T* scale_in;     // given scales (rebuild), or null to compute them
     T* scale;              // out: per block (ignored when scale_in is given)
     T* threshold;          // out: per block, or null
@@ -228,7 +233,7 @@ void order_stats(const S* x, int64_t n, int64_t lo, int64_t hi, T* v_lo, T* v_hi
 
 // K: the block width, or 0 for job.K (a compile-time width lets small groups unroll).
 template <typename S, int64_t K = 0, typename T = typename Elem<S>::T>
-T block_scale(const Job<S>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int threads) {
+T block_scale(const Job<S>& job, int64_t b, std::vector<T>& scratch, int64_t& bad, int64_t& over, int threads) {
     const int64_t n = K ? K : job.K;
     const S* x = job.x + b * n;
     if (job.scale_in) return job.scale_in[b];
@@ -248,6 +253,8 @@ T block_scale(const Job<S>& job, int64_t b, std::vector<T>& scratch, int64_t& ba
     if (job.threshold) job.threshold[b] = t;
     T s = t / job.divisor;
     s = s == 0 ? T(1) : s;
+    T top = std::fabs(s) * job.largest;
+    over += !(top < Elem<S>::limit());
     job.scale[b] = s;
     return s;
 }
@@ -261,12 +268,12 @@ __attribute__((always_inline)) inline void quantize_range(const Job<S>& job, int
     S* __restrict deq = job.deq + begin;
     int8_t* __restrict codes = job.codes ? job.codes + begin : nullptr;
     const int64_t n = K ? K : end - begin;
-    const T lo = job.code_min, hi = job.code_max, held = E::held(s);
+    const T lo = job.code_min, hi = job.code_max;
     const auto write = [&](auto* __restrict out) {  // out's element decides how a value is stored
         for (int64_t j = 0; j < n; ++j) {
             T q = std::nearbyint(E::load(x, j) / s);
             q = q < lo ? lo : q;
-            Elem<std::decay_t<decltype(*out)>>::store(out, j, (q > hi ? hi : q) * held);
+            Elem<std::decay_t<decltype(*out)>>::store(out, j, (q > hi ? hi : q) * s);
         }
     };
     if (job.deq_bf16)  // the float32 value rounded to nearest even, as autocast casts it
@@ -301,34 +308,37 @@ void for_block_ranges(int64_t nblocks, int64_t K, int threads, F fn) {
 // Rows or groups: each thread takes whole blocks, read once while they sit in L1. K: the
 // block width, or 0 for job.K.
 template <typename S, int64_t K = 0>
-int64_t run_blocks(const Job<S>& job, int threads) {
+int64_t run_blocks(const Job<S>& job, int threads, int64_t& over) {
     using T = typename Elem<S>::T;
     const int64_t n = K ? K : job.K;
-    int64_t bad = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : bad)
+    int64_t bad = 0, overflow = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : bad, overflow)
     {
         std::vector<T> scratch;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < job.nblocks; ++b) {
-            T s = block_scale<S, K>(job, b, scratch, bad, 1);
+            T s = block_scale<S, K>(job, b, scratch, bad, overflow, 1);
             quantize_range<S, K>(job, b * n, b * n + n, s);
         }
     }
+    over = overflow;
     return bad;
 }
 
-// Returns the number of blocks holding NaN or infinity (0 when the scales are given).
+// Returns the number of blocks holding NaN or infinity, and in `over` that of blocks whose values
+// would overflow (both 0 when the scales are given).
 template <typename S>
-int64_t run(const Job<S>& job, int threads) {
+int64_t run(const Job<S>& job, int threads, int64_t& over) {
     using T = typename Elem<S>::T;
     const int64_t nb = job.nblocks, K = job.K;
+    over = 0;
     if (nb >= threads) {
         switch (K) {  // the usual group sizes, unrolled
-            case 16: return run_blocks<S, 16>(job, threads);
-            case 32: return run_blocks<S, 32>(job, threads);
-            case 64: return run_blocks<S, 64>(job, threads);
-            case 128: return run_blocks<S, 128>(job, threads);
-            default: return run_blocks<S>(job, threads);
+            case 16: return run_blocks<S, 16>(job, threads, over);
+            case 32: return run_blocks<S, 32>(job, threads, over);
+            case 64: return run_blocks<S, 64>(job, threads, over);
+            case 128: return run_blocks<S, 128>(job, threads, over);
+            default: return run_blocks<S>(job, threads, over);
         }
     }
     int64_t bad = 0;
@@ -336,21 +346,21 @@ int64_t run(const Job<S>& job, int threads) {
     // elementwise pass over all threads.
     std::vector<T> scales(nb);
     std::vector<T> scratch;
-    for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad, threads);
+    for (int64_t b = 0; b < nb; ++b) scales[b] = block_scale(job, b, scratch, bad, over, threads);
     for_block_ranges(nb, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
         quantize_range(job, begin, end, scales[b]);
     });
     return bad;
 }
 
-// out = codes * scale per block (dequantize kept int8 codes; the scale held as quantize_range
-// holds it for a weight of S). O: out's element, S's own or, for a float32 weight, bfloat16 (the
-// float32 value rounded to nearest even: the rebuild of a deq_bf16).
+// out = codes * scale per block (dequantize kept int8 codes, as quantize_range computes the values
+// for a weight of S). O: out's element, S's own or, for a float32 weight, bfloat16 (the float32
+// value rounded to nearest even: the rebuild of a deq_bf16).
 template <typename S, typename O = S, typename T = typename Elem<S>::T>
 void dequantize(const int8_t* __restrict codes, const T* scale, int64_t nblocks, int64_t K, O* __restrict out,
                 int threads) {
     for_block_ranges(nblocks, K, threads, [&](int64_t b, int64_t begin, int64_t end) {
-        const T s = Elem<S>::held(scale[b]);
+        const T s = scale[b];
         for (int64_t j = begin; j < end; ++j) Elem<O>::store(out, j, (T)codes[j] * s);
     });
 }
@@ -370,15 +380,17 @@ void clip_mask_grad(const S* grad, const S* x, const T* threshold, int64_t nbloc
 }  // namespace
 
 // S: the element type of x, deq, grad and out (uint16_t: bfloat16 bits); T: that of the scales
-// and thresholds (float32 for bfloat16).
+// and thresholds (float32 for bfloat16). fake_quant returns the blocks holding NaN or infinity and
+// writes to *overflow the blocks whose largest code times the scale overflows S.
 #define MIXLE_EXPORTS(S, T, SUFFIX)                                                                   \
     extern "C" int64_t mixle_fake_quant_##SUFFIX(const S* x, int64_t nblocks, int64_t K, int64_t lo,  \
                                               int64_t hi, double frac, double divisor, double code_min, \
                                               double code_max, const T* scale_in, T* scale,            \
-                                              T* threshold, S* deq, int8_t* codes, int threads) {     \
+                                              T* threshold, S* deq, int8_t* codes, int64_t* overflow,  \
+                                              int threads) {                                           \
         Job<S> job{x, nblocks, K, lo, hi, (T)frac, (T)divisor, (T)code_min, (T)code_max,                \
-                   scale_in, scale, threshold, deq, codes};                                            \
-        return run(job, threads);                                                                     \
+                   (T)std::max(-code_min, code_max), scale_in, scale, threshold, deq, codes};          \
+        return run(job, threads, *overflow);                                                          \
     }                                                                                                 \
     extern "C" void mixle_dequantize_##SUFFIX(const int8_t* codes, const T* scale, int64_t nblocks,   \
                                               int64_t K, S* out, int threads) {                       \
@@ -398,10 +410,10 @@ MIXLE_EXPORTS(uint16_t, float, bf16)
 extern "C" int64_t mixle_fake_quant_f32_bf16(const float* x, int64_t nblocks, int64_t K, int64_t lo, int64_t hi,
                                              double frac, double divisor, double code_min, double code_max,
                                              const float* scale_in, float* scale, float* threshold, uint16_t* deq,
-                                             int8_t* codes, int threads) {
+                                             int8_t* codes, int64_t* overflow, int threads) {
     Job<float> job{x, nblocks, K, lo, hi, (float)frac, (float)divisor, (float)code_min, (float)code_max,
-                   scale_in, scale, threshold, nullptr, codes, deq};
-    return run(job, threads);
+                   (float)std::max(-code_min, code_max), scale_in, scale, threshold, nullptr, codes, deq};
+    return run(job, threads, *overflow);
 }
 extern "C" void mixle_dequantize_f32_bf16(const int8_t* codes, const float* scale, int64_t nblocks, int64_t K,
                                           uint16_t* out, int threads) {

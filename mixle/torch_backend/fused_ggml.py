@@ -6,9 +6,7 @@ numerics give (``mixle.core.numerics`` for ``q4_0`` / ``q8_0``; ``mixle.core.ggm
 quantizers): the fake-quantized weight and, when asked, its int8 codes with one multiplier
 ``a`` (and offset ``b``) per sub-block, ``value = code * a (+ b)``, from which a rebuild is one
 cheap pass (``dequantize``). A bfloat16 weight is read exactly as float32 and its result written
-rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)`` (on q4_0 /
-q8_0 the float16 scale is held in bfloat16 first, as the torch path holds a scale in the
-weight's dtype). With an importance matrix entry the kernels run ggml's importance-weighted
+rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)``. With an importance matrix entry the kernels run ggml's importance-weighted
 searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: every grid but q8_0 and mxfp4,
 whose ggml quantizers ignore it, and nf4), bit for bit ``quantize_array(..., importance=)``. Built and cached like
 ``fused_cpu``'s kernels (their flags, see ``FLAGS``; the same private cache); off whenever
@@ -38,21 +36,20 @@ class _Kind(NamedTuple):
     block: int  # values a row length must be a multiple of
     sub: int  # values per multiplier (and offset)
     offset: bool  # value = code * a + b (else code * a)
-    hold_scale: bool  # the stored float16 scale is held in the weight's dtype (the torch path does)
 
 
 # Grid name -> how the kernel runs it (grid numbers as in fused_ggml_quant.cpp's enum).
 KINDS = {
-    "q4_0": _Kind(0, 32, 32, False, True),
-    "q8_0": _Kind(1, 32, 32, False, True),
-    "q4_1": _Kind(2, 32, 32, True, False),
-    "q5_0": _Kind(3, 32, 32, False, False),
-    "q5_1": _Kind(4, 32, 32, True, False),
-    "q4_k": _Kind(5, 256, 32, True, False),
-    "q5_k": _Kind(6, 256, 32, True, False),
-    "q6_k": _Kind(7, 256, 16, False, False),
-    "mxfp4": _Kind(8, 32, 32, False, False),  # code = the E2M1 value doubled, a = 2**(e - 128)
-    "nf4": _Kind(9, 64, 64, False, False),  # code = the NF4_TABLE index, a = absmax: value = NF4_TABLE[code] * a
+    "q4_0": _Kind(0, 32, 32, False),
+    "q8_0": _Kind(1, 32, 32, False),
+    "q4_1": _Kind(2, 32, 32, True),
+    "q5_0": _Kind(3, 32, 32, False),
+    "q5_1": _Kind(4, 32, 32, True),
+    "q4_k": _Kind(5, 256, 32, True),
+    "q5_k": _Kind(6, 256, 32, True),
+    "q6_k": _Kind(7, 256, 16, False),
+    "mxfp4": _Kind(8, 32, 32, False),  # code = the E2M1 value doubled, a = 2**(e - 128)
+    "nf4": _Kind(9, 64, 64, False),  # code = the NF4_TABLE index, a = absmax: value = NF4_TABLE[code] * a
 }
 # The grids whose importance-weighted search (``mixle.core.ggml_weighted``) the kernels run.
 # ggml's q8_0 and mxfp4 quantizers ignore an importance; nf4 has none.
@@ -68,10 +65,10 @@ class _Kernels:
         lib = kernel_cache.load(path)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self.fake_quant = lib.mixle_ggml_fake_quant
-        self.fake_quant.argtypes = [i32, i32, p, i64, p, p, p, p, i32, p, i32]
+        self.fake_quant.argtypes = [i32, i32, p, i64, p, p, p, p, p, i32]
         self.fake_quant.restype = i64
         self.weighted = lib.mixle_ggml_fake_quant_weighted
-        self.weighted.argtypes = [i32, i32, p, i64, i64, p, p, p, p, p, i32, p, i32]
+        self.weighted.argtypes = [i32, i32, p, i64, i64, p, p, p, p, p, p, i32]
         self.weighted.restype = i64
         self.dequantize = lib.mixle_ggml_dequantize
         self.dequantize.argtypes = [i32, p, p, p, i64, i64, p, i32, i32]
@@ -128,8 +125,7 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
 
     With ``importance`` (a float32 CPU tensor, one value per column of x's last axis; grids of
     ``WEIGHTED``) the blocks are ggml's importance-weighted quantizer's, bit for bit
-    ``quantize_array(x, spec, importance=importance)`` (on q4_0 a bfloat16 weight's float16 scale
-    is held in bfloat16 first, as without an importance).
+    ``quantize_array(x, spec, importance=importance)``.
 
     ``deq`` is the fake-quantized x in x's dtype, written into ``out`` when given (contiguous,
     shaped like x; in x's dtype, or bfloat16 for a float32 x: its float32 values rounded to
@@ -152,12 +148,11 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
         qw = importance.detach().to(torch.float32).contiguous()
         nonfinite = _kernels().weighted(
             kind.id, io, x.data_ptr(), x.numel(), x.shape[-1], qw.data_ptr(), deq.data_ptr(),
-            _ptr(codes), _ptr(a), _ptr(b), int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow),
-            torch.get_num_threads())
+            _ptr(codes), _ptr(a), _ptr(b), ctypes.byref(overflow), torch.get_num_threads())
         return deq, codes, a, b, nonfinite, overflow.value
     nonfinite = _kernels().fake_quant(
         kind.id, io, x.data_ptr(), x.numel(), deq.data_ptr(), _ptr(codes), _ptr(a), _ptr(b),
-        int(kind.hold_scale and x.dtype == torch.bfloat16), ctypes.byref(overflow), torch.get_num_threads())
+        ctypes.byref(overflow), torch.get_num_threads())
     return deq, codes, a, b, nonfinite, overflow.value
 
 

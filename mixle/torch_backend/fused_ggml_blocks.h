@@ -54,8 +54,6 @@ inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float bf16_value(float f) { return float_of((uint32_t)to_bf16(f) << 16); }
-
 // ggml's nearest_int: add 1.5 * 2**23 and read the mantissa.
 inline int32_t nearest_int(float fval) {
     return (int32_t)(bits_of(fval + 12582912.0f) & 0x007fffffu) - 0x00400000;
@@ -69,7 +67,6 @@ struct Block {  // one block's outputs, all float32 / int8 here
     int8_t* q;       // codes (as mixle's stored array holds them)
     float* a;        // per sub-block multiplier
     float* b;        // per sub-block offset (grids with a min), else unused
-    bool hold_bf16;  // q4_0 / q8_0 on a bfloat16 weight: the stored scale is held in bfloat16
     int64_t overflow;
 };
 
@@ -109,7 +106,7 @@ void blocks_q4_0(const float* __restrict x, int count, Block& o) {
         const float scale = top[b] / -8.0f;
         inverse[b] = scale == 0 ? 0.0f : 1.0f / scale;
         const float half = round_half_select(scale);
-        stored[b] = o.hold_bf16 ? bf16_value(half) : half;
+        stored[b] = half;
     }
     for (int b = 0; b < count; ++b) {
         o.overflow += !std::isfinite(stored[b]);
@@ -136,7 +133,6 @@ void block_q8_0(const float* __restrict x, Block& o) {
     const float inverse = scale == 0 ? 0.0f : 1.0f / scale;
     float stored = round_half(scale);
     o.overflow += !std::isfinite(stored);
-    if (o.hold_bf16) stored = bf16_value(stored);
     float y[32];
     int8_t q[32];
     for (int j = 0; j < 32; ++j) {  // round half away from zero, exactly as numerics' floor form

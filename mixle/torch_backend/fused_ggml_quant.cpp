@@ -130,7 +130,6 @@ void blocks_weighted(const float* x, const float* qw, const float* sigma2, int l
         float d16 = round_half(scale[s]);
         const float m16 = AFFINE ? round_half(-the_min[s]) : 0.0f;
         o.overflow += !std::isfinite(d16) || !std::isfinite(m16);
-        if (o.hold_bf16) d16 = bf16_value(d16);  // q4_0 on a bfloat16 weight, as blocks_q4_0
         for (int i = 0; i < 32; ++i) {
             const int8_t code = (int8_t)(AFFINE ? L[i * NL + s] : L[i * NL + s] - NMAX);
             o.q[32 * s + i] = code;
@@ -201,7 +200,7 @@ GridInfo info(int grid) {
 template <void (*F)(const float*, Block&), int N = 32>
 void blocks_of(const float* x, int64_t n, Block& o) {
     for (int64_t k = 0; k < n; k += N) {
-        Block one{o.y + k, o.q + k, o.a + k / N, o.b + k / N, o.hold_bf16, 0};
+        Block one{o.y + k, o.q + k, o.a + k / N, o.b + k / N, 0};
         F(x + k, one);
         o.overflow += one.overflow;
     }
@@ -244,8 +243,8 @@ inline void write_unit(const GridInfo& g, int64_t begin, int64_t len, const floa
 // Returns the number of units holding NaN or infinity; *overflow: units whose stored float16
 // scale (or min) is not finite. codes / a / b may be null (not kept).
 template <typename T, typename U>
-int64_t run(int grid, const T* x, int64_t n, U* deq, int8_t* codes, float* a, float* b, bool hold_bf16,
-            int64_t* overflow, int threads) {
+int64_t run(int grid, const T* x, int64_t n, U* deq, int8_t* codes, float* a, float* b, int64_t* overflow,
+            int threads) {
     const GridInfo g = info(grid);
     const int64_t units = (n + g.block - 1) / g.block;
     int64_t bad = 0, over = 0;
@@ -265,7 +264,7 @@ int64_t run(int grid, const T* x, int64_t n, U* deq, int8_t* codes, float* a, fl
                 ++bad;
                 continue;
             }
-            Block o{yf, qf, af, bf, hold_bf16, 0};
+            Block o{yf, qf, af, bf, 0};
             quantize_unit(grid, xf, len, o);
             over += o.overflow;
             write_unit(g, begin, len, yf, qf, af, bf, deq, codes, a, b);
@@ -293,7 +292,7 @@ void quantize_unit_weighted(int grid, const float* x, const float* qw, const flo
 // (llama-quantize --imatrix's quantizers). Not for q8_0 / mxfp4 (ggml ignores the importance there).
 template <typename T, typename U>
 int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const float* qw, U* deq, int8_t* codes,
-                     float* a, float* b, bool hold_bf16, int64_t* overflow, int threads) {
+                     float* a, float* b, int64_t* overflow, int threads) {
     const GridInfo g = info(grid);
     const bool super = grid == Q4_K || grid == Q5_K || grid == Q6_K;
     const int64_t block = super ? g.block : 32 * NL, rows = n / row_len;
@@ -332,7 +331,7 @@ int64_t run_weighted(int grid, const T* x, int64_t n, int64_t row_len, const flo
             }
             if (!super)
                 for (int64_t k = 0; k < len / 32; ++k) sf[k] = sigma2[(begin + 32 * k) / row_len];
-            Block o{yf, qf, af, bf, hold_bf16, 0};
+            Block o{yf, qf, af, bf, 0};
             quantize_unit_weighted(grid, xf, wf, sf, len, o);
             over += o.overflow;
             write_unit(g, begin, len, yf, qf, af, bf, deq, codes, a, b);
@@ -368,27 +367,22 @@ void dequantize(const int8_t* codes, const float* a, const float* b, int64_t n, 
 // dtype 0: float32 (x and deq), 1: bfloat16 (x and deq), 2: float32 x, bfloat16 deq (the float32 result
 // rounded to nearest even: what autocast's cast of it gives). n must be a multiple of the grid's block (32 / 256).
 extern "C" int64_t mixle_ggml_fake_quant(int grid, int dtype, const void* x, int64_t n, void* deq, int8_t* codes,
-                                         float* a, float* b, int hold_bf16, int64_t* overflow, int threads) {
-    if (dtype == 1)
-        return run(grid, (const uint16_t*)x, n, (uint16_t*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
-    if (dtype == 2)
-        return run(grid, (const float*)x, n, (uint16_t*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
-    return run(grid, (const float*)x, n, (float*)deq, codes, a, b, hold_bf16 != 0, overflow, threads);
+                                         float* a, float* b, int64_t* overflow, int threads) {
+    if (dtype == 1) return run(grid, (const uint16_t*)x, n, (uint16_t*)deq, codes, a, b, overflow, threads);
+    if (dtype == 2) return run(grid, (const float*)x, n, (uint16_t*)deq, codes, a, b, overflow, threads);
+    return run(grid, (const float*)x, n, (float*)deq, codes, a, b, overflow, threads);
 }
 
 // The importance-weighted quantizers (not q8_0): qw, float32, one value per column of rows of row_len;
 // dtype as for mixle_ggml_fake_quant.
 extern "C" int64_t mixle_ggml_fake_quant_weighted(int grid, int dtype, const void* x, int64_t n, int64_t row_len,
                                                   const float* qw, void* deq, int8_t* codes, float* a, float* b,
-                                                  int hold_bf16, int64_t* overflow, int threads) {
+                                                  int64_t* overflow, int threads) {
     if (dtype == 1)
-        return run_weighted(grid, (const uint16_t*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, hold_bf16 != 0,
-                            overflow, threads);
+        return run_weighted(grid, (const uint16_t*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, overflow, threads);
     if (dtype == 2)
-        return run_weighted(grid, (const float*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, hold_bf16 != 0,
-                            overflow, threads);
-    return run_weighted(grid, (const float*)x, n, row_len, qw, (float*)deq, codes, a, b, hold_bf16 != 0, overflow,
-                        threads);
+        return run_weighted(grid, (const float*)x, n, row_len, qw, (uint16_t*)deq, codes, a, b, overflow, threads);
+    return run_weighted(grid, (const float*)x, n, row_len, qw, (float*)deq, codes, a, b, overflow, threads);
 }
 
 extern "C" void mixle_ggml_dequantize(int dtype, const int8_t* codes, const float* a, const float* b, int64_t n,

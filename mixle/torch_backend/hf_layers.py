@@ -112,6 +112,7 @@ class QuantizedConv1D(QuantizedWeight):
         codes, scale, spec: as for ``QuantizedLinear``.
         weight_shape: ``(out, in)`` (the transpose of ``Conv1D.weight``'s shape).
         bias: float bias of shape ``(out,)``.
+        dtype: the replaced weight's float dtype (default: the scales', see ``QuantizedWeight``).
 
     >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> from mixle.core.spec import QuantSpec
@@ -123,9 +124,9 @@ class QuantizedConv1D(QuantizedWeight):
 
     KIND = "conv1d"
 
-    def __init__(self, codes, scale, spec, weight_shape, bias):
+    def __init__(self, codes, scale, spec, weight_shape, bias, dtype=None):
         super().__init__()
-        self._set_storage(codes, scale, spec, weight_shape)
+        self._set_storage(codes, scale, spec, weight_shape, dtype)
         self.nf, self.nx = self.weight_shape
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (self.nf,):
             raise ValueError(f"QuantizedConv1D: bias must be a float tensor of shape ({self.nf},), got {bias!r:.80}")

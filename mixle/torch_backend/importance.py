@@ -193,7 +193,8 @@ def with_importance(converted, float_model, importance):
             raise ValueError(f"importance given for layer {path!r}, which quantize_model did not make a QuantizedLinear "
                              f"of its own ({type(layer).__name__}): only untied linear layers take an importance")
         codes, scale, parts = to_storage(_weighted(floats[path].weight, layer.spec, values, path, 0))
-        new = QuantizedLinear(codes, scale, layer.spec, layer.weight_shape, bias=layer.bias, **parts)
+        new = QuantizedLinear(codes, scale, layer.spec, layer.weight_shape, bias=layer.bias, dtype=layer.float_dtype,
+                              **parts)
         new.train(layer.training)
         setattr(new, PATH_ATTRIBUTE, path)
         replacements[id(layer)] = new

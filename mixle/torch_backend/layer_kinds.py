@@ -171,8 +171,10 @@ class LayerKind:
             child = getattr(layer, name)
             child_codes, child_scale, child_parts = to_storage(quantize_linear_weight(child.weight.detach(), layer.spec))
             extra[name] = QuantizedLinear(child_codes, child_scale, layer.spec, tuple(child.weight.shape),
-                                          bias=None if child.bias is None else child.bias.detach(), **child_parts)
-        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(self.weight_of(layer).shape), **extra)
+                                          bias=None if child.bias is None else child.bias.detach(),
+                                          dtype=child.weight.dtype, **child_parts)
+        weight = self.weight_of(layer)
+        return self.quantized_type(codes, scale, layer.spec, self.stored_shape(weight.shape), dtype=weight.dtype, **extra)
 
 
 def _quantize_transposed(w, spec):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixle.core.checks import ScaleOverflowError
 from mixle.core.ggml_weighted import check_importance, importance_grid
 from mixle.core.numerics import block_shape
 from mixle.core.spec import WEIGHT_FIELDS, resolve_spec
@@ -25,7 +26,8 @@ PATH_ATTRIBUTE = "_mixle_path"
 
 
 def named_error(module, err):
-    """``err`` (a ValueError raised in ``module``'s forward) as one that names the layer.
+    """``err`` (a ValueError raised in ``module``'s forward) as one that names the layer (a
+    ScaleOverflowError stays one, as numpy's and jax's refusals of the same weight are).
 
     >>> layer = QATWrapper(nn.Linear(32, 2), grid="q4_0", bits=4)
     >>> setattr(layer, PATH_ATTRIBUTE, "blocks.0.fc")
@@ -37,7 +39,7 @@ def named_error(module, err):
     where = f"layer {path!r}" if path is not None else (
         f"a {type(module).__name__} with weight shape {list(weight.shape) if weight is not None else '?'} "
         f"(apply_qat names its layers)")
-    return ValueError(f"{where}: {err}")
+    return (ScaleOverflowError if isinstance(err, ScaleOverflowError) else ValueError)(f"{where}: {err}")
 
 
 def check_supported(spec):

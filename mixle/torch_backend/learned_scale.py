@@ -20,7 +20,8 @@ toward 0): ``param_groups`` splits them out.
 
 The scales are float32 Parameters whatever the weight's dtype (a bfloat16 log2 scale near -6
 would lose a 1e-3 step), kept so by ``Module.to``; a bfloat16/float16 weight's codes are computed
-in float32 and multiplied by ``s`` held in the weight's dtype, as ``convert`` stores it.
+in float32 and multiplied by the float32 ``s``, as ``convert`` stores it, each value rounded once to
+the weight's dtype.
 
 A weight tied to another layer (the LM head and its embedding) has one scale Parameter shared by
 both layers. ``convert`` stores ``codes`` and ``s`` computed by ``quantized_array`` here, the same
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from mixle.core.numerics import QuantizedArray, block_shape
-from mixle.torch_backend.fake_quant import held_scale, numerics_input
+from mixle.torch_backend.fake_quant import numerics_input
 
 __all__ = ["SCALE_PARAMETER", "attach", "learned_weight", "quantized_array", "param_groups", "is_learned",
            "precise_scales", "restore_precision"]
@@ -130,7 +131,7 @@ class _LearnedFakeQuant(torch.autograd.Function):
         _, codes = _codes(numerics_input(weight).reshape(_blocks_shape(weight, spec)), scale, spec)
         ctx.save_for_backward(weight, log2_scale)
         ctx.spec = spec
-        return (codes * held_scale(scale, weight.dtype)).reshape(weight.shape).to(weight.dtype)
+        return (codes * scale).reshape(weight.shape).to(weight.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -162,7 +163,7 @@ def quantized_array(layer):
     weight, spec = layer.weight.detach(), layer.spec
     scale = torch.exp2(_scale_of(layer).detach())
     _, codes = _codes(numerics_input(weight).reshape(_blocks_shape(weight, spec)), scale, spec)
-    return QuantizedArray(codes.to(torch.int8).reshape(weight.shape), held_scale(scale, weight.dtype), spec, 0, 1)
+    return QuantizedArray(codes.to(torch.int8).reshape(weight.shape), scale, spec, 0, 1)
 
 
 def param_groups(model, params, lr, scale_lr=None, weight_decay=0.01):

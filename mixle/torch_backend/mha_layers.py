@@ -128,14 +128,15 @@ class QuantizedMultiheadAttention(QuantizedWeight):
         bias: ``in_proj_bias`` or None.
         out_proj: the output projection (a ``QuantizedLinear``).
         embed_dim, num_heads, dropout, batch_first, add_zero_attn: as for ``nn.MultiheadAttention``.
+        dtype: the replaced weight's float dtype (default: the scales', see ``QuantizedWeight``).
     """
 
     KIND = "multihead_attention"
 
     def __init__(self, codes, scale, spec, weight_shape, bias=None, *, out_proj, embed_dim, num_heads,
-                 dropout=0.0, batch_first=False, add_zero_attn=False):
+                 dropout=0.0, batch_first=False, add_zero_attn=False, dtype=None):
         super().__init__()
-        self._set_storage(codes, scale, spec, weight_shape)
+        self._set_storage(codes, scale, spec, weight_shape, dtype)
         embed_dim, num_heads = int(embed_dim), int(num_heads)
         if self.weight_shape != (3 * embed_dim, embed_dim) or embed_dim % num_heads:
             raise ValueError(f"QuantizedMultiheadAttention: in_proj_weight {list(self.weight_shape)} does not fit "

@@ -71,9 +71,10 @@ def file_scale_dtype(spec):
     """The dtype a grid stores its scales in (``torch.float16`` for llama.cpp's grids), or None
     for grids whose scales keep the weight's dtype.
 
-    In memory a layer's ``scale`` buffer always has the weight's float dtype, so its forward is
-    the QAT forward bit for bit; for float16 grids it holds float16 values exactly, and files
-    and ``model_nbytes`` count them as float16.
+    In memory a layer's ``scale`` buffer has the weight's float dtype (float32 for a
+    bfloat16/float16 weight, whose values are rounded once to its dtype), so its forward is the
+    QAT forward bit for bit; for float16 grids it holds float16 values exactly, and files and
+    ``model_nbytes`` count them as float16.
 
     >>> file_scale_dtype(QuantSpec(grid="q4_0")), file_scale_dtype(QuantSpec(bits=4))
     (torch.float16, None)
@@ -104,9 +105,11 @@ class QuantizedWeight(nn.Module):
     ``KIND`` names the layer kind (``mixle.torch_backend.layer_kinds``) it is saved as.
     """
 
-    def _set_storage(self, codes, scale, spec, weight_shape, **parts):
+    def _set_storage(self, codes, scale, spec, weight_shape, dtype=None, **parts):
         """Store the buffers ``codes``, ``scale`` and the grid's ``parts`` (``GRID_PARTS``; None
-        where the grid has none: such buffers are not in the state dict)."""
+        where the grid has none: such buffers are not in the state dict). ``dtype``: the float dtype
+        the dequantized weight is given in, the replaced weight's (default: the scales'); a
+        bfloat16/float16 weight keeps float32 scales and each value is rounded once to its dtype."""
         check_quantized_storage(codes, scale, spec, weight_shape, name=type(self).__name__, **parts)
         self.spec = spec
         self.weight_shape = tuple(int(d) for d in weight_shape)
@@ -114,6 +117,20 @@ class QuantizedWeight(nn.Module):
         self.register_buffer("scale", scale)
         for part in GRID_PARTS:
             self.register_buffer(part, parts.get(part))
+        self.float_dtype = dtype or scale.dtype  # the dtype the dequantized weight is given in
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(torch.bfloat16) moves the weight's dtype (found by applying fn to an empty tensor of
+        # it); float32 scales and mins stay float32 (a 16-bit copy would round every value twice).
+        kept = {name: self._buffers[name] for name in ("scale", "offset")
+                if self._buffers.get(name) is not None and self._buffers[name].dtype == torch.float32}
+        result = super()._apply(fn, *args, **kwargs)
+        self.float_dtype = fn(torch.empty(0, dtype=self.float_dtype, device=self.codes.device)).dtype
+        for name, before in kept.items():
+            now = self._buffers[name]
+            if now.dtype in (torch.bfloat16, torch.float16):
+                self._buffers[name] = before.to(now.device)
+        return result
 
     def grid_parts(self):
         """``{part: buffer}`` of the grid's parts besides codes and scale (``GRID_PARTS``) it has."""
@@ -126,8 +143,10 @@ class QuantizedWeight(nn.Module):
         return QuantizedArray(codes, self.scale, self.spec, 0, 1, **self.grid_parts())
 
     def dequantized_weight(self):
-        """The float weight ``codes * scale`` through the shared numerics (``dequantize_array``)."""
-        return dequantize_array(self.quantized_array())
+        """The float weight ``codes * scale`` through the shared numerics (``dequantize_array``), in
+        ``float_dtype``."""
+        weight = dequantize_array(self.quantized_array())
+        return weight if weight.dtype == self.float_dtype else weight.to(self.float_dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         _refuse_transformers_save_pretrained(prefix)
@@ -176,11 +195,12 @@ class QuantizedLinear(QuantizedWeight):
 
     Args:
         codes: stored codes as above.
-        scale: scales in the weight's float dtype.
+        scale: scales in the weight's float dtype (float32 for a bfloat16/float16 weight).
         spec: the QuantSpec the codes were made with.
         weight_shape: ``(out_features, in_features)``.
         bias: float bias of shape ``(out_features,)`` or None.
-        parts: the grid's other parts (``GRID_PARTS``), as ``to_storage`` returns them.
+        parts: the grid's other parts (``GRID_PARTS``), as ``to_storage`` returns them, and ``dtype``,
+            the replaced weight's float dtype (default: the scales').
 
     >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> codes, scale, _ = to_storage(quantize_linear_weight(torch.randn(2, 4), bits=4))
@@ -268,7 +288,7 @@ class QuantizedEmbedding(QuantizedWeight):
             indices: integer tensor of any shape with values in ``[0, num_embeddings)``.
 
         Returns:
-            Float tensor of shape ``(*indices.shape, embedding_dim)`` in the scales' dtype.
+            Float tensor of shape ``(*indices.shape, embedding_dim)`` in ``float_dtype``.
 
         Raises:
             IndexError: an index lies outside ``[0, num_embeddings)``.
@@ -311,7 +331,7 @@ class QuantizedEmbedding(QuantizedWeight):
         else:  # scales per row (width == dim) or per group of a row: dim // width of them per row
             scale = F.embedding(flat, self.scale.reshape(rows, dim // width)).unsqueeze(-1)
             weights = (codes.reshape(-1, dim // width, width).to(self.scale.dtype) * scale).reshape(-1, dim)
-        return weights.reshape(*indices.shape, dim)
+        return weights.reshape(*indices.shape, dim).to(self.float_dtype)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self._storage_repr()}"

@@ -1,0 +1,255 @@
+"""Training-step and serving times of a decoder-only NNX LM in bfloat16, mixle's QAT beside Qwix's.
+
+The model: RMSNorm, causal attention, GELU MLP, untied head, float32 master weights computing in
+bfloat16, AdamW, one ``nnx.jit`` step with the model and optimizer donated. A variant's step is
+timed as ``--pipeline`` steps dispatched back to back and blocked once; variants take turns round
+by round (float first and last), and the table gives each one's median and its ratio to the float
+step of the same rounds. XLA's own estimate of a step's memory (``memory_analysis``) is printed beside.
+
+Serving: forward only, ``nnx.jit``, float (float32 parameters computing in bfloat16) against
+``mixle.convert`` of QAT models and Qwix's PTQ models of the same bits.
+
+    python benchmarks/tpu_speed.py --size 110M          # on the TPU (tpu_check.py runs it)
+    python benchmarks/tpu_speed.py --size tiny --rounds 2   # a smoke run on CPU
+"""
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+warnings.simplefilter("ignore", DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(frozen=True)
+class Size:
+    layers: int
+    d_model: int
+    d_ff: int
+    heads: int
+    seq: int
+    batch: int
+    vocab: int = 32000
+
+
+SIZES = {"110M": Size(12, 768, 3072, 12, 1024, 8), "470M": Size(8, 2048, 8192, 16, 2048, 2),
+         "470M-b4": Size(8, 2048, 8192, 16, 2048, 4), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
+# The matmul layers QAT applies to (attention's QK and PV products stay bfloat16, as in Qwix's recipes).
+LINEAR = r".*(qkv|out|up|down|head)"
+
+
+class Block(nnx.Module):
+    def __init__(self, size, rngs):
+        kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, use_bias=False, rngs=rngs)
+        self.heads = size.heads
+        self.norm1 = nnx.RMSNorm(size.d_model, dtype=jnp.bfloat16, rngs=rngs)
+        self.qkv = nnx.Linear(size.d_model, 3 * size.d_model, **kw)
+        self.out = nnx.Linear(size.d_model, size.d_model, **kw)
+        self.norm2 = nnx.RMSNorm(size.d_model, dtype=jnp.bfloat16, rngs=rngs)
+        self.up = nnx.Linear(size.d_model, size.d_ff, **kw)
+        self.down = nnx.Linear(size.d_ff, size.d_model, **kw)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(b, t, 3 * self.heads, d // self.heads), 3, axis=2)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attn.reshape(b, t, d))
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class LM(nnx.Module):
+    def __init__(self, size, rngs):
+        self.embed = nnx.Embed(size.vocab, size.d_model, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
+        self.blocks = nnx.List([Block(size, rngs) for _ in range(size.layers)])
+        self.norm = nnx.RMSNorm(size.d_model, dtype=jnp.bfloat16, rngs=rngs)
+        self.head = nnx.Linear(size.d_model, size.vocab, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                               use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def parameters(size):
+    per_block = 4 * size.d_model**2 + 2 * size.d_model * size.d_ff
+    return size.layers * per_block + 2 * size.vocab * size.d_model
+
+
+def training_variants():
+    """name -> function(model, ids) giving the model to train (None: float)."""
+    import qwix
+
+    from mixle.api import apply_qat
+
+    def mixle_qat(**fields):
+        return lambda model, ids: apply_qat(model, patterns=(LINEAR,), example_inputs=(ids,), **fields)
+
+    def qwix_qat(**fields):
+        def make(model, ids):
+            rule = qwix.QtRule(module_path=LINEAR, **fields)
+            return qwix.quantize_model(model, qwix.QtProvider([rule]), ids)
+        return make
+
+    return {
+        "float bf16": None,
+        "mixle int8": mixle_qat(bits=8),
+        "mixle int4 channel": mixle_qat(bits=4),
+        "mixle int4 g32": mixle_qat(bits=4, group_size=32),
+        "mixle w8a8": mixle_qat(bits=8, act_bits=8),
+        "mixle w8a8 bwd int8": mixle_qat(bits=8, act_bits=8, bwd_bits=8),
+        "qwix w8a8": qwix_qat(weight_qtype="int8", act_qtype="int8"),
+        "qwix w8a8 bwd int8": qwix_qat(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8"),
+        "qwix int4": qwix_qat(weight_qtype="int4"),
+    }
+
+
+def _train_step(model, optimizer, ids):
+    def loss_fn(m):
+        logits = m(ids[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def time_training(size, rounds, pipeline, names=None):
+    """``{variant: {"ms": median, "ratio": median of per-round ratios, "ok": bool, "error": str}}``."""
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, size.vocab, (size.batch, size.seq + 1)), jnp.int32)
+    makers = training_variants()
+    names = names or list(makers)
+    runs = {}
+    for name in names:
+        model = LM(size, nnx.Rngs(0))
+        try:
+            if makers[name] is not None:
+                model = makers[name](model, ids[:, :-1])
+            optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+            step = nnx.jit(_train_step, donate_argnums=(0, 1))
+            step(model, optimizer, ids).block_until_ready()  # compile
+            runs[name] = (model, optimizer, step)
+        except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
+            runs[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    order = [n for n in names if not isinstance(runs[n], str)]
+    times = {n: [] for n in order}
+    for _ in range(rounds):
+        for name in order + order[:1]:  # float first and last
+            model, optimizer, step = runs[name]
+            start = time.perf_counter()
+            for _ in range(pipeline):
+                loss = step(model, optimizer, ids)
+            loss.block_until_ready()
+            times[name].append((time.perf_counter() - start) / pipeline)
+    base = order[0]
+    results = {}
+    for name in names:
+        if isinstance(runs[name], str):
+            results[name] = {"error": runs[name]}
+            continue
+        ratios = [t / b for t, b in zip(times[name], times[base])]
+        results[name] = {"ms": 1e3 * statistics.median(times[name]), "ratio": statistics.median(ratios),
+                         "ratio_range": [min(ratios), max(ratios)]}
+    return results
+
+
+def time_serving(size, rounds, calls):
+    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float."""
+    import qwix
+
+    from mixle.api import apply_qat, convert
+
+    shapes = {"16x1": (16, 1), f"1x{size.seq}": (1, size.seq)}
+    example = jnp.zeros((1, 8), jnp.int32)
+
+    def converted(**fields):
+        return lambda model: convert(apply_qat(model, patterns=(LINEAR,), example_inputs=(example,), **fields))
+
+    def ptq(**fields):
+        rule = qwix.QuantizationRule(module_path=LINEAR, **fields)
+        return lambda model: qwix.quantize_model(model, qwix.PtqProvider([rule]), example)
+
+    makers = {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
+              "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
+              "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+    results = {}
+    forward = nnx.jit(lambda m, ids: m(ids))
+    for shape_name, shape in shapes.items():
+        ids = jnp.zeros(shape, jnp.int32)
+        runs = {}
+        for name, make in makers.items():
+            if make is not None and size.d_model % 128 and "g128" in name:
+                continue
+            model = LM(size, nnx.Rngs(0))
+            try:
+                model = make(model) if make is not None else model
+                forward(model, ids).block_until_ready()
+                runs[name] = model
+            except Exception as err:
+                results.setdefault(name, {})[shape_name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+        times = {n: [] for n in runs}
+        for _ in range(rounds):
+            for name, model in runs.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    out = forward(model, ids)
+                out.block_until_ready()
+                times[name].append((time.perf_counter() - start) / calls)
+        base = statistics.median(times["float bf16"])
+        for name in runs:
+            ms = statistics.median(times[name])
+            results.setdefault(name, {})[shape_name] = {"ms": 1e3 * ms, "ratio": ms / base}
+    return results
+
+
+def print_training(size_name, results):
+    size = SIZES[size_name]
+    print(f"training step, {size_name}: {size.layers} x d{size.d_model}, mlp {size.d_ff}, seq {size.seq}, "
+          f"batch {size.batch}, {parameters(size) / 1e6:.0f}M parameters, bf16 compute, fp32 master, AdamW")
+    for name, row in results.items():
+        if "error" in row:
+            print(f"  {name:22s} {row['error']}")
+        else:
+            lo, hi = row["ratio_range"]
+            print(f"  {name:22s} {row['ms']:8.2f} ms  {row['ratio']:.3f}x  (rounds {lo:.3f}-{hi:.3f})")
+
+
+def print_serving(size_name, results):
+    print(f"serving (forward only), {size_name}")
+    for name, shapes in results.items():
+        cells = [f"{shape}: " + (v["error"] if "error" in v else f"{v['ms']:.2f} ms {v['ratio']:.3f}x")
+                 for shape, v in shapes.items()]
+        print(f"  {name:22s} " + "   ".join(cells))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pipeline", type=int, default=8)
+    parser.add_argument("--no-serving", action="store_true")
+    args = parser.parse_args(argv)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    out = {"training": time_training(SIZES[args.size], args.rounds, args.pipeline)}
+    print_training(args.size, out["training"])
+    if not args.no_serving:
+        out["serving"] = time_serving(SIZES[args.size], args.rounds, args.pipeline)
+        print_serving(args.size, out["serving"])
+    return out
+
+
+if __name__ == "__main__":
+    main()
