@@ -484,7 +484,6 @@ def test_group_size_that_does_not_divide_names_the_layer_and_divisors():
 
 
 @pytest.mark.parametrize("fields", [
-    dict(bits=8, act_bits=8),
     dict(bits=4, grid="qwix", act_bits=8),
     dict(bits=8, grid="qwix", weight_format="float8_e4m3fn"),
     dict(bits=4, bwd_bits=8),
@@ -797,3 +796,59 @@ def test_bfloat16_compute_trains_the_float32_master_weights_lattice(spec):
     np.testing.assert_array_equal(np.asarray(jitted(model, eye).astype(jnp.float32)), expected)
     grad = nnx.grad(lambda m: m(eye).astype(jnp.float32).sum())(model)
     np.testing.assert_array_equal(np.asarray(grad.fc.kernel[...]), np.ones((48, 32), np.float32))  # STE
+
+
+def _rows(a, bits, axis=-1):
+    """numpy: symmetric per-row codes and scales (absmax / qmax) along ``axis``."""
+    qmax = 2 ** (bits - 1) - 1
+    absmax = np.abs(a).max(axis=axis, keepdims=True).astype(np.float32)
+    codes = np.clip(np.round(a * (np.float32(qmax) / absmax)), -qmax, qmax)
+    return codes.astype(np.float32), absmax / np.float32(qmax)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=8, act_bits=8), QuantSpec(bits=8, act_bits=8, bwd_bits=8),
+                                  QuantSpec(bits=4, act_bits=8, bwd_bits=8), QuantSpec(bits=4, group_size=16, act_bits=8)])
+def test_act_bits_multiply_mixles_weight_codes_by_activation_codes(spec):
+    # Integer operands: the weight's codes are numpy's of the float32 kernel, the activations'
+    # per token; int32 sums scaled back. With bwd_bits both backward products are integer too.
+    from mixle.flax_backend.int_matmul import int_matmul
+
+    x = RNG.standard_normal((6, 48)).astype(np.float32)
+    g = RNG.standard_normal((6, 32)).astype(np.float32)
+    codes, scale, values = reference_codes_scales(W1, spec.bits, spec.granularity, spec.group_size)
+    qx, sx = _rows(x, 8)
+    if spec.granularity == "group":  # one integer product per group of 16 inputs, summed
+        parts = [(qx[:, k:k + 16] @ codes[:, k:k + 16].T) * scale.reshape(32, -1)[:, k // 16] for k in range(0, 48, 16)]
+        want = np.sum(parts, axis=0) * sx
+    else:
+        want = (qx @ codes.T) * scale.reshape(1, -1) * sx
+    got, pullback = jax.vjp(lambda a, w: int_matmul(a, w, spec), jnp.asarray(x), jnp.asarray(W1.T))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=4 * np.finfo(np.float32).eps, atol=0)
+    dx, dw = (np.asarray(a) for a in pullback(jnp.asarray(g)))
+    if spec.bwd_bits is None:
+        np.testing.assert_allclose(dx, g @ values, rtol=1e-5, atol=1e-5)  # float STE: the fake-quantized weight
+        np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-5)
+        return
+    qg, sg = _rows(g * scale.reshape(1, -1), 8)  # the gradient shifted by the weight's scales
+    np.testing.assert_allclose(dx, (qg @ codes) * sg, rtol=4 * np.finfo(np.float32).eps, atol=0)
+    qxc, sxc = _rows(x, 8, axis=0)
+    qgc, sgc = _rows(g, 8, axis=0)
+    np.testing.assert_allclose(dw, (qxc.T @ qgc) * sxc.reshape(-1, 1) * sgc, rtol=4 * np.finfo(np.float32).eps, atol=0)
+
+
+def test_act_bits_models_train_on_mixles_weight_codes():
+    x = jnp.asarray(X)
+    model = Single(W1)
+    apply_qat(model, bits=8, act_bits=8, bwd_bits=8, example_inputs=(x,))
+    codes, scale, _ = reference_codes_scales(W1, 8, "channel")
+    qx, sx = _rows(X, 8)
+    # the same float32 operations in the same order after exact integer sums: equal
+    np.testing.assert_array_equal(np.asarray(model(x)), (qx @ codes.T) * scale.reshape(1, -1) * sx)
+    r = RNG.standard_normal((5, 32)).astype(np.float32)
+    grad = nnx.grad(lambda m: jnp.sum(m(x) * r))(model)
+    qxc, sxc = _rows(X, 8, axis=0)
+    qgc, sgc = _rows(r, 8, axis=0)
+    # two scalings of an exact integer sum, which XLA may associate either way: two roundings
+    np.testing.assert_allclose(np.asarray(grad.fc.kernel[...]), (qxc.T @ qgc) * sxc.reshape(-1, 1) * sgc,
+                               rtol=2 * np.finfo(np.float32).eps, atol=0)
+    assert "1 quantized, 0 left in float" in str(get_qat_report(model))

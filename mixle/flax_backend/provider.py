@@ -37,7 +37,7 @@ from flax import nnx
 
 from mixle.core.checks import check_array
 from mixle.core.numerics import block_shape, clip_threshold
-from mixle.flax_backend import qwix_seam
+from mixle.flax_backend import int_matmul, qwix_seam
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
 
@@ -281,6 +281,10 @@ class QATProvider(qwix_seam.QtProviderBase):
                     block_shape((w.shape[contracting[0]],), spec, 0, 0)
                 except ValueError as err:
                     raise ValueError(f"module {path!r}, weight {name!r} {tuple(w.shape)}: {err}") from None
+            if int_matmul.applies(spec, lhs, rhs, dimension_numbers, side):
+                # Integer operands on mixle's weight grid (the float32 master weight's codes).
+                self._record(path, name, QUANTIZED, layout=contracting)
+                return int_matmul.int_matmul(lhs, _cast_master(module, name, w), spec)
             if uses_mixle_numerics(spec):
                 # A layer computing in bfloat16 casts its float32 kernel before the product: the
                 # float32 master weight is fake-quantized, and its values cast once, so training
