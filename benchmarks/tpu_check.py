@@ -2,6 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests] [--skip-numerics] [--speed 110M 470M 470M-b4]
+    bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
 times come from ``benchmarks/tpu_speed.py``). Needs
