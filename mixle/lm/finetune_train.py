@@ -229,7 +229,7 @@ class FinetuneTrainer:
         self._order, self._order_epoch = None, None
 
     def _groups(self):
-        from mixle.torch_backend.learned_scale import param_groups
+        from mixle.torch_backend.layers.learned_scale import param_groups
 
         params = [p for _, p in self.trainable]
         if not params:
