@@ -63,7 +63,12 @@ spare_buffers = _SpareBuffer()
 def take_buffer(weight, dtype, fused, holding=None):
     """``(buffer shaped like weight in dtype, or None, whether it holds holding's fake-quantized weight)``:
     a recycled one where a fused kernel writes it, else a new one only where dtype is not the weight's
-    (a kernel writes bfloat16 only into a given buffer; in the weight's own dtype it allocates one)."""
+    (a kernel writes bfloat16 only into a given buffer; in the weight's own dtype it allocates one).
+
+    >>> buffer, holds = take_buffer(torch.ones(2, 2), torch.bfloat16, fused=False)
+    >>> buffer.dtype, holds
+    (torch.bfloat16, False)
+    """
     buffer, holds = spare_buffers.take(weight, holding=holding, dtype=dtype) if fused else (None, False)
     if buffer is None and dtype != weight.dtype:
         buffer = torch.empty_like(weight, dtype=dtype)

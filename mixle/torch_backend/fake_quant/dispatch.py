@@ -104,8 +104,13 @@ _SEARCHED = frozenset(name for name, grid in GRIDS.items() if grid.scale_search 
 
 
 def ggml_fused(x, spec, importance=None):
-    """Whether ``_fused_ggml``'s kernel fake-quantizes x on spec (llama.cpp's grids), with
-    ``importance`` when given (its weighted search)."""
+    """Whether ``fused_ggml``'s kernel fake-quantizes x on spec (llama.cpp's grids), with
+    ``importance`` when given (its weighted search).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> ggml_fused(torch.ones(2, 32), QuantSpec(bits=4))  # a plain grid: fused_cpu's kernels, not ggml's
+    False
+    """
     if importance is not None and (spec.grid not in _fused_ggml.WEIGHTED or importance.device.type != "cpu"):
         return False
     return (BLOCK_NUMERICS.get(spec.grid) is _DEFAULT_BLOCK_NUMERICS.get(spec.grid) and not spec.clip_gradient
@@ -154,7 +159,13 @@ def quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
     """``(fake-quantized x, entry)`` from scratch; the finiteness check reads the block maxima.
     The fused kernel writes into ``out`` when given (a dead buffer shaped like x). ``importance``:
     the weighted search's (``_quantize_weighted``), or None. An ``out`` in another dtype than x (bfloat16
-    for a float32 x) is written by the fused kernels directly (``writes_operand``), else copied into."""
+    for a float32 x) is written by the fused kernels directly (``writes_operand``), else copied into.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> deq, entry = quantize(torch.tensor([[7.0, -3.0]]), QuantSpec(bits=4))
+    >>> deq.tolist(), entry.codes is None  # codes are kept only when asked (keep_codes)
+    ([[7.0, -3.0]], True)
+    """
     if out is not None and out.dtype != x.dtype and not writes_operand(x, spec, importance):
         deq, entry = quantize(x, spec, key, keep_codes, None, importance)
         return out.copy_(deq), entry
@@ -193,7 +204,14 @@ def quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
 
 def rebuild(entry, x, keep_codes=False, out=None):
     """The fake-quantized weight of an entry: from its int8 codes, else from x and its scales;
-    written into ``out`` (shaped like x; in x's dtype, or bfloat16 for a float32 x) when given."""
+    written into ``out`` (shaped like x; in x's dtype, or bfloat16 for a float32 x) when given.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> x = torch.tensor([[0.7, -0.35]])
+    >>> deq, entry = quantize(x, QuantSpec(bits=4), keep_codes=True)
+    >>> torch.equal(rebuild(entry, x), deq)
+    True
+    """
     fused = _fused_cpu.applies_to(x, entry.spec)
     if entry.scale is None:  # a grid of BLOCK_NUMERICS, or fused on llama.cpp's grids without codes kept
         deq = quantize(x, entry.spec, out=out, importance=entry.importance)[0]
@@ -229,7 +247,12 @@ def _is_ggml(entry):
 
 def clip_mask_grad(grad, x, spec, threshold, out=None):
     """The clip_gradient STE's gradient: ``grad`` where ``|w| <= threshold`` per block, else 0;
-    the fused kernel writes it into ``out`` when given (which may be ``grad`` itself)."""
+    the fused kernel writes it into ``out`` when given (which may be ``grad`` itself).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> clip_mask_grad(torch.ones(1, 2), torch.tensor([[1.0, 3.0]]), QuantSpec(bits=4), torch.tensor([[[2.0]]])).tolist()
+    [[1.0, 0.0]]
+    """
     # Under backward(create_graph=True) the product must stay differentiable: torch ops then.
     if (not torch.is_grad_enabled() and _fused_cpu.applies_to(x, spec) and grad.dtype == x.dtype
             and grad.device == x.device):
@@ -242,7 +265,12 @@ def clip_mask_grad(grad, x, spec, threshold, out=None):
 
 def writes_operand(x, spec, importance=None):
     """Whether a fused kernel fake-quantizes x (float32) straight into bfloat16: llama.cpp's grids'
-    (``_fused_ggml``) or the plain grids' (``_fused_cpu``), which write the values the cast would give."""
+    (``fused_ggml``) or the plain grids' (``kernels.fused_cpu``), which write the values the cast would give.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> writes_operand(torch.ones(2, 32), QuantSpec(bits=4)) == _fused_cpu.applies_to(torch.ones(2, 32), QuantSpec(bits=4))
+    True
+    """
     return ggml_fused(x, spec, importance) or (importance is None and _fused_cpu.applies_to(x, spec))
 
 
