@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import fused_cpu
+from mixle.torch_backend.kernels import fused_cpu
 
 SPEC = QuantSpec(bits=4)
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mixle.core.numerics import quantize_dequantize_array
-from mixle.torch_backend.activations import quantize_dequantize_activations
+from mixle.torch_backend.layers.activations import quantize_dequantize_activations
 from mixle.exports.gguf_layouts import layout_of
 from mixle.lm.data import load_splits
 from mixle.models.qat import apply_qat

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixle.api import quantize_model  # noqa: E402
 from mixle.core.packing import unpack_int4  # noqa: E402
 from mixle.lm.transformer import build_causal_lm  # noqa: E402
-from mixle.torch_backend import packed_linear  # noqa: E402
+from mixle.torch_backend.kernels import packed_linear  # noqa: E402
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 LAYERS = [(1408, 512), (4096, 4096), (11008, 4096)]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixle.api import apply_qat, get_qat_report  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
-from mixle.torch_backend import fused_cpu  # noqa: E402
+from mixle.torch_backend.kernels import fused_cpu  # noqa: E402
 from machine import cpu_name  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=4,

@@ -59,7 +59,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixle.torch_backend import fused_cpu as _fused_cpu  # noqa: E402
+from mixle.torch_backend.kernels import fused_cpu as _fused_cpu  # noqa: E402
 from mixle.models.qat import apply_qat  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 
@@ -215,7 +215,7 @@ def _torchao(granularity):
 
 
 def _mixle_learned(granularity, group_size=None):
-    """int4 weights with learned scales (QuantSpec(scale="learned"), mixle.torch_backend.learned_scale)."""
+    """int4 weights with learned scales (QuantSpec(scale="learned"), mixle.torch_backend.layers.learned_scale)."""
     spec = QuantSpec(bits=4, granularity=granularity, group_size=group_size, scale="learned")
     return lambda model: apply_qat(model, spec=spec)
 

@@ -28,7 +28,7 @@ _FACE = {
     "GRIDS": ("mixle.core.grids", None),
     "pack_int4": ("mixle.core.packing", None),
     "unpack_int4": ("mixle.core.packing", None),
-    "QATWrapper": ("mixle.torch_backend.layers", "torch"),
+    "QATWrapper": ("mixle.torch_backend.layers.qat", "torch"),
     "save_gguf": ("mixle.exports.gguf", "torch"),
     "load_gguf_weights": ("mixle.exports.gguf", "torch"),
     "gguf_mix_types": ("mixle.exports.gguf", "torch"),

@@ -224,7 +224,7 @@ def convert(model):
     """Real int codes from a QAT model: each QAT layer becomes its quantized layer (a copy).
 
     The converted forward equals the QAT model's fake-quant forward bit for bit; tied weights
-    are stored once. See ``mixle.torch_backend.convert.convert``.
+    are stored once. See ``mixle.torch_backend.transforms.convert.convert``.
 
     >>> import torch
     >>> [type(m).__name__ for m in convert(apply_qat(torch.nn.Sequential(torch.nn.Linear(8, 4))))]
@@ -267,7 +267,7 @@ def _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, 
     """``quantize_model`` with an importance matrix (torch): the converted copy, re-quantized layer by
     layer by the weighted search."""
     from mixle.exports.imatrix_file import importance_by_layer
-    from mixle.torch_backend.importance import with_importance  # torch models only
+    from mixle.torch_backend.transforms.importance import with_importance  # torch models only
 
     values = importance_by_layer(model, importance)  # a file is read (and checked) once
     if gguf_mix is not None:
@@ -319,7 +319,7 @@ def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrat
     >>> m.counts["blocks.0.qkv"].tolist(), m.sums["blocks.0.qkv"].shape
     ([32], (1, 32))
     """
-    from mixle.torch_backend.importance import calibrate_importance as collect
+    from mixle.torch_backend.transforms.importance import calibrate_importance as collect
 
     if layers is None:
         from mixle.exports.imatrix_file import model_imatrix_names
@@ -370,7 +370,7 @@ def gptq_quantize(model, batches, spec=None, *, patterns=(".*",), exclude=(), op
         kind = "Flax" if backend is not None else type(model).__name__
         raise TypeError(f"gptq_quantize takes a torch.nn.Module, got a {kind} model: GPTQ's calibration hooks "
                         f"and converted layers are torch only; use quantize_model for Flax models")
-    from mixle.torch_backend.gptq import gptq_quantize as run
+    from mixle.torch_backend.transforms.gptq import gptq_quantize as run
 
     return run(model, batches, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, damp=damp,
                block_size=block_size, sequential=sequential, tied=tied, **spec_fields)
@@ -529,7 +529,7 @@ def __getattr__(name):
     if name == "QATWrapper":
         if not is_available("torch"):
             return stand_in("QATWrapper", "torch")
-        from mixle.torch_backend.layers import QATWrapper
+        from mixle.torch_backend.layers.qat import QATWrapper
 
         return QATWrapper
     raise AttributeError(f"module 'mixle.api' has no attribute {name!r}")

@@ -85,7 +85,7 @@ def moe_arrays(model, grid, head="q8_0"):
 
 def _q8_experts_forward(experts, spec):
     """The experts' forward with the inputs of both products as ggml's Q8_0 blocks (llama.cpp's CPU path)."""
-    from mixle.torch_backend.activations import fake_quant_activations
+    from mixle.torch_backend.layers.activations import fake_quant_activations
 
     def forward(hidden, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden)
@@ -109,7 +109,7 @@ def moe_reference(model, arrays):
     import copy
 
     from mixle.core.spec import QuantSpec
-    from mixle.torch_backend.activations import fake_quant_activations
+    from mixle.torch_backend.layers.activations import fake_quant_activations
 
     spec = QuantSpec(bits=8, grid="q8_0", act_bits=8)
     out = copy.deepcopy(model)

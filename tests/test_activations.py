@@ -8,7 +8,7 @@ from torch import nn
 from mixle.core.spec import QuantSpec
 from mixle.models.qat import apply_qat, set_fake_quant_enabled
 from mixle.api import convert, load_quantized, save_quantized
-from mixle.torch_backend.activations import fake_quant_activations, quantize_dequantize_activations
+from mixle.torch_backend.layers.activations import fake_quant_activations, quantize_dequantize_activations
 
 
 # Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
@@ -134,7 +134,7 @@ def test_refusals():
         QuantSpec(bits=4, act_symmetric=False)
     with pytest.raises(TypeError, match="act_symmetric"):
         QuantSpec(bits=4, act_bits=8, act_symmetric="no")
-    from mixle.torch_backend.activations import check_activation_spec
+    from mixle.torch_backend.layers.activations import check_activation_spec
 
     check_activation_spec(QuantSpec(bits=4, grid="q4_0", act_bits=8))  # llama.cpp's Q8_0 blocks (test_gguf_grids)
     net = nn.Sequential(nn.Linear(64, 4))

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mixle.core.fileformat import replace_atomically, replace_directory_atomically  # noqa: E402
-from mixle.torch_backend.convert import quantize_model  # noqa: E402
+from mixle.torch_backend.transforms.convert import quantize_model  # noqa: E402
 from mixle.torch_backend.export import save_quantized  # noqa: E402
 
 

@@ -17,7 +17,8 @@ from mixle.api import apply_qat, convert
 from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_dequantize_array
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import fused_cpu, packed_linear
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend.kernels import packed_linear
 from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches
 
 SPECS = {

@@ -29,7 +29,7 @@ from mixle.api import apply_qat, convert, quantize_model, save_quantized  # noqa
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.exports.compressed_tensors import (load_pretrained_compressed, save_pretrained_compressed,  # noqa: E402
                                               spec_of_args, weight_args)
-from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear  # noqa: E402
+from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 
 
 # Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).

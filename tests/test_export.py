@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixle.models.qat import apply_qat
-from mixle.torch_backend import packed_linear
+from mixle.torch_backend.kernels import packed_linear
 from mixle.core.fileformat import MANIFEST_KEY, read_manifest, read_safetensors, write_safetensors
 from mixle.task.quantize import (
     QuantizedEmbedding,

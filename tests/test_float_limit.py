@@ -18,7 +18,7 @@ from mixle.core.checks import ScaleOverflowError
 from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_dequantize_array
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import fused_cpu
+from mixle.torch_backend.kernels import fused_cpu
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 

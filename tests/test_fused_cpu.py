@@ -16,9 +16,9 @@ import torch
 
 from torch import nn
 
-import mixle.torch_backend.fake_quant as fq
-from mixle.torch_backend import fused_cpu as _fused_cpu
-from mixle.torch_backend import kernel_cache
+import mixle.torch_backend.fake_quant.buffers as fq
+from mixle.torch_backend.kernels import fused_cpu as _fused_cpu
+from mixle.torch_backend.kernels import kernel_cache
 from mixle.models.qat import apply_qat
 from mixle.core.spec import QuantSpec
 from tests.test_numerics import reference_codes_scales
@@ -329,7 +329,7 @@ def _run(code, **env):
 TRAIN_ONE_STEP = """
     import warnings
     import numpy as np, torch
-    from mixle.torch_backend import fused_cpu as _fused_cpu
+    from mixle.torch_backend.kernels import fused_cpu as _fused_cpu
     from mixle.models.qat import apply_qat
     from tests.test_numerics import reference_codes_scales
     warnings.simplefilter("always")

@@ -10,7 +10,9 @@ from mixle.core.ggml_quants import KVALUES_MXFP4, NF4_THRESHOLDS
 from mixle.core.numerics import fake_quant_forward, quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.models.qat import apply_qat
-from mixle.torch_backend import fake_quant, fused_cpu, fused_ggml
+from mixle.torch_backend import fake_quant
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend import fused_ggml
 
 GRIDS = {"q4_0": 4, "q8_0": 8, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "mxfp4": 4, "nf4": 4}
 needs_kernels = pytest.mark.skipif(not fused_ggml.available(), reason="no C++ compiler: the kernels could not be built")

@@ -180,7 +180,7 @@ def test_qat_forward_and_backward_equal_gguf_round_trip(grid, fake_quant_path):
 
 
 def test_fused_kernels_refuse_non_plain_grids():
-    from mixle.torch_backend import fused_cpu
+    from mixle.torch_backend.kernels import fused_cpu
 
     x = torch.randn(4, 64)
     assert not fused_cpu.applies_to(x, QuantSpec(grid="q4_0"))
@@ -247,7 +247,7 @@ def _ggml_block(grid, codes, scale):
 ])
 def test_storage_accepts_what_the_grids_write(grid, codes, scale, tmp_path):
     from mixle.api import load_quantized, save_quantized
-    from mixle.torch_backend.quantized import QuantizedLinear, check_quantized_storage
+    from mixle.torch_backend.layers.quantized import QuantizedLinear, check_quantized_storage
 
     args = _storage_args(grid, codes, scale)
     check_quantized_storage(*args)  # accepted, and it means what llama.cpp means by it:
@@ -267,7 +267,7 @@ def test_storage_accepts_what_the_grids_write(grid, codes, scale, tmp_path):
     ("q4_0", [1] * 32, float("inf"), r"scales must be finite"),
 ])
 def test_storage_refuses_what_the_grids_cannot_write(grid, codes, scale, words):
-    from mixle.torch_backend.quantized import check_quantized_storage
+    from mixle.torch_backend.layers.quantized import check_quantized_storage
 
     with pytest.raises(ValueError, match=words):
         check_quantized_storage(*_storage_args(grid, codes, scale), name="fc")
@@ -293,7 +293,7 @@ def _gguf_activations(x):
 
 @pytest.mark.parametrize("grid", GRIDS)
 def test_activation_blocks_equal_gguf_q8_0_bit_for_bit(grid):
-    from mixle.torch_backend.activations import quantize_dequantize_activations
+    from mixle.torch_backend.layers.activations import quantize_dequantize_activations
 
     rng = np.random.default_rng(7)
     special = np.stack([np.asarray(r, np.float32) for r in special_blocks()]).reshape(-1, 64)

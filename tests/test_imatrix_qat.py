@@ -16,9 +16,11 @@ from torch import nn
 import mixle
 from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import fused_cpu, fused_ggml, packed_linear
-from mixle.torch_backend.layer_kinds import qat_stored_array
-from mixle.torch_backend.layers import QATWrapper
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend import fused_ggml
+from mixle.torch_backend.kernels import packed_linear
+from mixle.torch_backend.layers.layer_kinds import qat_stored_array
+from mixle.torch_backend.layers.qat import QATWrapper
 from tests.test_imatrix import reference  # noqa: F401  (the fixture)
 
 WEIGHTED = ("q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k")

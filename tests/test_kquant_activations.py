@@ -13,7 +13,7 @@ import torch
 import mixle
 from mixle.core.numerics import quantize_dequantize_array
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend.activations import quantize_dequantize_activations
+from mixle.torch_backend.layers.activations import quantize_dequantize_activations
 
 pytest.importorskip("gguf")
 from tests.test_gguf_grids import gguf_round_trip  # noqa: E402

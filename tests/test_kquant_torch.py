@@ -13,7 +13,7 @@ import torch
 import mixle
 from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_dequantize_array
-from mixle.torch_backend.packed_linear import switched_off
+from mixle.torch_backend.kernels.packed_linear import switched_off
 
 NEW_GRIDS = sorted(name for name, grid in GRIDS.items() if grid.numerics is not None)
 

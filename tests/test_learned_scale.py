@@ -12,7 +12,7 @@ from mixle.api import convert, load_quantized, save_quantized
 from mixle.core.spec import QuantSpec
 from mixle.models.qat import apply_qat, set_fake_quant_enabled
 from mixle.models.transformer import build_causal_lm
-from mixle.torch_backend.learned_scale import learned_weight, param_groups
+from mixle.torch_backend.layers.learned_scale import learned_weight, param_groups
 
 
 # Converted layers run the exact dequantize-then-matmul path here (see tests/conftest.py).
@@ -185,7 +185,7 @@ def test_bare_arrays_and_lora_refuse_learned_scales_and_activations():
     with pytest.raises(ValueError, match="act_bits=8"):
         fake_quantize(torch.ones(2, 4), bits=4, act_bits=8)
     from mixle.experimental.program.lora import LoRASpec
-    from mixle.torch_backend.lora import QATLoRALinear
+    from mixle.torch_backend.layers.lora import QATLoRALinear
 
     for fields in (dict(scale="learned"), dict(act_bits=8)):
         with pytest.raises(ValueError, match="LoRA layers cannot take"):

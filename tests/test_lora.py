@@ -276,7 +276,7 @@ def test_quantize_merged_trains_the_weights_convert_will_store():
     assert layer.lora_A.grad.abs().sum() > 0 and layer.lora_B.grad.abs().sum() > 0 and layer.weight.grad is None
 
     from mixle.task.quantize import convert
-    from mixle.torch_backend import packed_linear
+    from mixle.torch_backend.kernels import packed_linear
 
     out = model(ids()).detach()
     set_fake_quant_enabled(model, False)

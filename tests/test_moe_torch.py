@@ -16,8 +16,8 @@ from mixle.api import (apply_lora, apply_qat, convert, get_lora_report, get_qat_
 from mixle.core.grids import GRIDS  # noqa: E402
 from mixle.core.layer_weights import quantize_linear_weight  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
-from mixle.torch_backend.expert_layers import LORA_REASON, stored_arrays  # noqa: E402
-from mixle.torch_backend.layers import QATWrapper  # noqa: E402
+from mixle.torch_backend.layers.expert_layers import LORA_REASON, stored_arrays  # noqa: E402
+from mixle.torch_backend.layers.qat import QATWrapper  # noqa: E402
 from tests.test_numerics import reference_codes_scales  # noqa: E402
 from tests.test_qat_cache import calls, reset  # noqa: E402,F401
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixle.core.spec import QuantSpec
-from mixle.torch_backend import fused_cpu
-from mixle.torch_backend import packed_linear
-from mixle.torch_backend.quantized import QuantizedLinear
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend.kernels import packed_linear
+from mixle.torch_backend.layers.quantized import QuantizedLinear
 
 EPS32 = float(np.finfo(np.float32).eps)
 # (out, in, group of the "group" granularity). in=7: int4 rows start mid-byte; group 7 or 16: blocks
@@ -245,7 +245,7 @@ EMBEDDING_CASES = [  # (bits, granularity, grid, vocab, dim, group)
 def embedding_storage(bits, granularity, grid, vocab, dim, group):
     """(numpy codes, numpy scales, QuantizedEmbedding): random qwix storage, or llama.cpp grids' own."""
     from mixle.core.layer_weights import quantize_embedding_weight
-    from mixle.torch_backend.quantized import QuantizedEmbedding, to_storage
+    from mixle.torch_backend.layers.quantized import QuantizedEmbedding, to_storage
 
     if grid == "qwix":
         codes, scale, spec, stored, scale_t = make_storage(bits, granularity, vocab, dim, group or dim, seed=vocab)
@@ -283,7 +283,7 @@ def test_embedding_lookups_dequantize_only_their_rows_bit_for_bit(case, monkeypa
 
 
 def test_embedding_max_norm_and_torch_compile_match_the_whole_table_lookup():
-    from mixle.torch_backend.quantized import QuantizedEmbedding
+    from mixle.torch_backend.layers.quantized import QuantizedEmbedding
 
     codes, scale, table = embedding_storage(4, "group", "qwix", 9, 96, 32)
     x = torch.tensor([[3, 1, 3], [8, 0, 1]])

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixle.torch_backend import packed_linear
-from mixle.torch_backend.layers import QATWrapper
+from mixle.torch_backend.kernels import packed_linear
+from mixle.torch_backend.layers.qat import QATWrapper
 from mixle.models.qat import apply_qat, get_qat_report
 from mixle.task.quantize import (
     QuantizedEmbedding,

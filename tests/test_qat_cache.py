@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixle.torch_backend.fake_quant as fq
+import mixle.torch_backend.fake_quant.dispatch as fq
 from mixle.models.qat import (QATWrapper, QuantSpec, apply_qat, fake_quantize, invalidate_fake_quant_caches,
                               set_fake_quant_enabled)
 from mixle.core.array_ops import TorchOps

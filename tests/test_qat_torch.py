@@ -264,7 +264,7 @@ def test_tied_embedding_follows_its_head():
 def test_an_embedding_lookup_equals_the_rows_of_the_fake_quantized_table(spec, dtype):
     """The lookup fake-quantizes only the rows it reads (a per-tensor scale: the whole table): the
     same rows and the same straight-through (or clip-masked) gradient, bit for bit."""
-    from mixle.torch_backend.layers import QATEmbedding
+    from mixle.torch_backend.layers.qat import QATEmbedding
 
     torch.manual_seed(0)
     table = nn.Embedding(40, 256, padding_idx=3, scale_grad_by_freq=True).to(dtype)

@@ -22,10 +22,10 @@ from torch import nn
 from mixle.experimental.program.lora import apply_lora, merge_lora
 from mixle.models.qat import apply_qat, get_qat_report
 from mixle.task.quantize import convert, load_quantized, quantize_model, save_quantized
-from mixle.torch_backend import convert as convert_module
-from mixle.torch_backend.layers import QATWrapper
-from mixle.torch_backend.lora import LoRALinear
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.transforms import convert as convert_module
+from mixle.torch_backend.layers.qat import QATWrapper
+from mixle.torch_backend.layers.lora import LoRALinear
+from mixle.torch_backend.transforms.swap import Change
 
 
 class Interrupted(RuntimeError):

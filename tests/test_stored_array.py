@@ -219,7 +219,7 @@ torch_edits = [
 @pytest.mark.parametrize("edit, words", torch_edits, ids=["pad", "code", "inf", "zero", "shape"])
 def test_torch_load_quantized_refuses_bad_contents(tmp_path, edit, words):
     torch = pytest.importorskip("torch")
-    from mixle.torch_backend.convert import quantize_model
+    from mixle.torch_backend.transforms.convert import quantize_model
     from mixle.torch_backend.export import load_quantized, save_quantized
 
     path = tmp_path / "m.safetensors"
@@ -231,9 +231,9 @@ def test_torch_load_quantized_refuses_bad_contents(tmp_path, edit, words):
 
 def test_torch_refuses_float16_overflowing_scales_on_the_llama_cpp_grids(tmp_path):
     torch = pytest.importorskip("torch")
-    from mixle.torch_backend.convert import quantize_model
+    from mixle.torch_backend.transforms.convert import quantize_model
     from mixle.torch_backend.export import load_quantized, save_quantized
-    from mixle.torch_backend.quantized import QuantizedLinear
+    from mixle.torch_backend.layers.quantized import QuantizedLinear
 
     path = tmp_path / "m.safetensors"
     save_quantized(quantize_model(torch.nn.Sequential(torch.nn.Linear(32, 2)), grid="q8_0", bits=8), path)
@@ -287,7 +287,7 @@ def test_flax_load_quantized_refuses_bad_contents(flax_file, tmp_path, edit, wor
 def test_the_exporters_refuse_storage_corrupted_in_memory(tmp_path):
     torch = pytest.importorskip("torch")
     from mixle.exports.ggml_blocks import pack_blocks
-    from mixle.torch_backend.convert import quantize_model
+    from mixle.torch_backend.transforms.convert import quantize_model
     from mixle.torch_backend.export import save_quantized
 
     model = quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 2)), bits=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.transforms.swap import Change
 
 
 class Injected(RuntimeError):

@@ -19,7 +19,7 @@ CALIBRATIONS = ("absmax", "minmax", "rms", "fixed")
 WEIGHT_FIELDS = ("bits", "grid", "granularity", "group_size", "clip_percentile", "clip_gradient")
 # Options only the Flax (Qwix) backend honours; every other backend refuses them when set.
 QWIX_ONLY_FIELDS = ("act_bits", "weight_format", "bwd_bits", "bwd_stochastic_rounding", "calibration")
-# The activation options the torch backend honours (mixle.torch_backend.activations).
+# The activation options the torch backend honours (mixle.torch_backend.layers.activations).
 ACTIVATION_FIELDS = ("act_bits", "act_symmetric")
 SCALE_MODES = ("absmax", "learned")
 

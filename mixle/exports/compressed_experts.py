@@ -20,9 +20,9 @@ experts' scheme from the first class-targeted config group).
 from torch import nn
 
 from mixle.core.numerics import QuantizedArray
-from mixle.torch_backend.expert_layers import ExpertsType, stored_arrays
-from mixle.torch_backend.quantized import QuantizedLinear, to_storage
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers.expert_layers import ExpertsType, stored_arrays
+from mixle.torch_backend.layers.quantized import QuantizedLinear, to_storage
+from mixle.torch_backend.transforms.swap import Change
 
 __all__ = ["EXPERT_LINEAR_NAMES", "check_experts", "unfuse_experts", "check_one_scheme"]
 

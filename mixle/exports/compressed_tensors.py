@@ -45,10 +45,10 @@ from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
 from mixle.exports.compressed_experts import check_experts, check_one_scheme, unfuse_experts
-from mixle.torch_backend.convert import check_torch_model, convert
-from mixle.torch_backend.qat import qat_layers
-from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.transforms.convert import check_torch_model, convert
+from mixle.torch_backend.transforms.apply import qat_layers
+from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from mixle.torch_backend.transforms.swap import Change
 
 __all__ = ["save_pretrained_compressed", "load_pretrained_compressed", "weight_args", "spec_of_args",
            "check_quantization_config"]
@@ -192,7 +192,7 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
         FileExistsError: ``directory`` exists, is not empty and ``overwrite`` is False.
 
     >>> import tempfile, transformers
-    >>> from mixle.torch_backend.convert import quantize_model
+    >>> from mixle.torch_backend.transforms.convert import quantize_model
     >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     >>> model = transformers.LlamaForCausalLM(config)
@@ -407,7 +407,7 @@ def load_pretrained_compressed(directory, *, grid=None, **from_pretrained_kwargs
             refused with the reason before any weight is loaded.
 
     >>> import tempfile, transformers
-    >>> from mixle.torch_backend.convert import quantize_model
+    >>> from mixle.torch_backend.transforms.convert import quantize_model
     >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     >>> path = tempfile.mkdtemp() + "/llama-int8"

@@ -66,10 +66,10 @@ from mixle.exports.gguf_file import open_gguf
 from mixle.exports.gguf_layouts import expert_shape, layout_of
 from mixle.exports.gguf_tokenizer import gguf_tokenizer
 from mixle.exports.imatrix_file import importance_by_tensor, require_entry
-from mixle.torch_backend.convert import check_convertible
-from mixle.torch_backend.expert_layers import is_fused, stored_arrays
-from mixle.torch_backend.layer_kinds import kind_of_qat, qat_stored_array
-from mixle.torch_backend.quantized import QuantizedWeight
+from mixle.torch_backend.transforms.convert import check_convertible
+from mixle.torch_backend.layers.expert_layers import is_fused, stored_arrays
+from mixle.torch_backend.layers.layer_kinds import kind_of_qat, qat_stored_array
+from mixle.torch_backend.layers.quantized import QuantizedWeight
 
 __all__ = ["save_gguf", "load_gguf_weights", "gguf_mix_types", "gguf_mix_specs", "FLOAT_MATRICES"]
 

@@ -112,7 +112,7 @@ def _compare(args):
     try:
         results = run_compare(config, data=data, progress=not args.no_progress)
     except NonFiniteLossError as err:
-        what = str(err).split(": stopped")[0]
+        what = str(err).split(": training stopped")[0]
         return _fail(f"training diverged ({what}): lower --lr or --finetune-lr, or check the corpus")
     print(format_table(results), flush=True)  # the result is shown before anything can fail to write
     try:

@@ -174,7 +174,7 @@ class CompareRun:
         teacher = copy.deepcopy(base) if distill else None  # one extra copy of the model's weights
         optimizer = None
         if any(getattr(m, "spec", None) is not None and m.spec.scale == "learned" for m in model.modules()):
-            from mixle.torch_backend.learned_scale import param_groups
+            from mixle.torch_backend.layers.learned_scale import param_groups
 
             torch = require("torch", extra="torch", purpose="mixle compare")
             scale_lr = config.scale_lr or 10 * config.finetune_lr

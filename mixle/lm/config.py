@@ -27,7 +27,7 @@ _NON_NEGATIVE = ("warmup", "seed")
 _POSITIVE_OR_NONE = ("eval_windows", "threads")
 _RATES = ("lr", "finetune_lr", "distill_temperature", "distill_weight")
 _SWITCHES = ("distill", "learned_scales", "act8", "gguf", "imatrix", "gptq")
-# llama-imatrix skips products of fewer input rows (mixle.torch_backend.importance.MIN_ROWS).
+# llama-imatrix skips products of fewer input rows (mixle.torch_backend.transforms.importance.MIN_ROWS).
 _MIN_CALIBRATION_TOKENS = 16
 
 

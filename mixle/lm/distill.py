@@ -135,7 +135,7 @@ class SelfDistillation:
         teacher is the float model. Memory: one copy of the module's parameters and buffers.
         """
         teacher = copy.deepcopy(module)
-        from mixle.torch_backend import qat
+        from mixle.torch_backend.transforms import apply as qat
 
         if qat.qat_layers(teacher):
             from mixle.api import set_fake_quant_enabled

@@ -222,7 +222,7 @@ def store_matmul_weights(model, dtype, keep=()):
     """
     import torch
 
-    from mixle.torch_backend.layers import QATWrapper
+    from mixle.torch_backend.layers.qat import QATWrapper
 
     kept = {id(p) for p in keep}
     users = {}

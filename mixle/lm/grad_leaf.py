@@ -10,18 +10,15 @@ array is one field). The sufficient statistic of the estimator is ``(fields, wei
 fields plus one non-negative weight per row (e.g. a mixture component's responsibilities).
 """
 
-import copy
 import math
 import numbers
 
 import numpy as np
 import torch
 
+from mixle.lm.loop import NonFiniteLossError, Snapshot
+
 __all__ = ["GradLeaf", "GradEstimator", "NonFiniteLossError"]
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The M-step produced a NaN or infinite loss; the last good weights were restored."""
 
 
 def _as_fields(data):
@@ -71,32 +68,6 @@ def _positive_int(name, value, allow_none=False):
 def _all_finite(module):
     return all(bool(torch.isfinite(t).all()) for t in list(module.parameters()) + list(module.buffers())
                if t.is_floating_point())
-
-
-class _Snapshot:
-    """A copy of a module's parameters and buffers and an optimizer's state, to roll back to."""
-
-    def __init__(self, module, optimizer):
-        self.module, self.optimizer = module, optimizer
-        self.tensors = [t for t in list(module.parameters()) + list(module.buffers())]
-        self.saved = [t.detach().clone() for t in self.tensors]
-        self.take()
-
-    def take(self):
-        with torch.no_grad():
-            for saved, live in zip(self.saved, self.tensors):
-                saved.copy_(live)
-        self.opt_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                              for k, v in s.items()} for p, s in self.optimizer.state.items()}
-
-    def restore(self):
-        with torch.no_grad():
-            for saved, live in zip(self.saved, self.tensors):
-                live.copy_(saved)
-        self.optimizer.state.clear()
-        for p, s in self.opt_state.items():
-            self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                                       for k, v in s.items()}
 
 
 class GradLeaf:
@@ -305,7 +276,7 @@ class GradLeaf:
         batch = rows if self.batch_size is None else min(self.batch_size, rows)
         device, optimizer = self._device(), self.optimizer
         base_lrs = [g["lr"] for g in optimizer.param_groups]
-        snapshot = _Snapshot(self.module, optimizer)
+        snapshot = Snapshot(self.module, optimizer)
         was_training = self.module.training
         bar = self._progress_bar()
         self.module.train()

@@ -1,8 +1,9 @@
 """The LM jobs' training loop and evaluator, for a causal LM of any family (``mixle.lm.family``).
 
-Training is a ``GradLeaf`` M-step on windows of ``block + 1`` tokens of the training ids (each
-step samples window starts), optionally distilled from a frozen teacher (``mixle.lm.distill``);
-evaluation is the mean next-token cross-entropy over fixed held-out windows.
+``train`` is the ``compare`` job's configuration of the one training loop (``mixle.lm.loop``):
+steps on windows of ``block + 1`` tokens of the training ids (each step samples window starts),
+optionally distilled from a frozen teacher (``mixle.lm.distill``); evaluation
+(``mixle.lm.evaluation.held_out_loss``) is the mean next-token cross-entropy over fixed held-out windows.
 """
 
 import math
@@ -10,7 +11,9 @@ import time
 from dataclasses import dataclass
 
 from mixle._optional import require
+from mixle.lm.evaluation import held_out_loss
 from mixle.lm.family import family_of
+from mixle.lm.loop import LoopConfig, Trainer
 
 __all__ = ["warmup_cosine", "window_density", "held_out_loss", "train", "TrainLog"]
 
@@ -76,39 +79,6 @@ def window_density(model, ids, block=None, family=None):
     return WindowDensity()
 
 
-def held_out_loss(model, windows, batch=128, *, family=None):
-    """Mean next-token cross-entropy (nats) of ``model`` over ``windows``, in eval mode.
-
-    Args:
-        model: a causal LM of any family (float, QAT-wrapped or converted to int weights), on
-            any device (the windows are moved to it).
-        windows: int token windows, shape ``(count, length)``.
-        batch: windows per forward pass.
-        family: the model's ``ModelFamily`` (default: ``family_of(model)``).
-
-    >>> import numpy as np, torch
-    >>> from mixle.lm.transformer import build_causal_lm
-    >>> lm = build_causal_lm(vocab=10, d_model=8, n_layer=1, n_head=2, block=4)
-    >>> _ = torch.nn.init.zeros_(lm.head.weight)  # every logit 0: uniform over the 10 tokens
-    >>> round(held_out_loss(lm, np.zeros((3, 5), dtype=np.int64)), 4), round(math.log(10), 4)
-    (2.3026, 2.3026)
-    """
-    torch = _torch()
-    family = family or family_of(model)
-    device = next((t.device for t in model.parameters()), None)  # the windows go where the model is
-    windows = torch.as_tensor(windows, device=device)
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    try:
-        with torch.no_grad():
-            for i in range(0, len(windows), batch):
-                total -= family.sequence_log_prob(model, windows[i : i + batch]).double().sum().item()
-    finally:
-        model.train(was_training)
-    return total / (windows.shape[0] * (windows.shape[1] - 1))
-
-
 @dataclass(frozen=True)
 class TrainLog:
     """What ``train`` records.
@@ -124,25 +94,54 @@ class TrainLog:
     seconds: float
 
 
-class _Curve:
-    """The curves of one training run (steps counted from ``start``)."""
+def _objective(windows, rows, batch, distill):
+    """The weighted log-density objective of ``GradLeaf``: minus the mean over the batch of each
+    window's log-probability (or, with ``distill``, of its distillation objective)."""
+    torch = _torch()
+    norm = torch.ones(rows, dtype=torch.float64)
+    norm = norm / norm.sum()
+    device = next(windows.parameters()).device
+    weights = (norm[:batch]).to(device) * (rows / batch)  # every row weighs the same: the batch's share of it
 
-    def __init__(self, model, family, windows, every, steps, start, per_token):
-        self.model, self.family, self.windows, self.every = model, family, windows, every
-        self.steps, self.start, self.per_token = steps, start, per_token
-        self.points = {"step": [], "train_loss": [], "eval_step": [], "held_out_loss": []}
+    def objective(starts):
+        log_density = windows.log_density(starts) if distill is None else distill.row_log_density(windows, starts)
+        if log_density.shape != (batch,):
+            raise ValueError(f"log_density returned shape {tuple(log_density.shape)} for {batch} rows: "
+                             f"it must return one log density per row, shape ({batch},)")
+        return -(weights.to(log_density.dtype) * log_density).sum()
 
-    def evaluate(self, step):
-        if self.windows is not None:
-            self.points["eval_step"].append(self.start + step)
-            self.points["held_out_loss"].append(held_out_loss(self.model, self.windows, family=self.family))
+    return objective
 
-    def record(self, step, loss):
-        """GradLeaf's callback after each step."""
-        self.points["step"].append(self.start + step + 1)
-        self.points["train_loss"].append(loss * self.per_token)
-        if (self.every and (step + 1) % self.every == 0) or step + 1 == self.steps:
-            self.evaluate(step + 1)
+
+def _sampler(starts, batch, seed, device):
+    """Each step's ``batch`` window starts, drawn from ``starts`` without replacement (all of them when
+    ``batch`` covers them) by a generator seeded with ``seed``."""
+    torch = _torch()
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.as_tensor(starts)
+    rows = len(starts)
+
+    def sample(state, count):
+        drawn = starts if batch == rows else starts[torch.randperm(rows, generator=generator)[:batch]]
+        return drawn.to(device)
+
+    return sample
+
+
+def _distillation(teacher_windows, temperature, weight):
+    from mixle.lm.distill import SelfDistillation
+
+    return SelfDistillation(teacher_windows, temperature, weight)
+
+
+def _optimizer(model, factory, lr):
+    """``(factory(trainable parameters, lr=lr), [(name, parameter)] in the optimizer's order)``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters (requires_grad=True) to train")
+    optimizer = factory(params, lr=lr)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return optimizer, [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
 
 
 def train(model, ids, starts, *, steps, lr, batch_size, block, schedule=None, seed=0, optimizer=None,
@@ -152,7 +151,7 @@ def train(model, ids, starts, *, steps, lr, batch_size, block, schedule=None, se
 
     Each step draws ``batch_size`` window starts from ``starts`` (seeded by ``seed``) and takes
     an optimizer step on their summed next-token cross-entropy (or, with a ``teacher``, on
-    ``mixle.lm.distill``'s distillation objective).
+    ``mixle.lm.distill``'s distillation objective), through ``mixle.lm.loop.Trainer``.
 
     Args:
         model: a causal LM of any family (float or QAT-wrapped).
@@ -183,21 +182,23 @@ def train(model, ids, starts, *, steps, lr, batch_size, block, schedule=None, se
     >>> len(log.curve["train_loss"]), log.curve["train_loss"][-1] < log.curve["train_loss"][0]
     (40, True)
     """
-    from mixle.lm.grad_leaf import GradLeaf
-
     torch = _torch()
     family = family or family_of(model)
-    per_token = 1.0 / block
-    curve = _Curve(model, family, curve_windows, curve_every, steps, start, per_token)
-    curve.evaluate(0)
-    distill = None
-    if teacher is not None:
-        from mixle.lm.distill import SelfDistillation
-
-        distill = SelfDistillation(window_density(teacher, ids, block, family), temperature, weight)
-    leaf = GradLeaf(window_density(model, ids, block, family), m_steps=steps, lr=lr, batch_size=batch_size,
-                    optimizer=optimizer or torch.optim.AdamW, lr_schedule=schedule, grad_clip=grad_clip,
-                    seed=seed, progress=progress, progress_scale=per_token, callback=curve.record, distill=distill)
+    windows = window_density(model, ids, block, family)
+    distill = None if teacher is None else _distillation(window_density(teacher, ids, block, family), temperature,
+                                                         weight)
+    optimizer, trainable = _optimizer(model, optimizer or torch.optim.AdamW, lr)
+    rows = len(starts)
+    batch = min(batch_size, rows)  # every row when the batch covers them
+    config = LoopConfig(steps=steps, batch_size=batch, tokens_per_window=block, schedule=schedule,
+                        grad_clip=grad_clip, check_gradient=False, rollback=True, curve_every=curve_every, start=start,
+                        record_scale=1.0 / block, train_mode=True, label=str(progress),
+                        advice=f". Lower lr (now {[g['lr'] for g in optimizer.param_groups]}), set grad_clip, "
+                               f"or check the data for NaN/inf")
+    trainer = Trainer(model, trainable, optimizer, _objective(windows, rows, batch, distill),
+                      _sampler(starts, batch, seed, next(model.parameters()).device), config, family=family,
+                      curve_windows=curve_windows)
+    trainer.evaluate_curve()  # before the clock starts
     began = time.perf_counter()
-    leaf.fit(starts)
-    return TrainLog(curve.points, round(time.perf_counter() - began, 2))
+    state = trainer.train(progress=progress is not None)
+    return TrainLog(state.curve, round(time.perf_counter() - began, 2))

@@ -30,9 +30,9 @@ _LAZY = {
     "model_nbytes": "mixle.api",
     "save_gguf": "mixle.exports.gguf",
     "load_gguf_weights": "mixle.exports.gguf",
-    "quantize_mlp": "mixle.torch_backend.convert",
-    "QuantizedLinear": "mixle.torch_backend.quantized",
-    "QuantizedEmbedding": "mixle.torch_backend.quantized",
+    "quantize_mlp": "mixle.torch_backend.transforms.convert",
+    "QuantizedLinear": "mixle.torch_backend.layers.quantized",
+    "QuantizedEmbedding": "mixle.torch_backend.layers.quantized",
     "save_pretrained_compressed": "mixle.exports.compressed_tensors",
     "load_pretrained_compressed": "mixle.exports.compressed_tensors",
 }

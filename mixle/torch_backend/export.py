@@ -16,10 +16,10 @@ import torch
 from mixle.core.fileformat import ModelBytes, manifest_from, open_tensors, replace_atomically
 from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
 from mixle.core.stored import check_stored
-from mixle.torch_backend.expert_layers import QuantizedFusedWeight, fused_weight_names, loaded_fused
-from mixle.torch_backend.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
-from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight, file_scale_dtype, scale_nbytes
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers.expert_layers import QuantizedFusedWeight, fused_weight_names, loaded_fused
+from mixle.torch_backend.layers.layer_kinds import QAT_TYPES, QUANTIZED_TYPES, kind_named
+from mixle.torch_backend.layers.quantized import GRID_PARTS, QuantizedWeight, file_scale_dtype, scale_nbytes
+from mixle.torch_backend.transforms.swap import Change
 
 __all__ = ["model_nbytes", "save_quantized", "load_quantized"]
 
@@ -34,7 +34,7 @@ def model_nbytes(model):
         ModelBytes.
 
     >>> import torch
-    >>> from mixle.torch_backend.convert import quantize_model
+    >>> from mixle.torch_backend.transforms.convert import quantize_model
     >>> nb = model_nbytes(quantize_model(torch.nn.Linear(64, 32, bias=False), bits=4))
     >>> nb.int4_code_bytes, nb.scale_bytes, nb.total  # 64*32/2 code bytes, 32 fp32 scales
     (1024, 128, 1152)
@@ -117,7 +117,7 @@ def save_quantized(model, path):
         ValueError: the model has QAT layers (convert it first) or no quantized layer.
 
     >>> import torch, tempfile, os
-    >>> from mixle.torch_backend.convert import quantize_model
+    >>> from mixle.torch_backend.transforms.convert import quantize_model
     >>> path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
     >>> manifest = save_quantized(quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 4)), bits=4), path)
     >>> manifest["layers"][0]["path"], manifest["nbytes"]["int4_code_bytes"]
@@ -345,7 +345,7 @@ def load_quantized(path, model):
         ValueError: the file is corrupt, truncated or tampered, or does not fit ``model``.
 
     >>> import torch, tempfile, os
-    >>> from mixle.torch_backend.convert import quantize_model
+    >>> from mixle.torch_backend.transforms.convert import quantize_model
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 4))
     >>> path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
     >>> _ = save_quantized(quantize_model(net, bits=4), path)

@@ -22,7 +22,8 @@ import torch
 
 from mixle.core.array_ops import TorchOps
 from mixle.core.ggml_quants import NF4_TABLE
-from mixle.torch_backend import fused_cpu, kernel_cache
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend.kernels import kernel_cache
 
 SOURCE = Path(__file__).with_name("fused_ggml_quant.cpp")
 # fused_cpu's flags (no fused multiply-add) plus -fno-trapping-math: without it GCC keeps the

@@ -1,11 +1,11 @@
 """The torch backend's interface: the functions every backend offers (see ``mixle.backends``)."""
 
-from mixle.torch_backend.adapters import apply_lora, lora_parameters, lora_report, merge_lora  # noqa: F401
-from mixle.torch_backend.convert import convert, quantize_model  # noqa: F401
+from mixle.torch_backend.transforms.adapters import apply_lora, lora_parameters, lora_report, merge_lora  # noqa: F401
+from mixle.torch_backend.transforms.convert import convert, quantize_model  # noqa: F401
 from mixle.torch_backend import export
 from mixle.torch_backend.export import model_nbytes  # noqa: F401
-from mixle.torch_backend.layers import SPEC_FIELDS  # noqa: F401
-from mixle.torch_backend.qat import apply, report, set_enabled  # noqa: F401
+from mixle.torch_backend.layers.qat import SPEC_FIELDS  # noqa: F401
+from mixle.torch_backend.transforms.apply import apply, report, set_enabled  # noqa: F401
 
 
 def _refuse_names(purpose, names):

@@ -74,7 +74,7 @@ def train(mode, out):
             unsharded.load_state_dict(result["state_dict"], strict=True)
             converted = convert(unsharded)
     if converted is not None:
-        from mixle.torch_backend import packed_linear
+        from mixle.torch_backend.kernels import packed_linear
 
         with torch.no_grad(), packed_linear.switched_off():  # the exact path: compared bit for bit
             result["probe_logits/converted"] = converted(probe_batch())

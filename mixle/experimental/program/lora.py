@@ -1,6 +1,6 @@
 """LoRA adapters composable with QAT (an alias: the API is ``mixle.apply_lora`` and friends).
 
-``LoRALinear`` and ``QATLoRALinear`` are the torch layers (``mixle.torch_backend.lora``).
+``LoRALinear`` and ``QATLoRALinear`` are the torch layers (``mixle.torch_backend.layers.lora``).
 """
 
 from mixle.api import apply_lora, get_lora_report, lora_parameters, merge_lora  # noqa: F401
@@ -17,7 +17,7 @@ def __getattr__(name):
 
         if not is_available("torch"):
             return stand_in(name, "torch")
-        from mixle.torch_backend import lora as torch_lora
+        from mixle.torch_backend.layers import lora as torch_lora
 
         return getattr(torch_lora, name)
     raise AttributeError(f"module 'mixle.experimental.program.lora' has no attribute {name!r}")

@@ -29,11 +29,11 @@ from torch import nn
 
 from mixle.core.imatrix import Imatrix
 from mixle.core.numerics import quantize_array
-from mixle.torch_backend.expert_layers import (ExpertsType, QuantizedFusedWeight, forward_weights, fused_weight_names,
+from mixle.torch_backend.layers.expert_layers import (ExpertsType, QuantizedFusedWeight, forward_weights, fused_weight_names,
                                                is_fused)
-from mixle.torch_backend.layers import PATH_ATTRIBUTE
-from mixle.torch_backend.quantized import QuantizedLinear, to_storage
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers.qat import PATH_ATTRIBUTE
+from mixle.torch_backend.layers.quantized import QuantizedLinear, to_storage
+from mixle.torch_backend.transforms.swap import Change
 
 __all__ = ["calibrate_importance", "with_importance", "MIN_ROWS"]
 

@@ -13,8 +13,8 @@ from torch import nn
 from mixle.core.layer_weights import quantize_conv_weight
 from mixle.core.numerics import QuantizedArray, block_shape
 from mixle.torch_backend.fake_quant import fake_quantized_weight
-from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
-from mixle.torch_backend.quantized import QuantizedWeight
+from mixle.torch_backend.layers.qat import QATLayerMixin, adopt, check_supported
+from mixle.torch_backend.layers.quantized import QuantizedWeight
 
 _CONV_ATTRIBUTES = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
                     "output_padding", "groups", "padding_mode", "_reversed_padding_repeated_twice", "weight", "bias")
@@ -100,7 +100,7 @@ class QuantizedConv(QuantizedWeight):
 
     >>> import torch
     >>> from mixle.core.spec import QuantSpec
-    >>> from mixle.torch_backend.quantized import to_storage
+    >>> from mixle.torch_backend.layers.quantized import to_storage
     >>> codes, scale, _ = to_storage(quantize_conv_matrix(torch.randn(4, 3, 2, 2), QuantSpec(bits=8)))
     >>> layer = QuantizedConv(codes, scale, QuantSpec(bits=8), (4, 12), conv_shape=(4, 3, 2, 2))
     >>> tuple(layer(torch.ones(1, 3, 5, 5)).shape)

@@ -9,12 +9,12 @@ from torch import nn
 
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
-from mixle.torch_backend.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
-from mixle.torch_backend import learned_scale
-from mixle.torch_backend.layers import PATH_ATTRIBUTE, QATWrapper, check_supported, checked_importance
-from mixle.torch_backend.lora import LoRALinear
-from mixle.torch_backend.mha_layers import unsupported_reason
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers.layer_kinds import OPT_IN, QAT_TYPES, kind_of_float, kind_of_qat
+from mixle.torch_backend.layers import learned_scale
+from mixle.torch_backend.layers.qat import PATH_ATTRIBUTE, QATWrapper, check_supported, checked_importance
+from mixle.torch_backend.layers.lora import LoRALinear
+from mixle.torch_backend.layers.mha_layers import unsupported_reason
+from mixle.torch_backend.transforms.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_qat_report"
 # What patterns must match, in error messages.

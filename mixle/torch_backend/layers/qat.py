@@ -12,9 +12,9 @@ from mixle.core.checks import ScaleOverflowError
 from mixle.core.ggml_weighted import check_importance, importance_grid
 from mixle.core.numerics import block_shape
 from mixle.core.spec import WEIGHT_FIELDS, resolve_spec
-from mixle.torch_backend import fused_cpu
-from mixle.torch_backend import learned_scale
-from mixle.torch_backend.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations
+from mixle.torch_backend.kernels import fused_cpu
+from mixle.torch_backend.layers import learned_scale
+from mixle.torch_backend.layers.activations import ACTIVATION_FIELDS, check_activation_spec, fake_quant_activations
 from mixle.torch_backend.fake_quant import fake_quantize, fake_quantized_weight, invalidate_caches, linear
 
 BACKEND = "torch"

@@ -11,11 +11,12 @@ from torch import nn
 
 from mixle.core.spec import resolve_spec
 from mixle.core.selection import LayerSelector
-from mixle.torch_backend import learned_scale, qat
-from mixle.torch_backend.layer_kinds import QUANTIZED_TYPES, kind_of_qat, qat_importance, stored_array
-from mixle.torch_backend.layers import PATH_ATTRIBUTE
-from mixle.torch_backend.quantized import to_storage
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers import learned_scale
+from mixle.torch_backend.transforms import apply as qat
+from mixle.torch_backend.layers.layer_kinds import QUANTIZED_TYPES, kind_of_qat, qat_importance, stored_array
+from mixle.torch_backend.layers.qat import PATH_ATTRIBUTE
+from mixle.torch_backend.layers.quantized import to_storage
+from mixle.torch_backend.transforms.swap import Change
 
 __all__ = ["convert", "quantize_model", "quantize_mlp", "check_torch_model"]
 

@@ -41,10 +41,10 @@ from torch import nn
 
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, block_shape
-from mixle.torch_backend.activations import fake_quant_activations
+from mixle.torch_backend.layers.activations import fake_quant_activations
 from mixle.torch_backend.fake_quant import fake_quantized_weight, numerics_input
-from mixle.torch_backend.layers import QATLayerMixin, check_supported, named_error
-from mixle.torch_backend.quantized import GRID_PARTS, QuantizedWeight
+from mixle.torch_backend.layers.qat import QATLayerMixin, check_supported, named_error
+from mixle.torch_backend.layers.quantized import GRID_PARTS, QuantizedWeight
 
 __all__ = ["EXPERTS", "ROUTERS", "FusedClass", "ExpertsType", "RouterType", "QATExperts", "QATRouter",
            "QuantizedExperts", "QuantizedRouter", "QuantizedFusedWeight", "forward_weights", "stored_arrays",
@@ -501,7 +501,7 @@ def assemble_fused(layer, stored):
     >>> from transformers import Qwen3MoeConfig
     >>> from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
     >>> from mixle.core.spec import QuantSpec
-    >>> from mixle.torch_backend.quantized import to_storage
+    >>> from mixle.torch_backend.layers.quantized import to_storage
     >>> layer = wrap_fused(Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=2)),
     ...                    QuantSpec(bits=8), True)
     >>> torch.nn.init.normal_(layer.gate_up_proj), torch.nn.init.normal_(layer.down_proj)  # doctest: +ELLIPSIS

@@ -5,8 +5,6 @@ same spec; QuantizedLinear runs float32 CPU products straight from the packed co
 (``packed_linear``), which changes only the order of the float sums.
 """
 
-import sys
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -16,9 +14,10 @@ from mixle.core.numerics import QuantizedArray, block_shape, dequantize_array
 from mixle.core.packing import pack_int4, unpack_int4
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import check_stored
-from mixle.torch_backend import packed_linear as _packed_linear
-from mixle.torch_backend.activations import fake_quant_activations
-from mixle.torch_backend.layers import check_supported, named_error
+from mixle.torch_backend.kernels import packed_linear as _packed_linear
+from mixle.torch_backend.layers import save_guard
+from mixle.torch_backend.layers.activations import fake_quant_activations
+from mixle.torch_backend.layers.qat import check_supported, named_error
 
 __all__ = ["QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight", "check_quantized_storage", "to_storage",
            "file_scale_dtype", "scale_nbytes"]
@@ -102,7 +101,7 @@ def scale_nbytes(spec, scale):
 class QuantizedWeight(nn.Module):
     """Shared storage of a quantized 2-D weight: ``codes`` and ``scale`` buffers plus its spec.
 
-    ``KIND`` names the layer kind (``mixle.torch_backend.layer_kinds``) it is saved as.
+    ``KIND`` names the layer kind (``mixle.torch_backend.layers.layer_kinds``) it is saved as.
     """
 
     def _set_storage(self, codes, scale, spec, weight_shape, dtype=None, **parts):
@@ -111,6 +110,7 @@ class QuantizedWeight(nn.Module):
         the dequantized weight is given in, the replaced weight's (default: the scales'); a
         bfloat16/float16 weight keeps float32 scales and each value is rounded once to its dtype."""
         check_quantized_storage(codes, scale, spec, weight_shape, name=type(self).__name__, **parts)
+        save_guard.install()  # transformers' save_pretrained must refuse this layer (see save_guard)
         self.spec = spec
         self.weight_shape = tuple(int(d) for d in weight_shape)
         self.register_buffer("codes", codes)
@@ -149,29 +149,13 @@ class QuantizedWeight(nn.Module):
         return weight if weight.dtype == self.float_dtype else weight.to(self.float_dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        _refuse_transformers_save_pretrained(prefix)
+        save_guard.check(prefix)
+        save_guard.install()  # for later calls, where transformers was imported after this layer was made
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _storage_repr(self):
         packing = "packed int4, 2 per byte" if self.spec.bits == 4 else "int8"
         return f"{self.spec.short()} ({packing})"
-
-
-def _refuse_transformers_save_pretrained(prefix):
-    """Fail inside transformers' ``save_pretrained``, which would write ``codes``/``scale`` tensors that its
-    ``from_pretrained`` skips, giving randomly initialised weights with only a warning. Every other
-    ``state_dict`` caller (torch.save, save_quantized, PEFT's adapter-only saves) is unaffected."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "save_pretrained" and frame.f_globals.get("__name__") == "transformers.modeling_utils":
-            if not getattr(frame.f_locals.get("self"), "_hf_peft_config_loaded", False):
-                raise RuntimeError(
-                    f"transformers' save_pretrained cannot store mixle's quantized layer {prefix.rstrip('.')!r}: "
-                    f"from_pretrained would skip its codes/scale and load random weights. Save with "
-                    f"mixle.task.quantize.save_pretrained_compressed(model, directory) (compressed-tensors: "
-                    f"from_pretrained and vLLM load it) or save_quantized(model, path) (mixle's own file)"
-                )
-        frame = frame.f_back
 
 
 def to_storage(q):

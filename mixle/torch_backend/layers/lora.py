@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixle.torch_backend.fake_quant import fake_quantize
-from mixle.torch_backend.layers import QATWrapper, adopt, plain_linear
+from mixle.torch_backend.layers.qat import QATWrapper, adopt, plain_linear
 
 _LINEAR_FIELDS = ("in_features", "out_features", "weight", "bias")
 

@@ -21,7 +21,7 @@ import torch
 
 from mixle.core.array_ops import TorchOps
 from mixle.core.numerics import block_shape, percentile_positions
-from mixle.torch_backend import kernel_cache
+from mixle.torch_backend.kernels import kernel_cache
 
 SOURCE = Path(__file__).with_name("fused_fake_quant.cpp")
 # -ffp-contract=off: no fused multiply-add, every operation rounds as numpy's does.

@@ -18,8 +18,8 @@ from torch import nn
 
 from mixle.core.numerics import block_shape
 from mixle.torch_backend.fake_quant import fake_quantized_weight
-from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
-from mixle.torch_backend.quantized import QuantizedWeight
+from mixle.torch_backend.layers.qat import QATLayerMixin, adopt, check_supported
+from mixle.torch_backend.layers.quantized import QuantizedWeight
 
 OPTIONS = ("embed_dim", "num_heads", "dropout", "batch_first", "add_zero_attn")
 

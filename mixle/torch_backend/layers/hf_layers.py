@@ -13,8 +13,8 @@ from torch import nn
 
 from mixle.core.numerics import block_shape
 from mixle.torch_backend.fake_quant import fake_quantized_weight
-from mixle.torch_backend.layers import QATLayerMixin, adopt, check_supported
-from mixle.torch_backend.quantized import QuantizedWeight
+from mixle.torch_backend.layers.qat import QATLayerMixin, adopt, check_supported
+from mixle.torch_backend.layers.quantized import QuantizedWeight
 
 HF_MODULE, HF_NAME = "transformers.pytorch_utils", "Conv1D"
 
@@ -116,7 +116,7 @@ class QuantizedConv1D(QuantizedWeight):
 
     >>> from mixle.core.layer_weights import quantize_linear_weight
     >>> from mixle.core.spec import QuantSpec
-    >>> from mixle.torch_backend.quantized import to_storage
+    >>> from mixle.torch_backend.layers.quantized import to_storage
     >>> codes, scale, _ = to_storage(quantize_linear_weight(torch.randn(3, 4), bits=8))
     >>> tuple(QuantizedConv1D(codes, scale, QuantSpec(bits=8), (3, 4), torch.zeros(3))(torch.ones(2, 5, 4)).shape)
     (2, 5, 3)

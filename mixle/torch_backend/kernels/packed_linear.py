@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from mixle.torch_backend import fused_cpu as _fused_cpu
-from mixle.torch_backend import kernel_cache
+from mixle.torch_backend.kernels import fused_cpu as _fused_cpu
+from mixle.torch_backend.kernels import kernel_cache
 
 __all__ = ["available", "isa", "switched_off", "applies", "linear", "PANEL_BATCH"]
 
@@ -128,7 +128,7 @@ def block_layout(layer):
 
     ``group`` inputs of a row share one scale; ``scales_per_row`` is 0 for one scale per tensor.
 
-    >>> from mixle.torch_backend.quantized import QuantizedLinear
+    >>> from mixle.torch_backend.layers.quantized import QuantizedLinear
     >>> from mixle.core.spec import QuantSpec
     >>> layer = QuantizedLinear(torch.zeros(6, 8, dtype=torch.int8), torch.ones(1, 12, 1), QuantSpec(bits=8, group_size=4), (6, 8))
     >>> block_layout(layer)
@@ -150,7 +150,7 @@ def applies(x, layer):
     It takes float32 CPU inputs (and float32 scales and bias) that need no gradient, outside
     autocast and functorch transforms, when the kernel is built and not switched off.
 
-    >>> from mixle.torch_backend.quantized import QuantizedLinear
+    >>> from mixle.torch_backend.layers.quantized import QuantizedLinear
     >>> from mixle.core.spec import QuantSpec
     >>> layer = QuantizedLinear(torch.zeros(2, 4, dtype=torch.int8), torch.ones(1, 2, 1), QuantSpec(bits=8), (2, 4))
     >>> applies(torch.ones(3, 4, dtype=torch.float64), layer)
@@ -177,7 +177,7 @@ def applies(x, layer):
 def linear(x, layer):
     """``layer(x)`` of a QuantizedLinear through the ``mixle::packed_linear`` op (check ``applies``).
 
-    >>> from mixle.torch_backend.quantized import QuantizedLinear
+    >>> from mixle.torch_backend.layers.quantized import QuantizedLinear
     >>> from mixle.core.spec import QuantSpec
     >>> layer = QuantizedLinear(torch.tensor([[1, -2]], dtype=torch.int8), torch.full((1, 1, 1), 0.5), QuantSpec(bits=8), (1, 2))
     >>> linear(torch.tensor([[4.0, 1.0]]), layer) if applies(torch.ones(1, 2), layer) else torch.tensor([[1.0]])

@@ -23,9 +23,9 @@ from torch import nn
 
 from mixle.core.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, check_gptq_options, check_gptq_spec, gptq_quantize_weight
 from mixle.core.spec import resolve_spec
-from mixle.torch_backend.convert import check_torch_model, quantize_model
+from mixle.torch_backend.transforms.convert import check_torch_model, quantize_model
 from mixle.torch_backend.fake_quant import numerics_input
-from mixle.torch_backend.quantized import QuantizedLinear, QuantizedWeight, to_storage
+from mixle.torch_backend.layers.quantized import QuantizedLinear, QuantizedWeight, to_storage
 
 __all__ = ["gptq_quantize", "TIED_CHOICES"]
 

@@ -4,11 +4,11 @@ import torch
 
 from mixle.core.numerics import block_shape
 from mixle.core.report import LayerDecision, QATReport
-from mixle.torch_backend.expert_layers import LORA_REASON, ExpertsType
-from mixle.torch_backend.layers import QATWrapper, check_supported, plain_linear
-from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.qat import decide_layers, plan_inputs, unblocked
-from mixle.torch_backend.swap import Change
+from mixle.torch_backend.layers.expert_layers import LORA_REASON, ExpertsType
+from mixle.torch_backend.layers.qat import QATWrapper, check_supported, plain_linear
+from mixle.torch_backend.layers.lora import LoRALinear, QATLoRALinear
+from mixle.torch_backend.transforms.apply import decide_layers, plan_inputs, unblocked
+from mixle.torch_backend.transforms.swap import Change
 
 REPORT_ATTRIBUTE = "_mixle_lora_report"
 

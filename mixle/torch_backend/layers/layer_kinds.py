@@ -14,17 +14,17 @@ from torch import nn
 
 from mixle.core.layer_weights import quantize_embedding_weight, quantize_linear_weight
 from mixle.core.numerics import quantize_array
-from mixle.torch_backend.expert_layers import (ExpertsType, QATExperts, QATRouter, QuantizedExperts, QuantizedRouter,
+from mixle.torch_backend.layers.expert_layers import (ExpertsType, QATExperts, QATRouter, QuantizedExperts, QuantizedRouter,
                                                RouterType, assemble_fused, check_fused_spec, fused_weight_names,
                                                quantize_experts, wrap_fused)
-from mixle.torch_backend.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
-from mixle.torch_backend.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
+from mixle.torch_backend.layers.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
+from mixle.torch_backend.layers.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.fake_quant import numerics_input
-from mixle.torch_backend.layers import QATEmbedding, QATWrapper, plain_linear
-from mixle.torch_backend.lora import LoRALinear, QATLoRALinear
-from mixle.torch_backend.mha_layers import OPTIONS as MHA_OPTIONS
-from mixle.torch_backend.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
-from mixle.torch_backend.quantized import QuantizedEmbedding, QuantizedLinear, to_storage
+from mixle.torch_backend.layers.qat import QATEmbedding, QATWrapper, plain_linear
+from mixle.torch_backend.layers.lora import LoRALinear, QATLoRALinear
+from mixle.torch_backend.layers.mha_layers import OPTIONS as MHA_OPTIONS
+from mixle.torch_backend.layers.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
+from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, to_storage
 
 
 @dataclass(frozen=True, kw_only=True)
