@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from mixle.core.grids import GRIDS, Grid, grid_named
+from mixle.core.grids import GRIDS, DerivedTable, Grid, grid_named
 from mixle.core.packing import pack_block_codes
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import block_type_of, check_stored
@@ -37,7 +37,8 @@ __all__ = ["BLOCK", "FLOAT16_FIELDS", "GGML_BLOCKS", "GGML_TYPE_OF_GRID", "GGMLB
 
 @dataclass(frozen=True)
 class GGMLBlock:
-    """One ggml block type: its values per block and the bytes of its fields, in file order.
+    """One ggml block type: its values per block and the bytes of its fields, in file order (a view
+    of a grid record's ``block``, ``ggml_type`` and ``ggml_fields``).
 
     Attributes:
         name: the ggml type name (``gguf.GGMLQuantizationType`` member).
@@ -61,20 +62,10 @@ class GGMLBlock:
         return sum(size for _, size in self.fields)
 
 
-GGML_BLOCKS = {block.name: block for block in (
-    GGMLBlock("Q4_0", BLOCK, (("d", 2), ("qs", BLOCK // 2))),
-    GGMLBlock("Q8_0", BLOCK, (("d", 2), ("qs", BLOCK))),
-    GGMLBlock("Q4_1", BLOCK, (("d", 2), ("m", 2), ("qs", 16))),
-    GGMLBlock("Q5_0", BLOCK, (("d", 2), ("qh", 4), ("qs", 16))),
-    GGMLBlock("Q5_1", BLOCK, (("d", 2), ("m", 2), ("qh", 4), ("qs", 16))),
-    GGMLBlock("Q4_K", 256, (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128))),
-    GGMLBlock("Q5_K", 256, (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128))),
-    GGMLBlock("Q6_K", 256, (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2))),
-    GGMLBlock("MXFP4", BLOCK, (("e", 1), ("qs", 16))),
-)}
-
-# grid name -> ggml type name, read off the grid records.
-GGML_TYPE_OF_GRID = {grid.name: grid.ggml_type for grid in GRIDS.values() if grid.ggml_type in GGML_BLOCKS}
+# ggml type name -> its layout, and grid name -> ggml type, read off the grid records (``Grid.ggml_fields``).
+GGML_BLOCKS = DerivedTable(lambda: {g.ggml_type: GGMLBlock(g.ggml_type, g.block, g.ggml_fields)
+                                    for g in GRIDS.values() if g.ggml_fields is not None})
+GGML_TYPE_OF_GRID = DerivedTable(lambda: {g.name: g.ggml_type for g in GRIDS.values() if g.ggml_fields is not None})
 
 
 def ggml_grid(grid):

@@ -57,6 +57,7 @@ from torch import nn
 
 from mixle._optional import require
 from mixle.core.fileformat import replace_atomically
+from mixle.core.grids import GRIDS
 from mixle.core.mixes import grid_of_type, mix_named, tensor_types
 from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
@@ -317,20 +318,16 @@ def gguf_mix_specs(model, gguf_mix, *, importance=None):
 
 # ----------------------------------------------------------------------------------------------
 
-# ggml type -> the file type a file mostly of it is (general.file_type), in order of precedence.
-_FILE_TYPES = (("Q4_0", "MOSTLY_Q4_0"), ("Q4_1", "MOSTLY_Q4_1"), ("Q4_K", "MOSTLY_Q4_K_M"), ("Q5_0", "MOSTLY_Q5_0"),
-               ("Q5_1", "MOSTLY_Q5_1"), ("Q5_K", "MOSTLY_Q5_K_M"), ("Q6_K", "MOSTLY_Q6_K"), ("Q8_0", "MOSTLY_Q8_0"),
-               ("MXFP4", "MOSTLY_MXFP4_MOE"), ("F16", "MOSTLY_F16"))
-
-
 def _file_type(tensors, gguf, mix):
+    """general.file_type: the mix's, else that of the grid of highest precedence (``Grid.file_type_rank``)
+    among the tensors' types, else F16 / F32."""
     if mix is not None:
         return gguf.LlamaFileType(mix.ftype)
     types = {t.ggml_type for t in tensors}
-    for ggml_type, file_type in _FILE_TYPES:
-        if ggml_type in types:
-            return getattr(gguf.LlamaFileType, file_type)
-    return gguf.LlamaFileType.ALL_F32
+    ranked = sorted((g.file_type_rank, g.file_type) for g in GRIDS.values() if g.file_type and g.ggml_type in types)
+    if ranked:
+        return getattr(gguf.LlamaFileType, ranked[0][1])
+    return gguf.LlamaFileType.MOSTLY_F16 if "F16" in types else gguf.LlamaFileType.ALL_F32
 
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,

@@ -258,7 +258,7 @@ def require_entry(name, ggml_type, by_tensor, what="importance"):
     >>> require_entry("output.weight", "Q4_0", {})
     >>> require_entry("blk.0.ffn_up.weight", "Q8_0", {})
     """
-    from mixle.core.ggml_weighted import WEIGHTED
+    from mixle.core.grids import WEIGHTED
     from mixle.core.mixes import grid_of_type
 
     if name in by_tensor or not name.startswith("blk.") or ggml_type in (None, "F32", "F16"):

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from mixle.core.ggml_weighted import importance_grid
+from mixle.core.grids import importance_grid
 from mixle.core.gptq import check_gptq_spec
 from mixle.core.grids import GRIDS
 from mixle.core.mixes import GGUF_MIXES, grid_of_type
