@@ -200,7 +200,7 @@ def stored_scale(ops, scale, spec, name=None):
     dtype = spec.grid_record.scale_dtype
     if dtype is None:
         return scale
-    narrow = ops.to_named(scale, dtype)
+    narrow = ops.to_named(scale, spec.grid_record.codec.dtype)
     advice = (f"which grid={spec.grid!r} stores its scales in: the weights are too large for this file "
               f"format; rescale them or use another grid")
     where = "" if name is None else f"{name}: "
