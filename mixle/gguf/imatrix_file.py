@@ -192,20 +192,21 @@ def importance_by_layer(model, importance, *, min_tokens=1):
     Raises:
         ValueError, TypeError: names that fit neither, or entries that do not fit the model.
     """
-    if isinstance(importance, (str, Path)):
-        return load_imatrix(importance, model, min_tokens=min_tokens)
+    plan = _plan(model)  # walks nothing until a question needs the layout
     if isinstance(importance, dict):
         return dict(importance)
-    if not isinstance(importance, Imatrix):
+    what, from_file = "importance", isinstance(importance, (str, Path))
+    if from_file:  # keyed by GGUF names
+        importance, what = read_imatrix(importance), str(importance)
+    elif not isinstance(importance, Imatrix):
         raise TypeError(f"importance must be an imatrix file's path, an Imatrix (calibrate_importance) or "
                         f"{{layer path: values}}, got {type(importance).__name__}")
-    plan = _plan(model)
     names = plan.imatrix_names
-    if set(importance.sums) <= set(names):  # keyed by layer path
-        shapes = {path: plan.matrix_shapes[gguf_names[0]] for path, gguf_names in names.items()}
-        check_entries(importance, shapes, min_tokens=min_tokens, what="importance")
-        return importance.importance()
-    return _by_layer(importance, plan, min_tokens, "importance")
+    if from_file or not set(importance.sums) <= set(names):  # keyed by GGUF names
+        return _by_layer(importance, plan, min_tokens, what)
+    shapes = {path: plan.matrix_shapes[gguf_names[0]] for path, gguf_names in names.items()}
+    check_entries(importance, shapes, min_tokens=min_tokens, what="importance")
+    return importance.importance()
 
 
 def importance_by_tensor(model, importance, *, min_tokens=1):
@@ -261,8 +262,8 @@ def load_imatrix(path, model, *, min_tokens=1):
         ValueError: names not in the model, wrong column counts, non-finite or negative sums, too
             few tokens (``min_tokens``), or a split weight whose parts disagree; naming the tensor.
     """
-    imatrix = read_imatrix(path)
-    return _by_layer(imatrix, _plan(model), min_tokens, str(path))
+    plan = _plan(model)
+    return _by_layer(read_imatrix(path), plan, min_tokens, str(path))
 
 
 def _by_layer(imatrix, plan, min_tokens, what):
