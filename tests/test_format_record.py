@@ -18,6 +18,7 @@ from mixle.core.ggml_quants import BlockType
 from mixle.core.grids import GRIDS, Grid, register_grid
 from mixle.core.numerics import quantize_array, quantize_dequantize_array
 from mixle.core.scale_codecs import SCALE_CODECS, ScaleCodec, register_scale_codec
+from mixle.core.stored import stored_layout
 
 NAME = "nvfp4_like"
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -168,3 +169,46 @@ def test_the_record_trains_converts_saves_and_loads_on_torch(nvfp4_like, tmp_pat
     back = mixle.load_quantized(path, _model())
     with torch.no_grad():
         torch.testing.assert_close(back(x), want, rtol=0, atol=0)
+
+
+def test_a_record_holds_float_sub_scales(nvfp4_like):
+    """Two scale levels with float sub-scales: a float16 scale per 64 values times an E4M3 scale per 16."""
+    grid = register_grid(Grid(
+        name="fp8_sub", codes={4: (0, 15)}, divisor={4: 6.0}, rounding="table_nearest", table=E2M1,
+        scale_dtype="float16", zero_scale=None, block=64, sub_block=16, sub_scale_dtype=CODEC.name,
+        backends=("torch",)))
+    try:
+        spec = mixle.QuantSpec(grid=grid.name)
+        rng = np.random.default_rng(1)
+        codes = rng.integers(0, 16, (2, 64)).astype(np.int8)
+        scale = np.float16(rng.random((1, 2, 1)) + 0.5).astype(np.float32)
+        sub = E4M3[rng.integers(0x30, 0x50, (1, 2, 4))]
+        q = mixle.QuantizedArray(codes, scale, spec, 0, 1, sub_scales=sub).check("w")
+        want = np.float32(E2M1)[codes].reshape(2, 4, 16) * (scale.reshape(2, 1, 1) * sub.reshape(2, 4, 1))
+        np.testing.assert_array_equal(q.dequantize(), want.reshape(2, 64))
+        assert stored_layout(spec, (2, 64))["sub_scales"] == ("float", (1, 2, 4))
+        back = mixle.QuantizedArray.from_stored(q.stored(), spec, (2, 64))
+        np.testing.assert_array_equal(back.dequantize(), q.dequantize())
+        bad = sub.copy()
+        bad[0, 1, 2] *= np.float32(1.01)
+        with pytest.raises(ValueError, match=r"sub-scales must be finite e4m3_test values.*sub_scales\[0, 1, 2\]"):
+            mixle.QuantizedArray(codes, scale, spec, 0, 1, sub_scales=bad).check("w")
+    finally:
+        del GRIDS["fp8_sub"]
+
+
+def test_the_records_ggml_facts_are_gguf_pys():
+    """gguf-py decides: each record's ggml type id, block size and bytes, and its file type."""
+    gguf = pytest.importorskip("gguf")
+    from mixle.gguf.blocks import GGML_BLOCKS
+
+    written = [g for g in GRIDS.values() if g.ggml_type is not None]
+    assert {g.name for g in written} == {"q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4"}
+    for grid in written:
+        ggml_type = gguf.GGMLQuantizationType[grid.ggml_type]
+        assert int(ggml_type) == grid.ggml_type_id, grid.name
+        assert gguf.GGML_QUANT_SIZES[ggml_type] == (grid.block, grid.ggml_block_bytes), grid.name
+        assert GGML_BLOCKS[grid.ggml_type].nbytes == grid.ggml_block_bytes
+        assert hasattr(gguf.LlamaFileType, grid.file_type), grid.name
+    ranks = sorted(g.file_type_rank for g in written)
+    assert ranks == list(range(len(written)))  # one precedence each

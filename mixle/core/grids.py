@@ -1,9 +1,18 @@
-"""Integer grids as data: one record per grid, read by the numerics, the backends and the exports.
+"""Formats as data: one record per grid (or llama.cpp block type), read by the numerics, the
+backends and the exports, and the only table of formats there is.
 
-A grid says which integer codes exist for each bit width, how a block's scale is derived from
-its values, how a value is rounded to a code, in which dtype the scale is stored, how int4 codes
-are packed and which backends train on it. Adding a grid is one ``Grid`` entry in ``GRIDS``
-(plus its oracle test); nothing else branches on grid names.
+A grid says which integer codes exist for each bit width (and the values a lookup grid's codes
+index), how a block's scale is derived from its values and refined by a search, how a value is
+rounded to a code, its offsets and second scale level (integer or float sub-scales), how its
+scales are stored (``scale_dtype``, a ``mixle.core.scale_codecs`` codec), its block numerics
+(``numerics`` / ``block_type``: quantize, dequantize, pack, unpack), ggml's importance-weighted
+search (``weighted``) or that ggml ignores an importance (``ignores_importance``), its ggml type
+(name, id, block layout ``ggml_fields``), the GGUF file type a file mostly of it is (and its
+precedence), how the fused CPU kernels run it (``kernel``) and which backends train on it. Adding
+a format is one ``Grid`` (``register_grid``; plus its oracle test); every other table
+(``mixle.gguf.blocks.GGML_BLOCKS``, ``mixle.gguf.mixes.GRID_OF_TYPE``,
+``mixle.torch_backend.fused_ggml.KINDS``, ``WEIGHTED`` ...) is read off the records, and nothing
+branches on grid names.
 
 Scale rules (``Grid.scale_rule``), per block of values ``w``:
 
@@ -126,6 +135,8 @@ class Grid:
         sub_block: values per sub-block of a two-level grid (``None``: one scale level).
         sub_scale_bits: bits of the integer sub-block scales (and mins).
         sub_scale_signed: sub-block scales are signed (stored int8) rather than unsigned (uint8).
+        sub_scale_dtype: instead of integer sub-scales (``sub_scale_bits``), float ones stored in
+            this scale codec (``mixle.core.scale_codecs``: e.g. an FP8 scale per sub-block).
         ggml_type: the GGUF block type the grid is written as (``"Q4_0"``), or None.
         numerics: the ``mixle.core.ggml_quants.BLOCK_TYPES`` entry that quantizes on this grid
             (None: ``mixle.core.numerics``' own block rules).
@@ -154,6 +165,7 @@ class Grid:
     sub_block: int | None = None
     sub_scale_bits: int | None = None
     sub_scale_signed: bool = False
+    sub_scale_dtype: str | None = None
     ggml_type: str | None = None
     numerics: str | None = None
     table: tuple | None = None
@@ -203,15 +215,19 @@ class Grid:
         return None
 
     def _level_problem(self):
-        fields = (self.sub_block, self.sub_scale_bits)
+        if self.sub_scale_bits is not None and self.sub_scale_dtype is not None:
+            return "sub-scales are integers (sub_scale_bits) or floats (sub_scale_dtype), not both"
+        fields = (self.sub_block, self.sub_scale_bits if self.sub_scale_dtype is None else self.sub_scale_dtype)
         if fields == (None, None):
             return "sub_scale_signed=True needs a second scale level (sub_block)" if self.sub_scale_signed else None
         if None in fields:
-            return "a second scale level needs both sub_block and sub_scale_bits"
+            return "a second scale level needs both sub_block and sub_scale_bits (or sub_scale_dtype)"
+        if self.sub_scale_dtype is not None and self.sub_scale_dtype not in SCALE_CODECS:
+            return f"sub_scale_dtype={self.sub_scale_dtype!r} is unknown: use one of {sorted(SCALE_CODECS)}"
         if self.block is None or self.sub_block < 1 or self.block % self.sub_block or self.sub_block == self.block:
             return (f"sub_block={self.sub_block!r} must divide the super-block block={self.block!r} into "
                     f"at least two sub-blocks")
-        if not 2 <= self.sub_scale_bits <= 8:
+        if self.sub_scale_bits is not None and not 2 <= self.sub_scale_bits <= 8:
             return f"sub_scale_bits={self.sub_scale_bits!r} must be 2..8 (the sub-scales are small integers)"
         if self.scale_dtype is None:
             return "a two-level grid stores its super-block scale as a float: set scale_dtype='float16'"
@@ -315,13 +331,14 @@ class Grid:
         return self.sub_block is not None
 
     def sub_scale_range(self):
-        """``(low, high)`` of the integer sub-block scales (and mins) of a two-level grid, else None.
+        """``(low, high)`` of the integer sub-block scales (and mins) of a two-level grid, else None
+        (None too for float sub-scales, ``sub_scale_dtype``).
 
         >>> Grid(name="k", codes={4: (0, 15)}, divisor={4: 15.0}, scale_rule="min_max", offset="min",
         ...      scale_dtype="float16", block=256, sub_block=32, sub_scale_bits=6).sub_scale_range()
         (0, 63)
         """
-        if not self.two_level:
+        if not self.two_level or self.sub_scale_dtype is not None:
             return None
         bits = self.sub_scale_bits
         return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if self.sub_scale_signed else (0, 2 ** bits - 1)

@@ -150,6 +150,8 @@ class QuantizedArray:
                 value = (value.astype(np.int16) - block_type.code_shift).astype(np.uint8).reshape(batch, count, size)
             elif part in ("scale", "offset"):
                 value = scale_codec(grid.scale_dtype, AS_FLOAT32).encode(value.reshape(batch, count))
+            elif grid.sub_scale_dtype is not None:  # float sub-scales, in their codec's field
+                value = scale_codec(grid.sub_scale_dtype).encode(value.reshape(batch, count, -1))
             else:
                 value = value.reshape(batch, count, -1).astype(np.int8 if grid.sub_scale_signed else np.uint8)
             values[field] = value
@@ -278,6 +280,8 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
             value = o.to_named(o.to_named(value, "int32") + code_shift, "int8").reshape(tuple(x.shape))
         elif part in ("scale", "offset"):
             value = scale_codec(grid.scale_dtype, AS_FLOAT32).decode(o, value)[..., None]
+        elif grid.sub_scale_dtype is not None:  # float sub-scales: their float32 values
+            value = scale_codec(grid.sub_scale_dtype).decode(o, value)
         parts[part] = value
     if check:
         for part in ("scale", "offset"):
@@ -365,7 +369,8 @@ def stored_layout(spec, shape, *, batch_ndim=0, out_ndim=1, packed=True):
         layout["offset"] = ("float" if grid.offset == "min" else _int_dtype(low, high), (batch, count, 1))
     for part in _grid_parts(grid):
         if part != "offset":
-            layout[part] = ("int8" if grid.sub_scale_signed else "uint8", (batch, count, size // grid.sub_block))
+            dtype = "float" if grid.sub_scale_dtype is not None else "int8" if grid.sub_scale_signed else "uint8"
+            layout[part] = (dtype, (batch, count, size // grid.sub_block))
     return layout
 
 
@@ -472,9 +477,9 @@ def _check_float_part(part, value, want, spec, shape, name):
         problem = _scale_problem(value, array, spec)
     elif not np.isfinite(array).all():
         problem = "finite", _first(~np.isfinite(array), array, part)
-    elif grid.scale_dtype is not None and not _narrow_is_exact(value, grid.scale_dtype):
-        problem = f"finite {grid.scale_dtype} values (the grid stores them in {grid.scale_dtype})", \
-            _first(_narrow_bad(array, grid.scale_dtype), array, part)
+    elif (dtype := grid.scale_dtype if part == "offset" else grid.sub_scale_dtype) is not None \
+            and not _narrow_is_exact(value, dtype):
+        problem = f"finite {dtype} values (the grid stores them in {dtype})", _first(_narrow_bad(array, dtype), array, part)
     else:
         problem = None
     if problem:
