@@ -141,6 +141,8 @@ class Grid:
         numerics: the ``mixle.core.ggml_quants.BLOCK_TYPES`` entry that quantizes on this grid
             (None: ``mixle.core.numerics``' own block rules).
         table: the values the codes index on a lookup grid (``w = table[code] * scale``), or None.
+        qwix_native: Qwix's own grid: its calibration methods and 8-bit float weight formats
+            (``QuantSpec.calibration``, ``weight_format``) describe it.
         backends: the backends that train on this grid (the numerics in ``mixle.core.numerics``
             implement every registered grid; a backend is listed once its layers, kernels and
             storage do).
@@ -177,6 +179,7 @@ class Grid:
     file_type: str | None = None
     file_type_rank: int | None = None
     kernel: KernelKind | None = None
+    qwix_native: bool = False
     backends: tuple = ("torch", "flax")
     summary: str = ""
 
@@ -430,7 +433,7 @@ GRIDS = {
     for grid in (
         Grid(name="symmetric", codes={4: (-7, 7), 8: (-127, 127)}, divisor={4: 7.0, 8: 127.0},
              summary="codes -qmax..qmax, scale = absmax / qmax (mixle's default)"),
-        Grid(name="qwix", codes={4: (-8, 7), 8: (-128, 127)}, divisor={4: 7.5, 8: 127.5},
+        Grid(name="qwix", codes={4: (-8, 7), 8: (-128, 127)}, divisor={4: 7.5, 8: 127.5}, qwix_native=True,
              summary="codes -(qmax+1)..qmax, scale = absmax / (qmax + 0.5) (Qwix's grid; also "
                      "compressed-tensors' symmetric int scheme)"),
         Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",

@@ -306,13 +306,13 @@ class QuantSpec:
                     f"set bwd_bits=8 (or 4) too"
                 )
         if self.weight_format != "int":
-            if self.bits != 8 or self.grid != "qwix":
+            if self.bits != 8 or not self.grid_record.qwix_native:
                 raise ValueError(
                     f"weight_format={self.weight_format!r} stores 8-bit floats with Qwix's scale "
                     f"(absmax / 448), which mixle's integer grids do not describe: pass bits=8 and grid='qwix'"
                 )
         if calibration is not None:
-            if self.grid != "qwix":
+            if not self.grid_record.qwix_native:
                 raise ValueError(
                     f"calibration={calibration!r} is Qwix's range method and needs grid='qwix'; the "
                     f"symmetric grid is itself absmax calibration with factor (qmax + 0.5) / qmax"
