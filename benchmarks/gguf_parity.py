@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from mixle.core.numerics import quantize_dequantize_array
 from mixle.torch_backend.layers.activations import quantize_dequantize_activations
-from mixle.exports.gguf_layouts import layout_of
+from mixle.gguf.layouts import layout_of
 from mixle.lm.data import load_splits
 from mixle.models.qat import apply_qat
 from mixle.models.transformer import build_causal_lm

@@ -86,7 +86,7 @@ def case_record(case, build_dir, tmp, arrays, kinds=("known", "llama_imatrix"), 
     if "known" in files:
         known_imatrix(case, tensors, files["known"])
     llama_imatrix(build_dir, source, text, files["llama_imatrix"])
-    from mixle.exports.imatrix_file import read_imatrix
+    from mixle.gguf.imatrix_file import read_imatrix
 
     for which, path in files.items():
         imatrix = read_imatrix(path)

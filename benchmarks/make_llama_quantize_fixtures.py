@@ -2,7 +2,7 @@
 
 CI cannot build llama-cpp-python (about 13 minutes on 2 cores), so this script runs
 ``llama_cpp.llama_model_quantize`` once (``pure`` off, no importance matrix, one thread) for every
-mix of ``mixle.core.mixes.GGUF_MIXES``, on:
+mix of ``mixle.gguf.mixes.GGUF_MIXES``, on:
 
 * the seeded models of ``tests/test_gguf_mixes.py`` (``MODEL_CASES``: gpt2, llama and qwen2 with
   rows of 256 and of 32, 64, 96 and 40 values; ``MOE_CASES``: a Qwen3-MoE of 4 experts and an

@@ -138,7 +138,7 @@ def _step_importance(args, loaded):
     if args.imatrix == "off" or not args.qat_imatrix:
         return None
     from mixle.api import calibrate_importance
-    from mixle.exports.imatrix_file import load_imatrix
+    from mixle.gguf.imatrix_file import load_imatrix
     from mixle.lm.family import TRANSFORMERS
     from mixle.lm.finetune_baselines import calibration_batches
     from mixle.lm.finetune_config import FinetuneConfig

@@ -11,7 +11,8 @@ from mixle.core.lora_spec import LoRASpec
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.selection import LayerSelector
 from mixle.core.spec import QuantSpec, resolve_spec
-from mixle.exports.mix_selection import mix_selection
+from mixle.gguf.imatrix_file import importance_by_layer, model_imatrix_names
+from mixle.gguf.mix_selection import mix_importance, mix_selection
 
 __all__ = [
     "QuantSpec",
@@ -92,11 +93,10 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
     >>> get_qat_report(net).wrapped
     ['0', '2']
     """
-    values = None if importance is None else _qat_importance(model, importance)
-    if gguf_mix is not None:
-        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
-                                         importance=values)
-        values = values if values is None else _mix_importance(model, gguf_mix, values)
+    values = None
+    if importance is not None or gguf_mix is not None:
+        patterns, opt_in, values = _llama_cpp_choices(model, gguf_mix, importance, spec, spec_fields, patterns,
+                                                      exclude, opt_in)
     return _apply(model, resolve_spec(spec, spec_fields), patterns, exclude, opt_in, reconfigure, example_inputs,
                   values)
 
@@ -112,15 +112,29 @@ def _apply(model, spec, patterns, exclude, opt_in, reconfigure, example_inputs, 
     return backend.apply(model, selector, reconfigure, example_inputs, importance=values)
 
 
-def _qat_importance(model, importance):
-    """``apply_qat``'s ``importance`` as ``{layer path: values}`` (torch models only)."""
+def _llama_cpp_choices(model, gguf_mix, importance, spec, spec_fields, patterns, exclude, opt_in):
+    """``(patterns, opt_in, {layer path: importance} or None)`` of ``apply_qat``'s ``gguf_mix`` and
+    ``importance``, the model's GGUF layout walked once for all of them."""
+    values, source = None, model
+    if importance is not None:
+        source = _torch_plan(model)
+        values = importance_by_layer(source, importance)
+    if gguf_mix is not None:
+        patterns, opt_in = mix_selection(source, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
+                                         importance=values)
+        values = values if values is None else mix_importance(source, gguf_mix, values)
+    return patterns, opt_in, values
+
+
+def _torch_plan(model):
+    """The GGUF plan of a torch model (``mixle.gguf.plan``), for ``apply_qat``'s ``importance``."""
     record = backends.backend_of(model)
     if record is None or record.name != "torch":
         raise TypeError(f"apply_qat(importance=...) takes torch models (llama.cpp's imatrix quantizers, run by the "
                         f"torch QAT layers), got a {type(model).__name__}: drop importance= for this model")
-    from mixle.exports.imatrix_file import importance_by_layer
+    from mixle.gguf.plan import plan_of
 
-    return importance_by_layer(model, importance)
+    return plan_of(model, "apply_qat(importance=...)")
 
 
 def set_fake_quant_enabled(model, enabled):
@@ -266,33 +280,18 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
 def _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, importance, spec_fields):
     """``quantize_model`` with an importance matrix (torch): the converted copy, re-quantized layer by
     layer by the weighted search."""
-    from mixle.exports.imatrix_file import importance_by_layer
+    from mixle.gguf.plan import plan_of
     from mixle.torch_backend.transforms.importance import with_importance  # torch models only
 
-    values = importance_by_layer(model, importance)  # a file is read (and checked) once
+    plan = plan_of(model, "quantize_model(importance=...)")  # the GGUF layout, walked once
+    values = importance_by_layer(plan, importance)  # a file is read (and checked) once
     if gguf_mix is not None:
-        patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
+        patterns, opt_in = mix_selection(plan, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
                                          importance=values)
-        values = _mix_importance(model, gguf_mix, values)
+        values = mix_importance(plan, gguf_mix, values)
     converted = backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
     return with_importance(converted, model, values)
-
-
-def _mix_importance(model, gguf_mix, values):
-    """The entries of ``values`` (``{layer path: importance}``) the mix quantizes with, after refusing
-    one without an entry for a ``blk.*`` matrix the mix quantizes by a weighted search."""
-    from mixle.exports.gguf import gguf_mix_types
-    from mixle.exports.imatrix_file import importance_by_tensor, model_imatrix_names, require_entry
-
-    types, by_tensor = gguf_mix_types(model, gguf_mix, importance=values), importance_by_tensor(model, values)
-    kept = {}
-    for path, names in model_imatrix_names(model).items():
-        for name in names:
-            require_entry(name, types[name], by_tensor)
-        if path in values and any(types[name] not in (None, "F16", "F32") for name in names):
-            kept[path] = values[path]  # F16/F32 (a router): unused, as in llama.cpp
-    return kept
 
 
 def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrate_importance"):
@@ -322,8 +321,6 @@ def calibrate_importance(model, batches, *, layers=None, dataset="mixle.calibrat
     from mixle.torch_backend.transforms.importance import calibrate_importance as collect
 
     if layers is None:
-        from mixle.exports.imatrix_file import model_imatrix_names
-
         layers = list(model_imatrix_names(model))
     return collect(model, batches, layers=list(layers), dataset=dataset)
 

@@ -147,7 +147,7 @@ GGUF_STEPS = {
 def test_save_gguf_failing_at_any_step_keeps_the_previous_file(tmp_path, monkeypatch, gguf_model, step):
     import gguf
 
-    from mixle.exports.gguf import save_gguf
+    from mixle.gguf.writer import save_gguf
 
     path = tmp_path / "lm.gguf"
     save_gguf(gguf_model(0), path)
@@ -161,7 +161,7 @@ def test_save_gguf_failing_at_any_step_keeps_the_previous_file(tmp_path, monkeyp
 
 
 def test_save_gguf_keeps_the_mode_and_writes_through_a_symlink(tmp_path, gguf_model):
-    from mixle.exports.gguf import save_gguf
+    from mixle.gguf.writer import save_gguf
 
     target = tmp_path / "real.gguf"
     save_gguf(gguf_model(0), target)

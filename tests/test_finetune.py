@@ -24,7 +24,7 @@ gguf = pytest.importorskip("gguf")
 import torch.nn.functional as F  # noqa: E402
 
 from mixle import quantize_model, save_gguf  # noqa: E402
-from mixle.exports.gguf import load_gguf_weights  # noqa: E402
+from mixle.gguf.writer import load_gguf_weights  # noqa: E402
 from mixle.lm import cli  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
 from mixle.lm.finetune import run_finetune, shared_teacher  # noqa: E402

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 import mixle  # noqa: E402
 from mixle import api  # noqa: E402
 from mixle.core.numerics import quantize_array  # noqa: E402
-from mixle.exports.gguf import load_gguf_weights  # noqa: E402
+from mixle.gguf.writer import load_gguf_weights  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
 from mixle.lm.report import MIN_DEGRADATION  # noqa: E402

@@ -200,7 +200,7 @@ def test_erf_gelu_is_refused_unless_accepted_and_the_written_epsilon_is_the_mode
 
 
 def test_vocabulary_merges_come_from_the_tokens():
-    from mixle.exports.gguf_vocab import vocabulary
+    from mixle.gguf.vocab import vocabulary
 
     words = vocabulary(4, vocab=["a", "b", "ab", "b a"])
     assert words.tokens == ["a", "b", "ab", "bĠa"] and words.merges == ["a b"]
@@ -282,7 +282,7 @@ def test_quantized_arrays_on_every_ggml_grid_are_written_as_their_blocks(tmp_pat
 
 
 def test_a_mix_with_qat_layers_on_its_types(tmp_path):
-    from mixle.exports.gguf import gguf_mix_specs, gguf_mix_types
+    from mixle.gguf.writer import gguf_mix_specs, gguf_mix_types
 
     lm = _lm()
     specs = gguf_mix_specs(lm, "Q4_K_M")

@@ -16,9 +16,9 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from mixle.core.numerics import quantize_array  # noqa: E402
-from mixle.exports.gguf import load_gguf_weights, save_gguf  # noqa: E402
-from mixle.exports.gguf_file import open_gguf  # noqa: E402
-from mixle.exports.imatrix_file import read_imatrix  # noqa: E402
+from mixle.gguf.writer import load_gguf_weights, save_gguf  # noqa: E402
+from mixle.gguf.file import open_gguf  # noqa: E402
+from mixle.gguf.imatrix_file import read_imatrix  # noqa: E402
 from mixle.models.transformer import build_causal_lm  # noqa: E402
 
 T = gguf.GGMLQuantizationType

@@ -1,5 +1,5 @@
 """llama.cpp's mixes (Q4_K_M, ...) against llama.cpp's own quantizer: the type it gives every tensor
-(``mixle.core.mixes.tensor_types``) and its quantized bytes (``quantize_array`` + ``pack_array``,
+(``mixle.gguf.mixes.tensor_types``) and its quantized bytes (``quantize_array`` + ``pack_array``,
 and ``save_gguf(..., gguf_mix=...)``), for gpt2, llama and qwen2 models whose rows are and are not
 multiples of 256.
 
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from mixle.core.mixes import GGUF_MIXES, fallback_type, grid_of_type, mix_named, tensor_types, use_more_bits
+from mixle.gguf.mixes import GGUF_MIXES, fallback_type, grid_of_type, mix_named, tensor_types, use_more_bits
 from mixle.core.numerics import quantize_array
-from mixle.exports.ggml_blocks import pack_array
+from mixle.gguf.blocks import pack_array
 
 gguf = pytest.importorskip("gguf")
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from mixle import save_gguf  # noqa: E402
-from mixle.exports.gguf_tokenizer import gguf_tokenizer, pre_tokenizer_name  # noqa: E402
+from mixle.gguf.tokenizer import gguf_tokenizer, pre_tokenizer_name  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
 from tests.gguf_tokenizer_cases import (  # noqa: E402
     CHAT_TEMPLATE, FAMILIES, TEXT, byte_level_bpe, converter_keys, tokenizer_fields, with_tokenizer)

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from mixle.core.imatrix import Imatrix, check_entries
-from mixle.core.mixes import grid_of_type, tensor_types
+from mixle.gguf.mixes import grid_of_type, tensor_types
 from mixle.core.numerics import quantize_array
-from mixle.exports.ggml_blocks import pack_array
+from mixle.gguf.blocks import pack_array
 from tests.test_gguf_mixes import MODEL_CASES, MOE_CASES, read_tensors, sha
 
 gguf = pytest.importorskip("gguf")
@@ -76,7 +76,7 @@ def imatrix_names(tensors):
 
 def known_imatrix(case, tensors, path):
     """An imatrix of seeded sums (squares over ~6 decades, some columns zero) written by mixle."""
-    from mixle.exports.imatrix_file import write_imatrix
+    from mixle.gguf.imatrix_file import write_imatrix
 
     sums, counts = {}, {}
     for index, name in enumerate(imatrix_names(tensors)):
@@ -198,7 +198,7 @@ def test_q4_0_imatrix_changes_first_eighth_ffn_down(reference):
 
 def test_read_imatrix_equals_gguf_py(reference, tmp_path):
     """mixle's reader against gguf-py's raw tensors, on a file mixle wrote and llama-quantize took."""
-    from mixle.exports.imatrix_file import read_imatrix, write_imatrix
+    from mixle.gguf.imatrix_file import read_imatrix, write_imatrix
 
     _, arrays = reference
     imatrix = fixture_imatrix(arrays, "llama_h256", "llama_imatrix")
@@ -217,7 +217,7 @@ def test_legacy_file_is_read(tmp_path):
     name = b"blk.0.ffn_up.weight"
     body = np.array([1], "<i4").tobytes() + np.array([len(name)], "<i4").tobytes() + name
     body += np.array([4, 3], "<i4").tobytes() + np.array([8.0, 4.0, 0.0], "<f4").tobytes()
-    from mixle.exports.imatrix_file import read_imatrix
+    from mixle.gguf.imatrix_file import read_imatrix
 
     path.write_bytes(body)
     imatrix = read_imatrix(path)
@@ -257,7 +257,7 @@ def test_live_llama_quantize_imatrix_on_mixle_file(tmp_path):
     case, build = "qwen2_h64", build_dir()
     tensors = write_model(case, str(tmp_path / "f32.gguf"))
     known_imatrix(case, tensors, str(tmp_path / "m.imatrix.gguf"))
-    from mixle.exports.imatrix_file import read_imatrix
+    from mixle.gguf.imatrix_file import read_imatrix
 
     importance = read_imatrix(tmp_path / "m.imatrix.gguf").importance()
     llama_quantize_imatrix(build, str(tmp_path / "f32.gguf"), str(tmp_path / "q.gguf"), "Q4_K_M",

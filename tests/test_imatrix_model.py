@@ -10,7 +10,7 @@ from torch import nn
 
 import mixle
 from mixle.core.imatrix import Imatrix
-from mixle.exports.imatrix_file import read_imatrix, write_imatrix
+from mixle.gguf.imatrix_file import read_imatrix, write_imatrix
 from tests.test_gguf_mixes import read_tensors, sha
 from tests.test_imatrix import build_dir, fixture_imatrix, reference, seeded_model  # noqa: F401  (the fixture)
 
@@ -76,7 +76,7 @@ def test_calibrate_importance_agrees_with_llama_imatrix(reference, llama_model):
     """The same 8 chunks of 32 tokens llama-imatrix ran (``-c 32 --chunks 8 --process-output``, no
     BOS: the one-character vocabulary has none): every entry, the same counts, sums within ggml's
     forward's rounding (its float32 sums in another order; the same with an F32 KV cache)."""
-    from mixle.exports.imatrix_file import model_imatrix_names
+    from mixle.gguf.imatrix_file import model_imatrix_names
     from tests.test_imatrix import VOCAB, calibration_text
 
     _, arrays = reference

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import mixle  # noqa: E402
 from mixle.core.imatrix import Imatrix  # noqa: E402
-from mixle.exports.imatrix_file import model_imatrix_names, read_imatrix  # noqa: E402
+from mixle.gguf.imatrix_file import model_imatrix_names, read_imatrix  # noqa: E402
 from tests.gguf_parity_cases import moe_model  # noqa: E402
 from tests.test_gguf_mixes import read_tensors, sha  # noqa: E402
 from tests.test_imatrix import (MOE_FTYPES, MOE_IMATRIX_CASE, VOCAB, build_dir, calibration_text,  # noqa: E402, F401

@@ -167,8 +167,8 @@ def test_stored_arrays_equal_llama_quantize_imatrix(reference, tmp_path):  # noq
     """apply_qat(gguf_mix=, importance=) on the seeded model: every blk matrix's stored array, packed, is
     the tensor llama-quantize --imatrix made of the same weights with the same imatrix, and so is every
     tensor of save_gguf's file of the QAT model."""
-    from mixle.exports.ggml_blocks import pack_array
-    from mixle.exports.imatrix_file import model_imatrix_names
+    from mixle.gguf.blocks import pack_array
+    from mixle.gguf.imatrix_file import model_imatrix_names
     from tests.test_gguf_mixes import read_tensors, sha
     from tests.test_imatrix import fixture_imatrix, seeded_model
 

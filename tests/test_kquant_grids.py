@@ -16,7 +16,7 @@ from mixle.core.manifest import load_arrays, save_arrays
 from mixle.core.numerics import quantize_array, quantize_dequantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray, block_quantized_array, check_stored
-from mixle.exports.ggml_blocks import pack_array
+from mixle.gguf.blocks import pack_array
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NEW_GRIDS = ["q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4", "nf4"]

@@ -286,7 +286,7 @@ def test_flax_load_quantized_refuses_bad_contents(flax_file, tmp_path, edit, wor
 
 def test_the_exporters_refuse_storage_corrupted_in_memory(tmp_path):
     torch = pytest.importorskip("torch")
-    from mixle.exports.ggml_blocks import pack_blocks
+    from mixle.gguf.blocks import pack_blocks
     from mixle.torch_backend.transforms.convert import quantize_model
     from mixle.torch_backend.export import save_quantized
 

@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mixle"
 FLOORS = (
     (1, ("mixle", "mixle._optional", "mixle.core")),
     (2, ("mixle.backends", "mixle.torch_backend", "mixle.flax_backend")),
-    (3, ("mixle.api", "mixle.exports", "mixle.task", "mixle.experimental")),
+    (3, ("mixle.api", "mixle.exports", "mixle.gguf", "mixle.task", "mixle.experimental")),
     (4, ("mixle.lm",)),
     (5, ("mixle.models", "mixle.__main__")),
 )

@@ -18,6 +18,7 @@ pair of codes in the high nibble, as bitsandbytes packs them. An all-zero block 
 with a zero reciprocal (as ggml's ``d ? 1/d : 0``), so all its codes are that of 0.0.
 """
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -480,10 +481,13 @@ def unpack_nf4(data):
 # --------------------------------------------------------------------------------- table
 
 
-class BlockType(NamedTuple):
-    """One block format: its geometry, its four functions and how its fields are a stored array.
+@dataclass(frozen=True, eq=False)
+class BlockType:
+    """One block format's numerics: its geometry, its four functions and how its fields are a
+    stored array (what a ``mixle.core.grids.Grid`` with ``numerics`` quantizes with).
 
     Attributes:
+        name: the name a grid's ``numerics`` gives it (``"q4_k"``).
         block: values per block.
         ggml_type: the ``GGMLQuantizationType`` name (``"Q4_K"``), or None (NF4).
         bytes_per_block: packed bytes per block.
@@ -496,8 +500,12 @@ class BlockType(NamedTuple):
             scale, the offset (a min, or a two-level grid's super-block min), the sub-block scales and
             mins of ``mixle.core.stored.QuantizedArray``.
         code_shift: added to the stored code to give the array's code (Q5_0 stores ``code + 16``).
+
+    >>> BLOCK_TYPES["q5_0"].bytes_per_block, BLOCK_TYPES["q5_0"].code_shift
+    (22, -16)
     """
 
+    name: str
     block: int
     ggml_type: str | None
     bytes_per_block: int
@@ -507,28 +515,26 @@ class BlockType(NamedTuple):
     unpack: Callable
     fields: type
     parts: tuple
-    code_shift: int
+    code_shift: int = 0
 
 
 _AFFINE_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "m"))
 _K_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "dmin"), ("sub_scales", "scales"), ("sub_offsets", "mins"))
 
-
-def _entry(name, block, ggml_type, bytes_per_block, fields, parts, code_shift=0):
-    verbs = [globals()[f"{verb}_{name}"] for verb in ("quantize", "dequantize", "pack", "unpack")]
-    return BlockType(block, ggml_type, bytes_per_block, *verbs, fields, parts, code_shift)
-
-
-BLOCK_TYPES = {
-    name: _entry(name, *rest)
-    for name, *rest in (
-        ("q4_1", 32, "Q4_1", 20, AffineFields, _AFFINE_PARTS),
-        ("q5_0", 32, "Q5_0", 22, ScaleFields, (("codes", "codes"), ("scale", "d")), -16),
-        ("q5_1", 32, "Q5_1", 24, AffineFields, _AFFINE_PARTS),
-        ("q4_k", 256, "Q4_K", 144, KFields, _K_PARTS),
-        ("q5_k", 256, "Q5_K", 176, KFields, _K_PARTS),
-        ("q6_k", 256, "Q6_K", 210, Q6KFields, (("codes", "codes"), ("scale", "d"), ("sub_scales", "scales")), -32),
-        ("mxfp4", 32, "MXFP4", 17, MxFields, (("codes", "codes"), ("scale", "e"))),
-        ("nf4", NF4_BLOCK, None, 36, NF4Fields, (("codes", "codes"), ("scale", "absmax"))),
-    )
-}
+# llama.cpp's block numerics (and NF4's), by the name a grid's ``numerics`` gives them.
+BLOCK_TYPES = {bt.name: bt for bt in (
+    BlockType("q4_1", QK, "Q4_1", 20, quantize_q4_1, dequantize_q4_1, pack_q4_1, unpack_q4_1, AffineFields,
+              _AFFINE_PARTS),
+    BlockType("q5_0", QK, "Q5_0", 22, quantize_q5_0, dequantize_q5_0, pack_q5_0, unpack_q5_0, ScaleFields,
+              (("codes", "codes"), ("scale", "d")), -16),
+    BlockType("q5_1", QK, "Q5_1", 24, quantize_q5_1, dequantize_q5_1, pack_q5_1, unpack_q5_1, AffineFields,
+              _AFFINE_PARTS),
+    BlockType("q4_k", 256, "Q4_K", 144, quantize_q4_k, dequantize_q4_k, pack_q4_k, unpack_q4_k, KFields, _K_PARTS),
+    BlockType("q5_k", 256, "Q5_K", 176, quantize_q5_k, dequantize_q5_k, pack_q5_k, unpack_q5_k, KFields, _K_PARTS),
+    BlockType("q6_k", 256, "Q6_K", 210, quantize_q6_k, dequantize_q6_k, pack_q6_k, unpack_q6_k, Q6KFields,
+              (("codes", "codes"), ("scale", "d"), ("sub_scales", "scales")), -32),
+    BlockType("mxfp4", QK, "MXFP4", 17, quantize_mxfp4, dequantize_mxfp4, pack_mxfp4, unpack_mxfp4, MxFields,
+              (("codes", "codes"), ("scale", "e"))),
+    BlockType("nf4", NF4_BLOCK, None, 36, quantize_nf4, dequantize_nf4, pack_nf4, unpack_nf4, NF4Fields,
+              (("codes", "codes"), ("scale", "absmax"))),
+)}

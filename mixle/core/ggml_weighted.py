@@ -16,13 +16,18 @@ reference quantizer:
   weighted by each sub-block's summed weights, and the codes are requantized under them.
 * Q6_K: ``make_qx_quants`` (nmax 32) per sub-block of 16 weighted by the importance itself.
 * Q8_0 and MXFP4 ignore the importance (``quantize_q8_0`` / ``quantize_mxfp4`` discard it): so
-  does mixle (``IGNORED``). Other grids have no weighted search in ggml and refuse one.
+  does mixle (``Grid.importance == "ignored"``). Other grids have no weighted search in ggml and
+  refuse one.
+
+Each search is a ``WeightedSearch`` record that the grid record holds (``Grid.weighted``).
 
 ``make_qkx3_quants`` with weights given is ``make_qkx2_quants`` (``mixle.core.ggml_kquants``)
 with other search constants, and ``make_qx_quants`` with weights is the same search as without
 (``make_qx_quants_rmse1``); both are reused. Everything is float32 in C's operation order and runs
 on numpy arrays and torch tensors through the same code (``c_ops``), giving the same bits.
 """
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -44,8 +49,8 @@ from mixle.core.ggml_kquants import (
 )
 from mixle.core.ggml_quants import AffineFields, ScaleFields
 
-__all__ = ["WEIGHTED", "IGNORED", "WEIGHTED_ONLY", "importance_grid", "quantize_weighted", "make_qp_quants",
-           "check_importance", "importance_rows"]
+__all__ = ["WeightedSearch", "run_weighted", "make_qp_quants", "check_importance", "importance_rows"] + [
+    f"{name}_WEIGHTED" for name in ("Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")]
 
 
 def _row_sigma2(o, xb):
@@ -158,48 +163,55 @@ def _q6_k_weighted(x, qw):
     return q6_k_fields(o, xb, xs, scales, levels)
 
 
-# BLOCK_TYPES / grid name -> (weighted quantizer of (rows, importance), the code shift of its codes).
-WEIGHTED = {
-    "q4_0": lambda x, qw: _symmetric(x, qw, 8),
-    "q5_0": lambda x, qw: _symmetric(x, qw, 16),
-    "q4_1": lambda x, qw: _affine(x, qw, 15),
-    "q5_1": lambda x, qw: _affine(x, qw, 31),
-    "q4_k": lambda x, qw: _k_weighted(x, qw, 15),
-    "q5_k": lambda x, qw: _k_weighted(x, qw, 31),
-    "q6_k": _q6_k_weighted,
-}
-# Grids whose ggml quantizer takes an importance matrix and discards it.
-IGNORED = ("q8_0", "mxfp4")
-# Weighted grids without block numerics of their own (the reference is mixle.core.numerics' block
-# rules): ((stored-array part, field), ...) and the code shift, as ``BlockType.parts``.
-WEIGHTED_ONLY = {"q4_0": ((("codes", "codes"), ("scale", "d")), -8)}
+class WeightedSearch(NamedTuple):
+    """ggml's importance-weighted quantizer of one block type, as a grid record holds it
+    (``Grid.weighted``).
+
+    Attributes:
+        quantize: ``(x, importance) -> fields``: x float32 rows (..., n), the importance broadcast
+            to x, both of x's library.
+        parts: ``BlockType.parts`` of its fields, for a grid without block numerics of its own
+            (None: the grid's block type's).
+        code_shift: as ``BlockType.code_shift``, with ``parts``.
+    """
+
+    quantize: Callable
+    parts: tuple | None = None
+    code_shift: int = 0
 
 
-def quantize_weighted(grid_name, x, importance):
-    """ggml's importance-weighted quantizer of ``grid_name`` on rows x (..., n).
+Q4_0_WEIGHTED = WeightedSearch(lambda x, qw: _symmetric(x, qw, 8), (("codes", "codes"), ("scale", "d")), -8)
+Q5_0_WEIGHTED = WeightedSearch(lambda x, qw: _symmetric(x, qw, 16))
+Q4_1_WEIGHTED = WeightedSearch(lambda x, qw: _affine(x, qw, 15))
+Q5_1_WEIGHTED = WeightedSearch(lambda x, qw: _affine(x, qw, 31))
+Q4_K_WEIGHTED = WeightedSearch(lambda x, qw: _k_weighted(x, qw, 15))
+Q5_K_WEIGHTED = WeightedSearch(lambda x, qw: _k_weighted(x, qw, 31))
+Q6_K_WEIGHTED = WeightedSearch(_q6_k_weighted)
+
+
+def run_weighted(search, x, importance):
+    """``search`` (a ``WeightedSearch``) on rows x (..., n) with one importance per column.
 
     Args:
-        grid_name: a ``WEIGHTED`` key (``"q4_k"``).
+        search: the grid's ``WeightedSearch``.
         x: float32 numpy array or torch tensor (..., n): each last-axis row is one ggml row.
-        importance: float32 (..., n) broadcastable to x (one value per column), of x's library.
+        importance: float32 (..., n) broadcastable to x (one value per column), numpy or torch.
 
     Returns:
         The block type's fields (``mixle.core.ggml_quants``; Q4_0 as ScaleFields with codes
         ``l + 8``), shaped ``x.shape[:-1] + (n_blocks, ...)``.
 
     >>> x = np.linspace(-1, 1, 64, dtype=np.float32)[None]
-    >>> f = quantize_weighted("q4_0", x, np.ones(64, np.float32))
+    >>> f = run_weighted(Q4_0_WEIGHTED, x, np.ones(64, np.float32))
     >>> f.codes[0, 0, [0, -1]].tolist(), float(f.d[0, 0])
     ([0, 8], 0.12164306640625)
     """
-    if grid_name not in WEIGHTED:
-        raise ValueError(f"grid {grid_name!r} has no importance-weighted quantizer in ggml: those are {sorted(WEIGHTED)}")
     o = c_ops(x)
     if type(importance).__module__.split(".")[0] != type(x).__module__.split(".")[0]:  # numpy <-> torch
         importance = o.const(np.asarray(as_numpy(importance), np.float32).tolist(), "float32")
     qw = o.to_named(importance, "float32")
     qw = qw + o.zeros(x)  # broadcast to x's rows
-    return WEIGHTED[grid_name](x, qw)
+    return search.quantize(x, qw)
 
 
 def importance_rows(shape, batch_ndim=0, out_ndim=None):
@@ -249,20 +261,3 @@ def check_importance(importance, shape, *, batch_ndim=0, out_ndim=None, name="x"
                          f"must be finite and non-negative (llama.cpp's mean squared activations)")
     values = values.astype(np.float32)
     return values.reshape((batch if values.ndim > 1 else 1, 1, columns))
-
-
-def importance_grid(grid_name, name="x"):
-    """How ``llama-quantize --imatrix`` uses an importance on a grid: ``"weighted"`` (a weighted
-    search, ``WEIGHTED``) or ``"ignored"`` (ggml discards it, ``IGNORED``); ValueError for grids
-    ggml has no importance-weighted quantizer for.
-
-    >>> importance_grid("q4_k"), importance_grid("q8_0")
-    ('weighted', 'ignored')
-    """
-    if grid_name in WEIGHTED:
-        return "weighted"
-    if grid_name in IGNORED:
-        return "ignored"
-    raise ValueError(f"{name}: grid={grid_name!r} has no importance-weighted search (llama.cpp's imatrix quantizers are for "
-                     f"{sorted(WEIGHTED)}; it ignores the importance on {list(IGNORED)}): drop importance= or pick "
-                     f"one of those grids")

@@ -200,7 +200,7 @@ def stored_scale(ops, scale, spec, name=None):
     dtype = spec.grid_record.scale_dtype
     if dtype is None:
         return scale
-    narrow = ops.to_named(scale, dtype)
+    narrow = ops.to_named(scale, spec.grid_record.codec.dtype)
     advice = (f"which grid={spec.grid!r} stores its scales in: the weights are too large for this file "
               f"format; rescale them or use another grid")
     where = "" if name is None else f"{name}: "
@@ -355,7 +355,8 @@ def check_scale_range(ops, scale, spec, name="x", dtype=None):
 
 # The stored-array record (codes, scales, offsets, second-level scales) lives with its validation.
 from mixle.core.stored import QuantizedArray, block_quantized_array, check_dequantized_range  # noqa: E402
-from mixle.core.ggml_weighted import check_importance, importance_grid  # noqa: E402
+from mixle.core.ggml_weighted import check_importance  # noqa: E402
+from mixle.core.grids import importance_grid  # noqa: E402
 
 
 def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name=None, importance=None, **spec_fields):

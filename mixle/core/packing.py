@@ -172,3 +172,26 @@ def pack_block_codes(codes, grid, bits):
         half = grid.block // 2
         return nibbles[:, :half] | (nibbles[:, half:] << np.uint8(4))
     return pack_int4(blocks, signed=low < 0).reshape(blocks.shape[0], -1)
+
+
+def pack_scale_blocks(codes, scale, grid, bits):
+    """A grid's file blocks of codes with one float16 scale per block, fields in the order of its
+    ``Grid.ggml_fields`` (``"d"``: the scale; ``"qs"``: the codes, ``pack_block_codes``).
+
+    Args:
+        codes: integer numpy array ``(rows, cols)``, ``cols`` a multiple of ``grid.block``, on the grid.
+        scale: ``rows * cols / block`` exact float16 values (any float dtype).
+        grid: a ``mixle.core.grids.Grid`` with ``ggml_fields`` of ``d`` and ``qs`` only.
+        bits: the code width.
+
+    Returns:
+        uint8 array ``(rows, cols / block * bytes per block)``.
+
+    >>> from mixle.core.grids import GRIDS
+    >>> pack_scale_blocks(np.zeros((1, 32), np.int8), np.float32([1.0]), GRIDS["q8_0"], 8)[0, :3].tolist()
+    [0, 60, 0]
+    """
+    codes = np.asarray(codes)
+    fields = {"d": np.asarray(scale, dtype=np.float32).reshape(-1, 1).astype(np.float16).view(np.uint8),
+              "qs": pack_block_codes(codes, grid, bits)}
+    return np.concatenate([fields[name] for name, _ in grid.ggml_fields], axis=1).reshape(codes.shape[0], -1)

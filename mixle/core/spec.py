@@ -306,13 +306,13 @@ class QuantSpec:
                     f"set bwd_bits=8 (or 4) too"
                 )
         if self.weight_format != "int":
-            if self.bits != 8 or self.grid != "qwix":
+            if self.bits != 8 or not self.grid_record.qwix_native:
                 raise ValueError(
                     f"weight_format={self.weight_format!r} stores 8-bit floats with Qwix's scale "
                     f"(absmax / 448), which mixle's integer grids do not describe: pass bits=8 and grid='qwix'"
                 )
         if calibration is not None:
-            if self.grid != "qwix":
+            if not self.grid_record.qwix_native:
                 raise ValueError(
                     f"calibration={calibration!r} is Qwix's range method and needs grid='qwix'; the "
                     f"symmetric grid is itself absmax calibration with factor (qmax + 0.5) / qmax"
@@ -510,7 +510,7 @@ def _block_misfit(shape, cols, spec):
         fits = sorted(g.name for g in GRIDS.values() if g.block is not None and cols % g.block == 0)
         return (f"{start}: grid={grid.name!r} stores blocks of {grid.block} along each row, so rows of {cols} values "
                 f"cannot be stored on it; use a grid whose block divides {cols} ({fits or 'none does'}), as "
-                f"llama.cpp's mixes do per tensor (mixle.core.mixes.tensor_types)")
+                f"llama.cpp's mixes do per tensor (mixle.gguf.mixes.tensor_types)")
     divisors = [d for d in range(1, cols + 1) if cols % d == 0]
     near = sorted(divisors, key=lambda d: abs(d - spec.group_size))[:3]
     return f"{start}: use a divisor of {cols}, e.g. {sorted(near)}, or granularity='channel'"

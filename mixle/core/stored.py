@@ -39,8 +39,9 @@ import numpy as np
 
 from mixle.core.array_ops import array_ops
 from mixle.core.checks import ScaleOverflowError
-from mixle.core.ggml_quants import BLOCK_TYPES, as_numpy, c_ops, e8m0_half
-from mixle.core.ggml_weighted import WEIGHTED_ONLY, check_importance, importance_rows, quantize_weighted
+from mixle.core.ggml_quants import as_numpy, c_ops
+from mixle.core.ggml_weighted import check_importance, importance_rows, run_weighted
+from mixle.core.scale_codecs import AS_FLOAT32, scale_codec
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec, block_shape
 
@@ -148,7 +149,9 @@ class QuantizedArray:
             if part == "codes":
                 value = (value.astype(np.int16) - block_type.code_shift).astype(np.uint8).reshape(batch, count, size)
             elif part in ("scale", "offset"):
-                value = _SCALE_CODECS[grid.scale_dtype][1](value.reshape(batch, count))
+                value = scale_codec(grid.scale_dtype, AS_FLOAT32).encode(value.reshape(batch, count))
+            elif grid.sub_scale_dtype is not None:  # float sub-scales, in their codec's field
+                value = scale_codec(grid.sub_scale_dtype).encode(value.reshape(batch, count, -1))
             else:
                 value = value.reshape(batch, count, -1).astype(np.int8 if grid.sub_scale_signed else np.uint8)
             values[field] = value
@@ -211,37 +214,24 @@ def _grid_parts(grid):
 
 
 def block_type_of(grid):
-    """The ``mixle.core.ggml_quants.BLOCK_TYPES`` entry a grid's block numerics are (the one place
-    ``Grid.numerics`` is read); ValueError for a grid without block numerics.
+    """The block numerics (``mixle.core.ggml_quants.BlockType``) a grid record holds; ValueError for
+    a grid without block numerics.
 
     >>> block_type_of(QuantSpec(grid="q4_k").grid_record).bytes_per_block
     144
     """
-    if grid.numerics is None:
+    if grid.block_type is None:
         raise ValueError(f"grid {grid.name!r} has no block numerics (Grid.numerics): it is quantized by "
                          f"mixle.core.numerics' own block rules")
-    return BLOCK_TYPES[grid.numerics]
-
-
-def _e8m0_from(scale):
-    """E8M0 exponent bytes of powers of two 2**(e - 128) (``check_stored`` has checked them)."""
-    mantissa, exponent = np.frexp(np.asarray(scale, np.float32))
-    return (exponent.astype(np.int32) + 127).astype(np.uint8)
-
-
-# Scale dtype -> (the block field as float32 values, given the C-emulation ops; float32 values as
-# the block field, numpy).
-_SCALE_CODECS = {
-    None: (lambda o, v: o.to_named(v, "float32"), lambda v: np.asarray(v, np.float32)),
-    "float16": (lambda o, v: o.to_named(v, "float32"), lambda v: np.asarray(v, np.float32).astype(np.float16)),
-    "e8m0": (lambda o, v: e8m0_half(o, v), _e8m0_from),
-}
+    return grid.block_type
 
 
 def _weighted_fields(x, grid, importance, batch_ndim, out_ndim):
     """The fields of ggml's importance-weighted quantizer of x, laid out as the reference's."""
     batch, rows, cols = importance_rows(tuple(x.shape), batch_ndim, out_ndim)
-    fields = quantize_weighted(grid.name, x.reshape((batch, rows, cols)), importance)
+    if grid.weighted is None:
+        raise ValueError(f"grid {grid.name!r} has no importance-weighted quantizer in ggml")
+    fields = run_weighted(grid.weighted, x.reshape((batch, rows, cols)), importance)
     return type(fields)(*(f.reshape((batch, -1) + tuple(f.shape[3:])) for f in fields))
 
 
@@ -271,7 +261,11 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
     ((1, 1, 8), [15, 15, 15, 15, 15, 31, 48, 63])
     """
     grid = spec.grid_record
-    block_parts, code_shift = WEIGHTED_ONLY.get(grid.name) or (block_type_of(grid).parts, block_type_of(grid).code_shift)
+    own = grid.weighted if importance is not None and grid.weighted is not None else None
+    if own is not None and own.parts is not None:
+        block_parts, code_shift = own.parts, own.code_shift
+    else:
+        block_parts, code_shift = block_type_of(grid).parts, block_type_of(grid).code_shift
     if importance is not None:
         importance = check_importance(importance, tuple(x.shape), batch_ndim=batch_ndim, out_ndim=out_ndim, name=name)
         fields = _weighted_fields(x, grid, importance, batch_ndim, out_ndim)
@@ -285,7 +279,9 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
         if part == "codes":
             value = o.to_named(o.to_named(value, "int32") + code_shift, "int8").reshape(tuple(x.shape))
         elif part in ("scale", "offset"):
-            value = _SCALE_CODECS[grid.scale_dtype][0](o, value)[..., None]
+            value = scale_codec(grid.scale_dtype, AS_FLOAT32).decode(o, value)[..., None]
+        elif grid.sub_scale_dtype is not None:  # float sub-scales: their float32 values
+            value = scale_codec(grid.sub_scale_dtype).decode(o, value)
         parts[part] = value
     if check:
         for part in ("scale", "offset"):
@@ -373,7 +369,8 @@ def stored_layout(spec, shape, *, batch_ndim=0, out_ndim=1, packed=True):
         layout["offset"] = ("float" if grid.offset == "min" else _int_dtype(low, high), (batch, count, 1))
     for part in _grid_parts(grid):
         if part != "offset":
-            layout[part] = ("int8" if grid.sub_scale_signed else "uint8", (batch, count, size // grid.sub_block))
+            dtype = "float" if grid.sub_scale_dtype is not None else "int8" if grid.sub_scale_signed else "uint8"
+            layout[part] = (dtype, (batch, count, size // grid.sub_block))
     return layout
 
 
@@ -393,21 +390,17 @@ def _view(x):
 
 
 def _narrow_is_exact(x, dtype):
-    """Whether every value of ``x`` survives a round trip through ``dtype`` in x's own dtype."""
-    if dtype != "e8m0" and type(x).__module__.startswith("torch"):
+    """Whether every value of ``x`` is a value of the scale codec ``dtype`` names."""
+    codec = scale_codec(dtype)
+    if codec.dtype is not None and type(x).__module__.startswith("torch"):
         torch = sys.modules["torch"]
-        return bool(torch.equal(x.to(getattr(torch, dtype)).to(x.dtype), x))
+        return bool(torch.equal(x.to(getattr(torch, codec.dtype)).to(x.dtype), x))
     return not _narrow_bad(_view(x)[0], dtype).any()
 
 
 def _narrow_bad(array, dtype):
-    """Where the values of a numpy ``array`` are not values of ``dtype`` (float16, or E8M0: the
-    powers of two 2**-128 .. 2**127)."""
-    if dtype == "e8m0":
-        mantissa, exponent = np.frexp(array.astype(np.float64))
-        return (mantissa != 0.5) | (exponent < -127) | (exponent > 128)
-    with np.errstate(over="ignore"):
-        return array.astype(dtype).astype(array.dtype) != array
+    """Where the values of a numpy ``array`` are not values of the scale codec ``dtype`` names."""
+    return scale_codec(dtype).inexact(array)
 
 
 def _first(bad, values, part):
@@ -461,8 +454,9 @@ def _scale_problem(scale, array, spec):
     dtype = grid.scale_dtype
     if dtype is not None and not _narrow_is_exact(scale, dtype):
         where = _first(_narrow_bad(array, dtype), array, "scale")
-        if dtype != "e8m0" and np.abs(array).max() > np.finfo(dtype).max:
-            where += f", above {dtype}'s largest {np.finfo(dtype).max:g}"
+        largest = scale_codec(dtype).largest
+        if largest is not None and np.abs(array).max() > largest:
+            where += f", above {dtype}'s largest {largest:g}"
         return f"{wanted} {dtype} values (the grid stores them in {dtype})", where
     try:
         check_dequantized_range(array, spec)
@@ -483,9 +477,9 @@ def _check_float_part(part, value, want, spec, shape, name):
         problem = _scale_problem(value, array, spec)
     elif not np.isfinite(array).all():
         problem = "finite", _first(~np.isfinite(array), array, part)
-    elif grid.scale_dtype is not None and not _narrow_is_exact(value, grid.scale_dtype):
-        problem = f"finite {grid.scale_dtype} values (the grid stores them in {grid.scale_dtype})", \
-            _first(_narrow_bad(array, grid.scale_dtype), array, part)
+    elif (dtype := grid.scale_dtype if part == "offset" else grid.sub_scale_dtype) is not None \
+            and not _narrow_is_exact(value, dtype):
+        problem = f"finite {dtype} values (the grid stores them in {dtype})", _first(_narrow_bad(array, dtype), array, part)
     else:
         problem = None
     if problem:

@@ -40,7 +40,7 @@ from torch import nn
 
 from mixle._optional import require
 from mixle.core.fileformat import replace_directory_atomically
-from mixle.core.grids import grid_named
+from mixle.core.grids import GRIDS, grid_named
 from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
@@ -109,6 +109,11 @@ def weight_args(spec):
         )
     return QuantizationArgs(num_bits=spec.bits, type="int", symmetric=True, strategy=spec.granularity,
                             group_size=spec.group_size, dynamic=False)
+
+
+def _grid_reaching(bits, low):
+    """The first plain grid (``Grid.is_plain``: mixle's default first) whose codes at ``bits`` reach ``low``."""
+    return next(g.name for g in GRIDS.values() if g.is_plain() and bits in g.codes and g.code_range(bits)[0] <= low)
 
 
 def spec_of_args(args, grid="qwix"):
@@ -601,7 +606,7 @@ def _to_quantized_linear(model, grid, directory):
     replacements = {}
     for path, (module, args, codes) in found.items():
         key = args.model_dump_json()
-        chosen = grid or ("qwix" if low_code[key] == -(2 ** (args.num_bits - 1)) else "symmetric")
+        chosen = grid or _grid_reaching(args.num_bits, low_code[key])
         spec = spec_of_args(args, chosen)
         scale = module.weight_scale.detach()
         if scale.dtype != model_dtype:

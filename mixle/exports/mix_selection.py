@@ -1,41 +1,7 @@
-"""``apply_qat(model, gguf_mix=...)``: a llama.cpp mix as layer patterns (``gguf_mix_specs``).
+"""Old path of ``mixle.gguf.mix_selection`` (llama.cpp's room): its names, for the imports users have."""
 
-Each weight the mix quantizes gets an exact-path pattern with the grid of the block type
-llama.cpp's quantizer gives it; weights it keeps float (F16/F32) get ``(path, None)``. An untied
-token embedding the mix quantizes is opted in. ``mixle.exports.gguf`` (and torch) is imported
-only when a mix is asked for.
-"""
-
-import re
-
-__all__ = ["mix_selection"]
+import importlib
 
 
-def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in, importance=None):
-    """``(patterns, opt_in)`` selecting every layer of ``model`` on its grid in ``gguf_mix``
-    (with ``importance``: the types ``llama-quantize --imatrix`` gives, ``gguf_mix_specs``).
-
-    ``act_bits`` is the one spec field a mix takes: every layer's spec gets it, so that each product's
-    input is rounded as llama.cpp's CPU path rounds it on that layer's block type (``Grid.activation_grid``:
-    Q8_0 or Q8_K blocks); it changes no stored weight.
-
-    Raises:
-        ValueError: ``gguf_mix`` together with a spec, other spec fields, patterns, exclude or opt_in:
-            the mix decides every layer's grid, so they would change the file llama.cpp makes.
-    """
-    given = [name for name, value in (("spec", spec), ("patterns", patterns if tuple(patterns) != (".*",) else None),
-                                      ("exclude", tuple(exclude) or None), ("opt_in", tuple(opt_in) or None))
-             if value is not None] + sorted(set(spec_fields) - {"act_bits"})
-    if given:
-        raise ValueError(f"gguf_mix={gguf_mix!r} decides every layer's grid (the block type llama.cpp's quantizer "
-                         f"gives it), so it cannot be combined with {given}: pass gguf_mix alone, or drop it and "
-                         f"give patterns=[(path, QuantSpec(grid=...)), ...] yourself")
-    from mixle.exports.gguf import gguf_mix_specs  # torch and gguf, only when a mix is asked for
-
-    specs = gguf_mix_specs(model, gguf_mix, importance=importance)
-    if spec_fields.get("act_bits") is not None:
-        specs = {path: None if spec is None else spec.replace(act_bits=spec_fields["act_bits"])
-                 for path, spec in specs.items()}
-    modules = dict(model.named_modules())
-    embedding = any(spec is not None and type(modules[path]).__name__ == "Embedding" for path, spec in specs.items())
-    return [(re.escape(path), spec) for path, spec in specs.items()], ("embedding",) if embedding else ()
+def __getattr__(name):
+    return getattr(importlib.import_module("mixle.gguf.mix_selection"), name)

@@ -292,7 +292,7 @@ def _gguf_rows(run, lm):
     row = run.add(GGUF_FINETUNE, 32, tuned)
     with _gguf_folder(run.gguf_dir) as folder:
         if llama_cpp_module() is not None or run.gguf_dir is not None:  # the float model as an F32 file
-            from mixle.exports.gguf import save_gguf
+            from mixle.gguf.writer import save_gguf
 
             path = os.path.join(folder, "fp32.gguf")
             save_gguf(tuned, path, tokenizer=run.data.tokenizer, float_matrices="f32")

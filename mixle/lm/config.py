@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from mixle.core.gptq import check_gptq_spec
-from mixle.core.mixes import GGUF_MIXES, mix_named
+from mixle.gguf.mixes import GGUF_MIXES, mix_named
 from mixle.core.spec import SUPPORTED_BITS, QuantSpec
 from mixle.lm.flags import option, positive_int
 

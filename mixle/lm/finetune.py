@@ -83,10 +83,10 @@ def target_outputs(model, spec, float_matrices, mix=None):
     <function target_outputs at ...>
     """
     from mixle.exports.compressed_tensors import weight_args
-    from mixle.exports.ggml_blocks import BLOCK, GGML_BLOCKS
+    from mixle.gguf.blocks import BLOCK, GGML_BLOCKS
 
     if mix is not None:
-        from mixle.exports.gguf import gguf_mix_specs
+        from mixle.gguf.writer import gguf_mix_specs
 
         gguf_mix_specs(model, mix)
         return {"gguf": True, "compressed_tensors": False}
@@ -286,7 +286,7 @@ class _Evaluator:
     def gguf(self, model, path, float_matrices, row, mix=None, importance=None):
         """Write ``model`` as the GGUF ``path`` (in the llama.cpp ``mix`` if given, with the types it gives
         with ``importance``), record its bytes and llama.cpp's losses."""
-        from mixle.exports.gguf import save_gguf
+        from mixle.gguf.writer import save_gguf
 
         save_gguf(model, path, tokenizer=self.gguf_tokenizer, float_matrices=float_matrices, gguf_mix=mix,
                   importance=importance)

@@ -97,7 +97,7 @@ def read_importance(path, model, info=None):
     ...
     FileNotFoundError: --imatrix '/no/such.imatrix' does not exist: ...
     """
-    from mixle.exports.imatrix_file import load_imatrix, model_imatrix_names, read_imatrix
+    from mixle.gguf.imatrix_file import load_imatrix, model_imatrix_names, read_imatrix
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--imatrix {str(path)!r} does not exist: give a llama-imatrix file (.gguf or .dat) "
@@ -129,7 +129,7 @@ def calibrate(model, data, config, out):
     """
     from mixle.api import calibrate_importance
     from mixle.core.fileformat import replace_atomically
-    from mixle.exports.imatrix_file import save_imatrix
+    from mixle.gguf.imatrix_file import save_imatrix
 
     began = time.perf_counter()
     batches = calibration_batches(data, config, next(model.parameters()).device)

@@ -11,10 +11,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from mixle.core.ggml_weighted import importance_grid
+from mixle.core.grids import importance_grid
 from mixle.core.gptq import check_gptq_spec
 from mixle.core.grids import GRIDS
-from mixle.core.mixes import GGUF_MIXES, grid_of_type
+from mixle.gguf.mixes import GGUF_MIXES, grid_of_type
 from mixle.core.spec import QuantSpec
 from mixle.lm.flags import option, positive_int
 
@@ -148,7 +148,7 @@ class FinetuneConfig:
             ``q8_0`` (with a mix target the mix decides every matrix, so it must stay None).
         tokenizer_pre: llama.cpp's pre-tokenizer name the GGUF files get (``tokenizer.ggml.pre``,
             e.g. ``smollm``) when the model's transformers tokenizer is one mixle cannot name
-            (``mixle.exports.gguf_tokenizer``); a ``.gguf`` model's tokenizer is copied from it whole.
+            (``mixle.gguf.tokenizer``); a ``.gguf`` model's tokenizer is copied from it whole.
         seed, threads, llama_cpp: data order seed; torch/llama.cpp threads; also evaluate
             the written files in llama.cpp when llama-cpp-python is installed.
         imatrix: ``"off"``; ``"calibrate"``: llama.cpp's importance matrix (what ``llama-imatrix``

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixle._optional import require
-from mixle.exports.gguf_file import open_gguf
-from mixle.exports.gguf_tokenizer import split_as_llama_cpp
+from mixle.gguf.file import open_gguf
+from mixle.gguf.tokenizer import split_as_llama_cpp
 
 __all__ = ["SUPPORTED", "TEXT_SUFFIXES", "LoadedModel", "load_model", "load_texts", "check_finite", "model_kind",
            "tokens_needed", "check_vocabulary"]
 
-# The transformers classes mixle writes as llama.cpp files (``mixle.exports.gguf_layouts``) and as
+# The transformers classes mixle writes as llama.cpp files (``mixle.gguf.layouts``) and as
 # compressed-tensors checkpoints: class name -> llama.cpp architecture.
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -256,8 +256,8 @@ def _load_gguf(transformers, torch, path):
 def check_vocabulary(loaded, gguf, tokenizer_pre=None):
     """Refuse, before training, a tokenizer the run cannot use: an id without a row in the model's
     embedding, or (``gguf``: the run writes GGUF files) one the GGUF writer does not take. The
-    checks are the writer's own (``mixle.exports.gguf_vocab.check_token_ids``,
-    ``mixle.exports.gguf_tokenizer.gguf_tokenizer``), and what they return is what the run writes.
+    checks are the writer's own (``mixle.gguf.vocab.check_token_ids``,
+    ``mixle.gguf.tokenizer.gguf_tokenizer``), and what they return is what the run writes.
 
     Args:
         loaded: the ``LoadedModel``.
@@ -276,8 +276,8 @@ def check_vocabulary(loaded, gguf, tokenizer_pre=None):
     >>> check_vocabulary  # doctest: +ELLIPSIS
     <function check_vocabulary at ...>
     """
-    from mixle.exports.gguf_tokenizer import gguf_tokenizer
-    from mixle.exports.gguf_vocab import check_token_ids
+    from mixle.gguf.tokenizer import gguf_tokenizer
+    from mixle.gguf.vocab import check_token_ids
 
     model, tokenizer = loaded.model, loaded.tokenizer
     rows = model.get_input_embeddings().num_embeddings

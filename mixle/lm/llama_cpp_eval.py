@@ -130,7 +130,7 @@ def _probe():
     import torch
 
     from mixle.api import apply_qat
-    from mixle.exports.gguf import save_gguf
+    from mixle.gguf.writer import save_gguf
     from mixle.lm.transformer import build_causal_lm
 
     torch.manual_seed(0)
@@ -193,7 +193,7 @@ def llama_cpp_loss(path, windows, threads=None):
         threads: llama.cpp's threads (default: torch's).
 
     >>> import os, tempfile, torch
-    >>> from mixle.exports.gguf import save_gguf
+    >>> from mixle.gguf.writer import save_gguf
     >>> from mixle.lm.transformer import build_causal_lm
     >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
     >>> _ = save_gguf(build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh"), path, float_matrices="f32")
@@ -257,7 +257,7 @@ def llama_cpp_text_loss(path, texts, threads=None, reference=None):
         exactly the reference's ids).
 
     >>> import os, tempfile, torch
-    >>> from mixle.exports.gguf import save_gguf
+    >>> from mixle.gguf.writer import save_gguf
     >>> from mixle.lm.transformer import build_causal_lm
     >>> path = os.path.join(tempfile.mkdtemp(), "lm.gguf")
     >>> lm = build_causal_lm(40, 32, 1, 2, 8, activation="gelu_tanh")
@@ -335,8 +335,8 @@ def gguf_loss(model, template, path, windows, *, tokenizer=None, gguf_mix=None, 
     >>> abs(result.loss - held_out_loss(qat, windows)) < 1e-5, result.nbytes > 0
     (True, True)
     """
-    from mixle.exports.gguf import load_gguf_weights, save_gguf
-    from mixle.exports.gguf_file import open_gguf
+    from mixle.gguf.writer import load_gguf_weights, save_gguf
+    from mixle.gguf.file import open_gguf
 
     save_gguf(model, path, tokenizer=tokenizer, gguf_mix=gguf_mix, importance=importance)
     from_file = load_gguf_weights(template, path)

@@ -7,8 +7,8 @@ quantizers): the fake-quantized weight and, when asked, its int8 codes with one 
 ``a`` (and offset ``b``) per sub-block, ``value = code * a (+ b)``, from which a rebuild is one
 cheap pass (``dequantize``). A bfloat16 weight is read exactly as float32 and its result written
 rounded to nearest even, which is the float32 numerics then ``.to(torch.bfloat16)``. With an importance matrix entry the kernels run ggml's importance-weighted
-searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: every grid but q8_0 and mxfp4,
-whose ggml quantizers ignore it, and nf4), bit for bit ``quantize_array(..., importance=)``. Built and cached like
+searches instead (``llama-quantize --imatrix``; ``WEIGHTED``: the grids whose record has a
+``weighted`` search: every grid but q8_0 and mxfp4, whose ggml quantizers ignore it, and nf4), bit for bit ``quantize_array(..., importance=)``. Built and cached like
 ``fused_cpu``'s kernels (their flags, see ``FLAGS``; the same private cache); off whenever
 those are off (``MIXLE_FUSED_KERNELS=0``, ``fused_cpu.switched_off``, no compiler), and then the
 torch numerics run instead.
@@ -16,12 +16,11 @@ torch numerics run instead.
 
 import ctypes
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from mixle.core.array_ops import TorchOps
-from mixle.core.ggml_quants import NF4_TABLE
+from mixle.core.grids import GRIDS, DerivedTable
 from mixle.torch_backend.kernels import fused_cpu
 from mixle.torch_backend.kernels import kernel_cache
 
@@ -32,29 +31,11 @@ SOURCE = Path(__file__).with_name("fused_ggml_quant.cpp")
 FLAGS = fused_cpu.FLAGS + ("-fno-trapping-math",)
 
 
-class _Kind(NamedTuple):
-    id: int  # the kernel's grid number
-    block: int  # values a row length must be a multiple of
-    sub: int  # values per multiplier (and offset)
-    offset: bool  # value = code * a + b (else code * a)
-
-
-# Grid name -> how the kernel runs it (grid numbers as in fused_ggml_quant.cpp's enum).
-KINDS = {
-    "q4_0": _Kind(0, 32, 32, False),
-    "q8_0": _Kind(1, 32, 32, False),
-    "q4_1": _Kind(2, 32, 32, True),
-    "q5_0": _Kind(3, 32, 32, False),
-    "q5_1": _Kind(4, 32, 32, True),
-    "q4_k": _Kind(5, 256, 32, True),
-    "q5_k": _Kind(6, 256, 32, True),
-    "q6_k": _Kind(7, 256, 16, False),
-    "mxfp4": _Kind(8, 32, 32, False),  # code = the E2M1 value doubled, a = 2**(e - 128)
-    "nf4": _Kind(9, 64, 64, False),  # code = the NF4_TABLE index, a = absmax: value = NF4_TABLE[code] * a
-}
-# The grids whose importance-weighted search (``mixle.core.ggml_weighted``) the kernels run.
-# ggml's q8_0 and mxfp4 quantizers ignore an importance; nf4 has none.
-WEIGHTED = frozenset(name for name in KINDS if name not in ("q8_0", "mxfp4", "nf4"))
+# Grid name -> how the kernel runs it (``Grid.kernel``: its number in fused_ggml_quant.cpp's enum,
+# values per multiplier, an offset, codes indexing the grid's table), read off the grid records.
+KINDS = DerivedTable(lambda: {g.name: g.kernel for g in GRIDS.values() if g.kernel is not None})
+# The grids whose importance-weighted search (``Grid.weighted``) the kernels run.
+WEIGHTED = DerivedTable(lambda: {name: GRIDS[name].weighted for name in KINDS if GRIDS[name].weighted is not None})
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _loaded = {}  # "ggml" -> _Kernels or None, once decided
 _OPS = TorchOps()
@@ -103,10 +84,10 @@ def applies_to(x, spec):
     >>> applies_to(torch.ones(2, 32, dtype=torch.float64), QuantSpec(grid="q4_0"))
     False
     """
-    kind = KINDS.get(spec.grid)
+    kind = spec.grid_record.kernel
     if kind is None or x.dtype not in _DTYPES or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    if x.ndim == 0 or x.shape[-1] % kind.block or x.layout != torch.strided or not x.is_contiguous():
+    if x.ndim == 0 or x.shape[-1] % spec.grid_record.block or x.layout != torch.strided or not x.is_contiguous():
         return False
     return _OPS.readable(x) and available()
 
@@ -136,7 +117,7 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
     overflows; where either is non-zero the other outputs are meaningless (the caller raises).
     Call ``applies_to`` first.
     """
-    kind = KINDS[spec.grid]
+    kind = spec.grid_record.kernel
     deq = torch.empty_like(x) if out is None else out
     io = _io_code(x.dtype, deq.dtype)
     codes = a = b = None
@@ -159,8 +140,9 @@ def fake_quant(x, spec, *, want_codes=False, out=None, importance=None):
 
 def dequantize(codes, a, b, dtype, out=None, grid=None):
     """``codes * a (+ b)`` per sub-block in ``dtype`` (float32 or bfloat16; rounded once from the
-    float32 value), into ``out`` when given; on ``grid="nf4"`` ``NF4_TABLE[codes] * a``. The torch
-    ops compute the same where the kernels are off.
+    float32 value), into ``out`` when given; on a grid whose kernel codes index its table
+    (``KernelKind.indexes_table``: nf4) ``table[codes] * a``. The torch ops compute the same where
+    the kernels are off.
 
     >>> dequantize(torch.tensor([2, -1], dtype=torch.int8), torch.tensor([0.5]), None, torch.float32).tolist()
     [1.0, -0.5]
@@ -168,14 +150,15 @@ def dequantize(codes, a, b, dtype, out=None, grid=None):
     if out is None or not out.is_contiguous():
         out = torch.empty(codes.shape, dtype=dtype)
     kernels = _kernels()
-    nf4 = grid == "nf4"
+    record = GRIDS.get(grid)
+    table = record.table if record is not None and record.kernel is not None and record.kernel.indexes_table else None
     if kernels is None or dtype not in _DTYPES:
         values = codes.reshape(a.numel(), -1)
-        values = torch.tensor(NF4_TABLE, dtype=torch.float32)[values.long()] if nf4 else values.float()
+        values = torch.tensor(table, dtype=torch.float32)[values.long()] if table else values.float()
         values = values * a[:, None]
         if b is not None:
             values = values + b[:, None]
         return out.copy_(values.reshape(codes.shape))
     kernels.dequantize(_DTYPES[dtype], codes.data_ptr(), a.data_ptr(), _ptr(b), codes.numel(),
-                       codes.numel() // a.numel(), out.data_ptr(), torch.get_num_threads(), int(nf4))
+                       codes.numel() // a.numel(), out.data_ptr(), torch.get_num_threads(), int(table is not None))
     return out

@@ -15,7 +15,6 @@ from mixle.torch_backend import fused_ggml as _fused_ggml
 from mixle.torch_backend.kernels import fused_cpu as _fused_cpu
 from mixle.core.array_ops import TorchOps, array_ops
 from mixle.core.checks import ScaleOverflowError, check_block_max, not_finite_error, require_finite
-from mixle.core.grids import GRIDS
 from mixle.core.stored import block_quantized_array, check_dequantized_range
 from mixle.core.numerics import (
     NARROW_FLOATS,
@@ -89,18 +88,23 @@ def _blocks(x, spec):
     return array_ops(x), x.reshape(block_shape(x.shape, spec))
 
 
-# Grids with their own block numerics (offsets, second-level scales: llama.cpp's K-quants):
-# grid name -> fn(x in float32 or float64, spec) -> the round trip of x, same shape and dtype.
-# Their entries keep no scales: a rebuild runs fn again.
-BLOCK_NUMERICS = {name: (lambda x, spec: fake_quant_forward(x, spec, name="weight")[0])
-                  for name, grid in GRIDS.items() if grid.numerics is not None}
+# Functions plugged in for a grid: grid name -> fn(x in float32 or float64, spec) -> the round trip
+# of x, same shape and dtype; they run instead of the grid's own numerics and kernels. A grid whose
+# record has block numerics (``Grid.numerics``: offsets, second-level scales, llama.cpp's K-quants)
+# and nothing plugged in runs ``_block_round_trip``. Their entries keep no scales: a rebuild runs fn again.
+BLOCK_NUMERICS = {}
 
 
-# The grids as registered above: a grid whose entry is still its default takes ``_fused_ggml``'s
-# kernel where it applies (another function plugged into BLOCK_NUMERICS always runs instead).
-_DEFAULT_BLOCK_NUMERICS = dict(BLOCK_NUMERICS)
-# Grids whose rebuild would repeat a scale search: their fused entries always keep the codes.
-_SEARCHED = frozenset(name for name, grid in GRIDS.items() if grid.scale_search is not None)
+def _block_round_trip(x, spec):
+    return fake_quant_forward(x, spec, name="weight")[0]
+
+
+def _own_numerics(spec):
+    """The block-numerics function that fake-quantizes on ``spec``'s grid, or None (the plain numerics)."""
+    plugged = BLOCK_NUMERICS.get(spec.grid)
+    if plugged is not None:
+        return plugged
+    return _block_round_trip if spec.grid_record.numerics is not None else None
 
 
 def ggml_fused(x, spec, importance=None):
@@ -113,8 +117,7 @@ def ggml_fused(x, spec, importance=None):
     """
     if importance is not None and (spec.grid not in _fused_ggml.WEIGHTED or importance.device.type != "cpu"):
         return False
-    return (BLOCK_NUMERICS.get(spec.grid) is _DEFAULT_BLOCK_NUMERICS.get(spec.grid) and not spec.clip_gradient
-            and _fused_ggml.applies_to(x, spec))
+    return spec.grid not in BLOCK_NUMERICS and not spec.clip_gradient and _fused_ggml.applies_to(x, spec)
 
 
 def _quantize_weighted(x, spec, key, importance, out):
@@ -142,7 +145,7 @@ def _quantize_weighted(x, spec, key, importance, out):
 def _quantize_ggml(x, spec, key, keep_codes, out):
     """``quantize`` by ``_fused_ggml``'s kernel, or None where a float16 scale overflows (the torch
     numerics then run, and raise their own error)."""
-    keep = keep_codes or spec.grid in _SEARCHED
+    keep = keep_codes or spec.grid_record.scale_search is not None  # a rebuild would repeat the search
     deq, codes, a, b, nonfinite, overflow = _fused_ggml.fake_quant(x, spec, want_codes=keep, out=out)
     if nonfinite:
         raise not_finite_error(x, "weight")
@@ -175,7 +178,7 @@ def quantize(x, spec, key=None, keep_codes=False, out=None, importance=None):
         done = _quantize_ggml(x, spec, key, keep_codes, out)
         if done is not None:
             return done
-    own = BLOCK_NUMERICS.get(spec.grid)
+    own = _own_numerics(spec)
     if own is not None:
         # The block searches would turn a NaN into codes: refuse it (a device assert off the host).
         check_block_max(x.detach().abs().amax(), x, "weight")
@@ -242,7 +245,7 @@ def rebuild(entry, x, keep_codes=False, out=None):
 def _is_ggml(entry):
     """An entry of ``_fused_ggml``'s kernel: codes times a scale per sub-block (plus an offset on
     grids with a min), rounded with no other scale (the torch path's q4_0 / q8_0 entries keep one)."""
-    return entry.spec.grid in _fused_ggml.KINDS and entry.code_scale is None
+    return entry.spec.grid_record.kernel is not None and entry.code_scale is None
 
 
 def clip_mask_grad(grad, x, spec, threshold, out=None):

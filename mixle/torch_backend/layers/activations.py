@@ -139,8 +139,9 @@ def _q8_k(x, bits, grid):
     return (codes * scale).reshape(x.shape)
 
 
-# Activation grids with their own rounding; the others run mixle.core.numerics' block rules.
-_OWN_BLOCKS = {"q8_k": _q8_k}
+# (scale rule, rounding) of activation grids with a torch rounding of their own (Q8_K's inverse
+# scale and nearest_int); the others run mixle.core.numerics' block rules.
+_OWN_BLOCKS = {("signed_max", "nearest_int"): _q8_k}
 
 
 def quantize_dequantize_activations(x, spec):
@@ -158,7 +159,7 @@ def quantize_dequantize_activations(x, spec):
     act = spec.grid_record.activation_record()
     work = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     if act.block is not None:
-        out = _OWN_BLOCKS.get(act.name, _blocks)(work, spec.act_bits, act)
+        out = _OWN_BLOCKS.get((act.scale_rule, act.rounding), _blocks)(work, spec.act_bits, act)
     elif spec.act_symmetric:
         out = _symmetric(work, spec.act_bits, spec.grid_record)
     else:

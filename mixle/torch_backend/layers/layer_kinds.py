@@ -16,7 +16,7 @@ from mixle.core.layer_weights import quantize_embedding_weight, quantize_linear_
 from mixle.core.numerics import quantize_array
 from mixle.torch_backend.layers.expert_layers import (ExpertsType, QATExperts, QATRouter, QuantizedExperts, QuantizedRouter,
                                                RouterType, assemble_fused, check_fused_spec, fused_weight_names,
-                                               quantize_experts, wrap_fused)
+                                               quantize_experts, stored_arrays, wrap_fused)
 from mixle.torch_backend.layers.conv_layers import QuantizedConv, QATConvMixin, quantize_conv_matrix, wrap_conv
 from mixle.torch_backend.layers.hf_layers import Conv1DType, QuantizedConv1D, QATConv1DMixin, wrap_conv1d
 from mixle.torch_backend.fake_quant import numerics_input
@@ -24,7 +24,7 @@ from mixle.torch_backend.layers.qat import QATEmbedding, QATWrapper, plain_linea
 from mixle.torch_backend.layers.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.layers.mha_layers import OPTIONS as MHA_OPTIONS
 from mixle.torch_backend.layers.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
-from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, to_storage
+from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, to_storage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,3 +276,25 @@ def kind_named(name):
             return kind
     known = [kind.name for kind in KINDS if kind.quantized_type is not None]
     raise ValueError(f"unknown layer kind {name!r}: this mixle stores {known}")
+
+
+def written_array(module, attr="weight"):
+    """The QuantizedArray a file stores for ``module``'s weight ``attr``: a converted layer's own,
+    a QAT layer's (the codes its fake-quant forward trains on, ``qat_stored_array``), a fused
+    experts or router layer's ``attr``; None for a float layer.
+
+    Raises:
+        ValueError: the QAT layer's weight cannot be stored (the message starts ``layer ...`` where
+            the layer names itself).
+
+    >>> written_array(nn.Linear(2, 2)) is None
+    True
+    """
+    fused = stored_arrays(module)
+    if fused is not None:
+        return fused[attr]
+    if isinstance(module, QuantizedWeight):
+        return module.quantized_array()
+    if getattr(module, "spec", None) is not None and kind_of_qat(module) is not None:
+        return qat_stored_array(module)
+    return None

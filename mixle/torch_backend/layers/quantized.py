@@ -78,13 +78,8 @@ def file_scale_dtype(spec):
     >>> file_scale_dtype(QuantSpec(grid="q4_0")), file_scale_dtype(QuantSpec(bits=4))
     (torch.float16, None)
     """
-    name = spec.grid_record.scale_dtype
-    name = _TORCH_DTYPE_NAMES.get(name, name)
-    return None if name is None else getattr(torch, name)
-
-
-# E8M0 scales (mxfp4) stay float32 in mixle's files: save_quantized's safetensors has no E8M0 dtype.
-_TORCH_DTYPE_NAMES = {"e8m0": None}
+    codec = spec.grid_record.codec  # E8M0 scales (mxfp4) stay float32: safetensors has no E8M0 dtype
+    return None if codec is None or codec.file_dtype is None else getattr(torch, codec.file_dtype)
 
 
 def scale_nbytes(spec, scale):

@@ -38,14 +38,14 @@ Falcon architecture, whose rules differ.
 import re
 from dataclasses import dataclass
 
-from mixle.core.grids import GRIDS
+from mixle.core.grids import GRIDS, DerivedTable
 
 __all__ = ["GGUFMix", "LayerRule", "GGUF_MIXES", "FALLBACKS", "LAYER_RULES", "NOT_QUANTIZED", "mix_named",
            "tensor_types", "tensor_category", "grid_of_type", "use_more_bits", "fallback_type"]
 
 # ggml type -> values per block, of the types mixle has grids for (F16 and F32: one value).
-BLOCK_OF_TYPE = {**{g.ggml_type: g.block for g in GRIDS.values() if g.ggml_type}, "F16": 1, "F32": 1}
-GRID_OF_TYPE = {g.ggml_type: g.name for g in GRIDS.values() if g.ggml_type}
+BLOCK_OF_TYPE = DerivedTable(lambda: {**{g.ggml_type: g.block for g in GRIDS.values() if g.ggml_type}, "F16": 1, "F32": 1})
+GRID_OF_TYPE = DerivedTable(lambda: {g.ggml_type: g.name for g in GRIDS.values() if g.ggml_type})
 
 # tensor_type_fallback: the 32-block type a 256-block type falls back to.
 FALLBACKS = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}

@@ -1,0 +1,17 @@
+"""llama.cpp in one room: everything mixle knows of GGUF files and llama-quantize.
+
+* ``blocks``: ggml's block layouts, packed from mixle's stored arrays (the block numerics are the
+  grid records' own, ``mixle.core.grids``).
+* ``mixes``: llama-quantize's mixes (``Q4_K_M``, ...): the type it gives each tensor.
+* ``layouts``: how a model's weights become a GGUF file's tensors, per architecture.
+* ``plan``: the plan of a model's file, built once: its layout, tensor shapes, the matrices an
+  importance matrix covers, the types a mix gives them.
+* ``imatrix_file``: llama.cpp's importance-matrix files, and importance by layer or by tensor.
+* ``file``, ``tokenizer``, ``vocab``: reading a GGUF file safely, its tokenizer keys.
+* ``writer`` (``save_gguf``, ``gguf_mix_types``, ``gguf_mix_specs``) and ``reader``
+  (``load_gguf_weights``).
+* ``mix_selection``: the QAT selection a mix gives (``apply_qat(gguf_mix=)``).
+
+Importing this package imports none of them; torch and gguf-py are imported by the modules that
+need them.
+"""

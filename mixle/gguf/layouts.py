@@ -1,0 +1,395 @@
+"""Which model tensors become which llama.cpp tensors: one layout function per architecture.
+
+A layout recognises a model, checks what llama.cpp's graph for its architecture computes, and
+lists the tensors to write (``Part``) with the hyper-parameters (``GGUFWriter.add_*`` calls).
+Tensor names come from gguf-py's ``TENSOR_NAMES``. ``LAYOUTS`` is the table ``save_gguf``
+tries in order; adding an architecture is one function there.
+
+Row permutation: llama.cpp's ``llama`` graph applies rotary embeddings to adjacent pairs of
+each head's dimensions, Hugging Face's Llama to the two halves, so (as llama.cpp's own
+converter does) the rows of ``q_proj`` and ``k_proj`` (and their biases) are reordered within
+each head: new row ``2i + j`` of a head is old row ``j * head_dim / 2 + i``. Whole rows move, so
+quantized blocks (which run along a row) move intact. ``qwen2`` rotates halves like Hugging
+Face: no permutation; nor ``qwen3moe``, whose q/k norms act per head before the rotation.
+Mixtral is written as ``llama`` with experts, so its q/k rows are permuted as Llama's.
+
+Mixtures of experts (``HF_ARCHS`` records with ``experts``): each layer's router (``mlp.gate``,
+float: F32, as llama.cpp never quantizes it) is ``ffn_gate_inp``; the fused expert weights
+``gate_up_proj`` ``(E, 2I, H)`` (gate rows first) and ``down_proj`` ``(E, H, I)`` are
+``ffn_gate_exps`` / ``ffn_up_exps`` (rows ``[:I]`` and ``[I:]`` of every expert) and
+``ffn_down_exps``, with ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length``.
+llama.cpp's graph (``build_moe_ffn``) takes a softmax over all experts, keeps the top k and divides
+them by their sum: configurations it would compute differently (Qwen3-MoE's
+``norm_topk_prob=False``, dense or shared-expert layers, a sliding window) are refused.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import nn
+
+__all__ = ["Part", "Layout", "HFArch", "HF_ARCHS", "LAYOUTS", "layout_of", "rotary_pair_rows", "expert_shape"]
+
+
+@dataclass
+class Part:
+    """One tensor to write.
+
+    Attributes:
+        name: the gguf tensor name, e.g. ``"blk.0.attn_q.weight"``.
+        path: the model path it comes from (for error messages).
+        module: a layer whose 2-D ``weight`` (float, QAT or converted) is written; or None.
+        tensor: a float tensor written as F32 (norms, biases, positions); or None. With a
+            ``module`` (a router): what the module writes while it is float.
+        rows: a row order applied before writing (``rotary_pair_rows``), or None.
+        attr: the attribute of ``module`` holding the weight: ``"weight"`` (a 2-D ``(out, in)``
+            matrix), or a fused expert weight ``(experts, rows, cols)`` such as ``"gate_up_proj"``.
+        row_slice: the rows of every expert this tensor takes (``slice(0, n)``: the gate half of
+            ``gate_up_proj``), or None for all of them. Whole rows: quantized blocks stay intact.
+
+    A fused expert weight is written as a 3-D tensor (gguf ``ne = [cols, rows, experts]``); its
+    ``path`` is the parameter's model path (``"model.layers.0.mlp.experts.gate_up_proj"``), the
+    key ``save_gguf(..., quantized=...)`` takes for it.
+    """
+
+    name: str
+    path: str
+    module: object = None
+    tensor: object = None
+    rows: object = None
+    attr: str = "weight"
+    row_slice: slice | None = None
+
+    @property
+    def experts(self):
+        """Whether the part is a fused 3-D expert weight."""
+        return self.attr != "weight"
+
+
+@dataclass
+class Layout:
+    """A model as one llama.cpp architecture: its name, ``[(add_* method, value)]`` and parts.
+
+    ``notes`` lists what llama.cpp's graph would compute differently from the model (e.g. another
+    activation), each as ``(what, fix)``; ``save_gguf`` refuses them unless told to accept them.
+    ``head_path`` is the model path of the output head (written as ``token_embd`` when tied).
+    """
+
+    arch: str
+    hparams: list
+    parts: list
+    vocab_size: int
+    tied: bool
+    notes: list = field(default_factory=list)
+    head_path: str | None = None
+
+
+def rotary_pair_rows(heads, head_dim):
+    """The row order that turns per-head halves into adjacent pairs (llama.cpp's Llama layout).
+
+    >>> rotary_pair_rows(1, 4).tolist()
+    [0, 2, 1, 3]
+    """
+    index = np.arange(heads * head_dim).reshape(heads, 2, head_dim // 2)
+    return index.swapaxes(1, 2).reshape(-1)
+
+
+def _refuse(model, arch, why, fix):
+    return ValueError(f"save_gguf cannot write this {type(model).__name__} as llama.cpp's {arch!r}: {why}; {fix}")
+
+
+def tied_head(tok, head, tok_path, head_path):
+    """Whether ``head`` shares ``tok``'s storage; ValueError if they share it with different specs."""
+    if hasattr(tok, "codes") or hasattr(head, "codes"):
+        tied = getattr(tok, "codes", None) is getattr(head, "codes", 1)
+    else:
+        tied = head.weight is tok.weight
+    head_spec, tok_spec = getattr(head, "spec", None), getattr(tok, "spec", None)
+    if tied and head_spec != tok_spec:
+        label = lambda spec: "float" if spec is None else spec.short()  # noqa: E731
+        raise ValueError(
+            f"layer {head_path!r} is tied to {tok_path!r} but quantized as {label(head_spec)} while {tok_path!r} "
+            f"is {label(tok_spec)}: a tied matrix is stored once, so prepare both with one spec (apply_qat "
+            f"selects the embedding with its tied head)"
+        )
+    return tied
+
+
+def _norm_eps(norm, path, kind, eps):
+    if kind == "layer":
+        ok = isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and norm.bias is not None
+        value = getattr(norm, "eps", None)
+    else:  # an RMSNorm with a weight (Hugging Face's keep the epsilon as variance_epsilon)
+        value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        ok = isinstance(getattr(norm, "weight", None), nn.Parameter) and getattr(norm, "bias", None) is None
+    if not ok or value is None:
+        raise ValueError(f"layer {path!r} is {type(norm).__name__}: llama.cpp needs a {kind} norm with a weight"
+                         + (" and bias" if kind == "layer" else ""))
+    if eps is not None and value != eps:
+        raise ValueError(f"layer {path!r} has eps={value}, another norm eps={eps}: GGUF stores one epsilon")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# gpt2: mixle's build_causal_lm.
+
+# llama.cpp's gpt2 graph computes ggml_gelu, the tanh approximation: build_causal_lm's "gelu_tanh"
+# ("gelu_tanh_f16": the same through the float16 table its CPU backend uses).
+GPT2_ACTIVATION = "gelu_tanh"
+GPT2_ACTIVATIONS = ("gelu_tanh", "gelu_tanh_f16")
+
+
+def gpt2_layout(model, names, kinds):
+    """mixle's ``CausalLM`` (``build_causal_lm``) as llama.cpp's ``gpt2``, or None for other models."""
+    cls = type(model)
+    if cls.__name__ != "CausalLM" or not cls.__module__.startswith("mixle."):
+        return None
+    tok, head = model.tok, model.head
+    tied = tied_head(tok, head, "tok", "head")
+    if getattr(head, "bias", None) is not None:
+        raise _refuse(model, "gpt2", "its output head has a bias", "build it with build_causal_lm")
+    eps = _norm_eps(model.norm, "norm", "layer", None)
+    parts = [Part(names[kinds.TOKEN_EMBD] + ".weight", "tok", module=tok),
+             Part(names[kinds.POS_EMBD] + ".weight", "pos", tensor=model.pos.weight)]
+    per_block = (("norm1", kinds.ATTN_NORM), ("qkv", kinds.ATTN_QKV), ("proj", kinds.ATTN_OUT),
+                 ("norm2", kinds.FFN_NORM), ("fc", kinds.FFN_UP), ("out", kinds.FFN_DOWN))
+    heads = {block.n_head for block in model.blocks}
+    notes = []
+    erf = [i for i, block in enumerate(model.blocks) if getattr(block, "activation", "gelu") not in GPT2_ACTIVATIONS]
+    if erf:
+        found = model.blocks[erf[0]].activation
+        notes.append((f"blocks {erf} use activation={found!r}, but llama.cpp's gpt2 graph computes tanh-approximated "
+                      f"GELU ({GPT2_ACTIVATION!r}), so the file would compute another function than the model",
+                      f"train with build_causal_lm(..., activation={GPT2_ACTIVATION!r}), or pass "
+                      f"allow_activation_mismatch=True to write it anyway"))
+    for index, block in enumerate(model.blocks):
+        for attr, kind in per_block:
+            module, path, base = getattr(block, attr), f"blocks.{index}.{attr}", names[kind].format(bid=index)
+            if attr.startswith("norm"):
+                _norm_eps(module, path, "layer", eps)
+                parts.append(Part(base + ".weight", path, tensor=module.weight))
+            else:
+                parts.append(Part(base + ".weight", path, module=module))
+            parts.append(Part(base + ".bias", path, tensor=module.bias))
+    if len(heads) != 1:
+        raise _refuse(model, "gpt2", f"its blocks have different head counts {sorted(heads)}", "use one n_head")
+    parts += [Part(names[kinds.OUTPUT_NORM] + ".weight", "norm", tensor=model.norm.weight),
+              Part(names[kinds.OUTPUT_NORM] + ".bias", "norm", tensor=model.norm.bias)]
+    if not tied:
+        parts.append(Part(names[kinds.OUTPUT] + ".weight", "head", module=head))
+    d_model = tok.embedding_dim if hasattr(tok, "embedding_dim") else tok.weight_shape[1]
+    ffn = model.blocks[0].fc.out_features if len(model.blocks) else 4 * d_model
+    hparams = [("add_context_length", model.block), ("add_embedding_length", d_model),
+               ("add_block_count", len(model.blocks)), ("add_feed_forward_length", ffn),
+               ("add_head_count", heads.pop() if heads else 1), ("add_layer_norm_eps", eps)]
+    vocab = tok.num_embeddings if hasattr(tok, "num_embeddings") else tok.weight_shape[0]
+    return Layout("gpt2", hparams, parts, vocab, tied, notes, head_path="head")
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face decoders: LlamaForCausalLM, Qwen2ForCausalLM, and the mixtures of experts
+# Qwen3MoeForCausalLM and MixtralForCausalLM (one record each).
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """How one transformers causal LM class is written.
+
+    Attributes:
+        arch: llama.cpp's architecture name.
+        permute: reorder q/k rows for llama.cpp's adjacent-pair rotary layout.
+        experts: every layer's MLP is a sparse block of fused experts (``mlp.gate`` router,
+            ``mlp.experts.gate_up_proj`` / ``down_proj``), written as ``ffn_*_exps``.
+        qk_norm: the attention has ``q_norm`` / ``k_norm`` (``attn_q_norm`` / ``attn_k_norm``).
+        moe_block: the class name of the sparse MLP block each layer must hold.
+        topk_flag: the config flag that must be True because llama.cpp's graph always divides the
+            top-k routing weights by their sum (Qwen3-MoE's ``norm_topk_prob``), or None.
+        attention_bias: whether llama.cpp's graph reads ``config.attention_bias``'s o_proj bias.
+    """
+
+    arch: str
+    permute: bool
+    experts: bool = False
+    qk_norm: bool = False
+    moe_block: str | None = None
+    topk_flag: str | None = None
+    attention_bias: bool = True
+
+
+HF_ARCHS = {
+    "LlamaForCausalLM": HFArch("llama", True),
+    "Qwen2ForCausalLM": HFArch("qwen2", False),
+    "Qwen3MoeForCausalLM": HFArch("qwen3moe", False, experts=True, qk_norm=True, moe_block="Qwen3MoeSparseMoeBlock",
+                                  topk_flag="norm_topk_prob", attention_bias=False),
+    "MixtralForCausalLM": HFArch("llama", True, experts=True, moe_block="MixtralSparseMoeBlock"),
+}
+
+
+def _rope_theta(config):
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    scaling = getattr(config, "rope_scaling", None)
+    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+        return None
+    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
+
+def _check_hf_config(model, record):
+    """The rotary base, after refusing what llama.cpp's graph for ``record.arch`` computes differently."""
+    config, arch = model.config, record.arch
+    fix = "export a model with the default configuration of this family"
+    theta = _rope_theta(config)
+    if theta is None:
+        raise _refuse(model, arch, "its rotary embedding is scaled (rope_parameters "
+                      f"{getattr(config, 'rope_parameters', None)})", fix)
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _refuse(model, arch, f"hidden_act={config.hidden_act!r} (llama.cpp computes SiLU)", fix)
+    if getattr(config, "mlp_bias", False):
+        raise _refuse(model, arch, "mlp_bias=True (llama.cpp's graph has no MLP biases)", fix)
+    if getattr(config, "sliding_window", None) is not None and record.experts:
+        raise _refuse(model, arch, f"sliding_window={config.sliding_window} (llama.cpp's {arch!r} graph attends to "
+                      f"every earlier position)", "set config.sliding_window=None if the model never sees longer "
+                      "contexts, or export another model")
+    if not record.attention_bias and getattr(config, "attention_bias", False):
+        raise _refuse(model, arch, f"attention_bias=True (llama.cpp's {arch} graph has no o_proj bias)", fix)
+    if record.topk_flag and not getattr(config, record.topk_flag, False):
+        raise _refuse(model, arch, f"{record.topk_flag}=False: llama.cpp's {arch} graph always divides the top-k "
+                      f"routing weights by their sum, so the file would mix the experts with other weights",
+                      f"export a model with {record.topk_flag}=True (as Qwen3-30B-A3B's config)")
+    return theta
+
+
+def _expert_parts(model, record, mlp, prefix, name, kinds):
+    """The router and expert tensors of one sparse MLP block, after refusing blocks llama.cpp cannot run."""
+    found = type(mlp).__name__
+    if found != record.moe_block:
+        raise _refuse(model, record.arch, f"{prefix}.mlp is a {found}, not a {record.moe_block} (llama.cpp's graph "
+                      f"needs every layer to be a mixture of experts: no dense layers, mlp_only_layers=[], "
+                      f"decoder_sparse_step=1)", "export a model whose every layer routes to experts")
+    extra = sorted(child for child, _ in mlp.named_children() if child not in ("gate", "experts"))
+    if extra:
+        raise _refuse(model, record.arch, f"{prefix}.mlp has {extra} besides its router and experts (shared "
+                      f"experts, which llama.cpp's {record.arch!r} graph does not compute)", "export another model")
+    gate, experts = mlp.gate, mlp.experts
+    router = f"{prefix}.mlp.gate"
+    # llama.cpp never quantizes the router: F32 while float; a router opted in to QAT (or given
+    # through quantized=) is written as its blocks.
+    parts = [Part(name(kinds.FFN_GATE_INP) + ".weight", router, module=gate,
+                  tensor=gate.weight if getattr(gate, "spec", None) is None else None)]
+    gate_up = f"{prefix}.mlp.experts.gate_up_proj"
+    rows = int(getattr(experts, "intermediate_dim", 0)) or expert_shape(experts, "gate_up_proj")[1] // 2
+    parts += [Part(name(kinds.FFN_GATE_EXP) + ".weight", gate_up, module=experts, attr="gate_up_proj",
+                   row_slice=slice(0, rows)),
+              Part(name(kinds.FFN_UP_EXP) + ".weight", gate_up, module=experts, attr="gate_up_proj",
+                   row_slice=slice(rows, 2 * rows)),
+              Part(name(kinds.FFN_DOWN_EXP) + ".weight", f"{prefix}.mlp.experts.down_proj", module=experts,
+                   attr="down_proj")]
+    return parts, (expert_shape(gate, "weight")[0], int(gate.top_k), rows)
+
+
+def expert_shape(module, attr):
+    """The shape of a fused module's weight (float, QAT or converted): ``(experts, rows, cols)``.
+
+    >>> import torch
+    >>> class Experts(torch.nn.Module):
+    ...     down_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    >>> expert_shape(Experts(), "down_proj")
+    (4, 8, 16)
+    """
+    found = getattr(module, attr)  # a Parameter, or a converted layer's stored weight
+    return tuple(int(d) for d in (getattr(found, "array_shape", None) or found.shape))
+
+
+def _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps):
+    attn = layer.self_attn
+    q_rows = rotary_pair_rows(heads, head_dim) if record.permute else None
+    k_rows = rotary_pair_rows(kv_heads, head_dim) if record.permute else None
+    parts = []
+    for attr, kind, rows in (("q_proj", kinds.ATTN_Q, q_rows), ("k_proj", kinds.ATTN_K, k_rows),
+                             ("v_proj", kinds.ATTN_V, None), ("o_proj", kinds.ATTN_OUT, None)):
+        module, path = getattr(attn, attr), f"{prefix}.self_attn.{attr}"
+        parts.append(Part(name(kind) + ".weight", path, module=module, rows=rows))
+        if module.bias is not None:
+            parts.append(Part(name(kind) + ".bias", path, tensor=module.bias, rows=rows))
+    if record.qk_norm:  # per head, before the rotation: halves stay halves (no permutation here)
+        for attr, kind in (("q_norm", kinds.ATTN_Q_NORM), ("k_norm", kinds.ATTN_K_NORM)):
+            path = f"{prefix}.self_attn.{attr}"
+            _norm_eps(getattr(attn, attr), path, "rms", eps)
+            parts.append(Part(name(kind) + ".weight", path, tensor=getattr(attn, attr).weight))
+    return parts
+
+
+def hf_decoder_layout(model, names, kinds):
+    """A transformers causal LM of ``HF_ARCHS`` as its llama.cpp architecture, or None for other models."""
+    record = HF_ARCHS.get(type(model).__name__)
+    if record is None or not type(model).__module__.startswith("transformers."):
+        return None
+    config = model.config
+    theta = _check_hf_config(model, record)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inner = model.model
+    tok, head = inner.embed_tokens, model.lm_head
+    tied = tied_head(tok, head, "model.embed_tokens", "lm_head")
+    eps = _norm_eps(inner.norm, "model.norm", "rms", None)
+    parts, moe = [Part(names[kinds.TOKEN_EMBD] + ".weight", "model.embed_tokens", module=tok)], set()
+    for index, layer in enumerate(inner.layers):
+        prefix, mlp = f"model.layers.{index}", layer.mlp
+        name = lambda kind: names[kind].format(bid=index)  # noqa: E731
+        _norm_eps(layer.input_layernorm, f"{prefix}.input_layernorm", "rms", eps)
+        parts.append(Part(name(kinds.ATTN_NORM) + ".weight", f"{prefix}.input_layernorm",
+                          tensor=layer.input_layernorm.weight))
+        parts += _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps)
+        _norm_eps(layer.post_attention_layernorm, f"{prefix}.post_attention_layernorm", "rms", eps)
+        parts.append(Part(name(kinds.FFN_NORM) + ".weight", f"{prefix}.post_attention_layernorm",
+                          tensor=layer.post_attention_layernorm.weight))
+        if record.experts:
+            expert_parts, sizes = _expert_parts(model, record, mlp, prefix, name, kinds)
+            parts += expert_parts
+            moe.add(sizes)
+            continue
+        for attr, kind in (("gate_proj", kinds.FFN_GATE), ("up_proj", kinds.FFN_UP), ("down_proj", kinds.FFN_DOWN)):
+            parts.append(Part(name(kind) + ".weight", f"{prefix}.mlp.{attr}", module=getattr(mlp, attr)))
+    parts.append(Part(names[kinds.OUTPUT_NORM] + ".weight", "model.norm", tensor=inner.norm.weight))
+    if not tied:
+        parts.append(Part(names[kinds.OUTPUT] + ".weight", "lm_head", module=head))
+    hparams = [("add_context_length", config.max_position_embeddings), ("add_embedding_length", hidden),
+               ("add_block_count", len(inner.layers)), ("add_feed_forward_length", config.intermediate_size),
+               ("add_head_count", heads), ("add_head_count_kv", kv_heads), ("add_layer_norm_rms_eps", eps),
+               ("add_rope_freq_base", float(theta)), ("add_rope_dimension_count", head_dim),
+               ("add_vocab_size", config.vocab_size)]
+    if head_dim * heads != hidden:
+        hparams += [("add_key_length", head_dim), ("add_value_length", head_dim)]
+    if record.experts:
+        hparams += _expert_hparams(model, record, moe)
+    return Layout(record.arch, hparams, parts, config.vocab_size, tied, head_path="lm_head")
+
+
+def _expert_hparams(model, record, sizes):
+    """expert_count, expert_used_count and expert_feed_forward_length: one value for every layer."""
+    if len(sizes) != 1:
+        raise _refuse(model, record.arch, f"its layers have different (experts, top-k, expert rows) {sorted(sizes)}",
+                      "use one expert configuration")
+    (experts, used, rows), = sizes
+    if not 0 < used <= experts:
+        raise _refuse(model, record.arch, f"it routes each token to {used} of {experts} experts", "use 1..experts")
+    # llama.cpp's llama reads the experts' rows from feed_forward_length: Mixtral's intermediate_size,
+    # which MixtralExperts is built from; qwen3moe reads expert_feed_forward_length.
+    return [("add_expert_count", experts), ("add_expert_used_count", used), ("add_expert_feed_forward_length", rows)]
+
+
+LAYOUTS = (gpt2_layout, hf_decoder_layout)
+
+
+def layout_of(model, gguf):
+    """The first layout in ``LAYOUTS`` that takes ``model``; ValueError naming the supported ones."""
+    for layout in LAYOUTS:
+        found = layout(model, gguf.TENSOR_NAMES, gguf.MODEL_TENSOR)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"save_gguf has no llama.cpp architecture for a {type(model).__name__}: it writes mixle's "
+        f"build_causal_lm (llama.cpp's 'gpt2' architecture) and transformers' "
+        f"{', '.join(f'{cls} ({record.arch!r})' for cls, record in HF_ARCHS.items())}; build the model with one of them"
+    )
