@@ -34,7 +34,7 @@ from mixle.lm.data import default_text  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_distributed import check_distributed, processes  # noqa: E402
-from tests.dist_workers.launch import run_bounded, torchrun_command, worker_env  # noqa: E402
+from tests.dist_workers.launch import WorkersFailed, run_bounded, torchrun_command, worker_env  # noqa: E402
 from tests.test_finetune import byte_level_tokenizer, tiny  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -82,10 +82,18 @@ def one_process(assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(assets, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("two")
-    command = torchrun_command(WORKER, 2, workdir, DEADLINE_S, *flags(assets))
-    run_bounded(command, env=worker_env(), timeout=DEADLINE_S + 15, workdir=workdir)
-    return workdir
+    for attempt in range(2):
+        workdir = tmp_path_factory.mktemp("two")
+        command = torchrun_command(WORKER, 2, workdir, DEADLINE_S, *flags(assets))
+        try:
+            run_bounded(command, env=worker_env(), timeout=DEADLINE_S + 15, workdir=workdir)
+            return workdir
+        except WorkersFailed as err:
+            # Seen once in five runs of the suite on a loaded 2-core machine: a worker aborted by
+            # C++ ("terminate called without an active exception") after the SIGTERM stop, every
+            # run's output correct until then. One relaunch; any other failure, or a second, counts.
+            if attempt or "terminate called without an active exception" not in str(err):
+                raise
 
 
 def assert_close(got, want):
