@@ -1,7 +1,7 @@
 """Flax on an accelerator (a TPU v5e here): the Flax tests, the codes and scales against numpy, the
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
-    python benchmarks/tpu_check.py --out DIR [--skip-tests] [--skip-numerics] [--speed 110M 470M 470M-b4]
+    python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -26,13 +26,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 FLAX_TESTS = ["tests/test_qat_flax.py", "tests/test_flax_fake_quant.py", "tests/test_flax_convert.py"]
 
 
-def run_tests(out):
+def run_tests(out, files=FLAX_TESTS):
     """The Flax test files in one pytest process (one program holds a TPU at a time)."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
-                           *FLAX_TESTS], cwd=ROOT, capture_output=True, text=True)
-    (out / "tests.log").write_text(proc.stdout + proc.stderr)
-    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
+    log = out / "tests.log"
+    with log.open("w") as stream:  # streamed: a run cut short by a time limit still leaves its log
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+                               "--durations=15", *files], cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT)
+    summary = [line for line in log.read_text().splitlines() if " passed" in line or " failed" in line]
     print(f"flax tests ({time.perf_counter() - started:.0f} s): {summary[-1] if summary else 'no summary'}")
     return summary[-1] if summary else proc.returncode
 
@@ -124,6 +125,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "tpu_check_out")))
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--tests", nargs="+", default=FLAX_TESTS, help="test files (default: the Flax ones)")
     parser.add_argument("--skip-numerics", action="store_true")
     parser.add_argument("--speed", nargs="*", default=[], help="model sizes of tpu_speed.py to time")
     parser.add_argument("--rounds", type=int, default=5)
@@ -131,7 +133,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     if not args.skip_tests:  # first: a TPU is held by one process, and this one takes it below
-        results["tests"] = run_tests(args.out)
+        results["tests"] = run_tests(args.out, args.tests)
     import jax
 
     device = jax.devices()[0]

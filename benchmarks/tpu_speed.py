@@ -2,9 +2,9 @@
 
 The model: RMSNorm, causal attention, GELU MLP, untied head, float32 master weights computing in
 bfloat16, AdamW, one ``nnx.jit`` step with the model and optimizer donated. A variant's step is
-timed as ``--pipeline`` steps dispatched back to back and blocked once; variants take turns round
-by round (float first and last), and the table gives each one's median and its ratio to the float
-step of the same rounds. XLA's own estimate of a step's memory (``memory_analysis``) is printed beside.
+timed as ``--pipeline`` steps dispatched back to back and blocked once; variants run one
+after another, each alone on the chip (float first and last), and the table gives each one's median
+and its ratio to the float step's median.
 
 Serving: forward only, ``nnx.jit``, float (float32 parameters computing in bfloat16) against
 ``mixle.convert`` of QAT models and Qwix's PTQ models of the same bits.
@@ -126,14 +126,41 @@ def _train_step(model, optimizer, ids):
     return loss
 
 
+def _timed(run, rounds, pipeline):
+    """Seconds per call of ``run`` (returns an array), ``rounds`` medians of ``pipeline`` back-to-back calls."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(pipeline):
+            out = run()
+        out.block_until_ready()
+        times.append((time.perf_counter() - start) / pipeline)
+    return times
+
+
+def _error(err):
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def _summary(times, float_times):
+    """Median time and its ratio to the float variant's median (float timed first and last)."""
+    base = statistics.median(float_times)
+    return {"ms": 1e3 * statistics.median(times), "ratio": statistics.median(times) / base,
+            "ratio_range": [min(times) / base, max(times) / base]}
+
+
 def time_training(size, rounds, pipeline, names=None):
-    """``{variant: {"ms": median, "ratio": median of per-round ratios, "ok": bool, "error": str}}``."""
+    """``{variant: {"ms", "ratio", "ratio_range"} or {"error"}}``, one variant on the chip at a time.
+
+    A 470M model with AdamW holds ~5.6 GB, so variants cannot stay resident side by side: each is
+    built, compiled, timed and freed in turn, float first and last, in one process.
+    """
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, size.vocab, (size.batch, size.seq + 1)), jnp.int32)
     makers = training_variants()
     names = names or list(makers)
-    runs = {}
-    for name in names:
+    times = {}
+    for name in ["float bf16", *[n for n in names if n != "float bf16"], "float bf16"]:
         model = LM(size, nnx.Rngs(0))
         try:
             if makers[name] is not None:
@@ -141,33 +168,16 @@ def time_training(size, rounds, pipeline, names=None):
             optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
             step = nnx.jit(_train_step, donate_argnums=(0, 1))
             step(model, optimizer, ids).block_until_ready()  # compile
-            runs[name] = (model, optimizer, step)
+            times.setdefault(name, []).extend(_timed(lambda: step(model, optimizer, ids), rounds, pipeline))
         except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
-            runs[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-    order = [n for n in names if not isinstance(runs[n], str)]
-    times = {n: [] for n in order}
-    for _ in range(rounds):
-        for name in order + order[:1]:  # float first and last
-            model, optimizer, step = runs[name]
-            start = time.perf_counter()
-            for _ in range(pipeline):
-                loss = step(model, optimizer, ids)
-            loss.block_until_ready()
-            times[name].append((time.perf_counter() - start) / pipeline)
-    base = order[0]
-    results = {}
-    for name in names:
-        if isinstance(runs[name], str):
-            results[name] = {"error": runs[name]}
-            continue
-        ratios = [t / b for t, b in zip(times[name], times[base])]
-        results[name] = {"ms": 1e3 * statistics.median(times[name]), "ratio": statistics.median(ratios),
-                         "ratio_range": [min(ratios), max(ratios)]}
-    return results
+            times[name] = _error(err)
+        del model
+        optimizer = step = None
+    return {name: {"error": t} if isinstance(t, str) else _summary(t, times["float bf16"]) for name, t in times.items()}
 
 
 def time_serving(size, rounds, calls):
-    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float."""
+    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float (one at a time)."""
     import qwix
 
     from mixle.api import apply_qat, convert
@@ -185,33 +195,27 @@ def time_serving(size, rounds, calls):
     makers = {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
               "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
               "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
-    results = {}
     forward = nnx.jit(lambda m, ids: m(ids))
-    for shape_name, shape in shapes.items():
-        ids = jnp.zeros(shape, jnp.int32)
-        runs = {}
-        for name, make in makers.items():
-            if make is not None and size.d_model % 128 and "g128" in name:
-                continue
-            model = LM(size, nnx.Rngs(0))
-            try:
-                model = make(model) if make is not None else model
-                forward(model, ids).block_until_ready()
-                runs[name] = model
-            except Exception as err:
-                results.setdefault(name, {})[shape_name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-        times = {n: [] for n in runs}
-        for _ in range(rounds):
-            for name, model in runs.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    out = forward(model, ids)
-                out.block_until_ready()
-                times[name].append((time.perf_counter() - start) / calls)
-        base = statistics.median(times["float bf16"])
-        for name in runs:
-            ms = statistics.median(times[name])
-            results.setdefault(name, {})[shape_name] = {"ms": 1e3 * ms, "ratio": ms / base}
+    times = {}
+    for name, make in makers.items():
+        model = LM(size, nnx.Rngs(0))
+        try:
+            model = make(model) if make is not None else model
+            for shape_name, shape in shapes.items():
+                ids = jnp.zeros(shape, jnp.int32)
+                try:
+                    forward(model, ids).block_until_ready()
+                    times.setdefault(name, {})[shape_name] = _timed(lambda: forward(model, ids), rounds, calls)
+                except Exception as err:
+                    times.setdefault(name, {})[shape_name] = _error(err)
+        except Exception as err:
+            times[name] = {shape_name: _error(err) for shape_name in shapes}
+        del model
+    results = {}
+    for name, per_shape in times.items():
+        for shape_name, t in per_shape.items():
+            results.setdefault(name, {})[shape_name] = (
+                {"error": t} if isinstance(t, str) else _summary(t, times["float bf16"][shape_name]))
     return results
 
 
