@@ -129,6 +129,8 @@ def main(argv=None):
     parser.add_argument("--skip-numerics", action="store_true")
     parser.add_argument("--speed", nargs="*", default=[], help="model sizes of tpu_speed.py to time")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
+    parser.add_argument("--no-serving", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -146,9 +148,9 @@ def main(argv=None):
         from tpu_speed import SIZES, print_serving, print_training, time_serving, time_training
 
         for size in args.speed:
-            results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8)
+            results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants)
             print_training(size, results[f"training {size}"])
-            if not size.endswith("-b4"):
+            if not size.endswith("-b4") and not args.no_serving:
                 results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)
                 print_serving(size, results[f"serving {size}"])
             (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -171,6 +171,8 @@ def time_training(size, rounds, pipeline, names=None):
             times.setdefault(name, []).extend(_timed(lambda: step(model, optimizer, ids), rounds, pipeline))
         except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
             times[name] = _error(err)
+        print(f"    {name}: {times[name] if isinstance(times[name], str) else f'{1e3 * statistics.median(times[name]):.2f} ms'}",
+              flush=True)
         del model
         optimizer = step = None
     return {name: {"error": t} if isinstance(t, str) else _summary(t, times["float bf16"]) for name, t in times.items()}

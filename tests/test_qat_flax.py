@@ -1,5 +1,6 @@
 """Flax QAT through Qwix: same numbers as torch/numpy, exact toggle, complete report, the Qwix pitfalls."""
 
+import functools
 import numpy as np
 import pytest
 
@@ -704,6 +705,29 @@ def test_linen_toggle_reaches_functions_jitted_before_it():
     assert np.abs(np.asarray(grad_on["params"]["fc1"]["kernel"]) - np.asarray(grad_off["params"]["fc1"]["kernel"])).max() > 1e-3
     set_fake_quant_enabled(qat, True)
     np.testing.assert_allclose(closure(params, x), quantized, **JIT_TOL)
+
+
+def test_linen_call_made_before_the_toggle_computes_in_the_mode_it_was_made_in():
+    # The call's input is still being computed when the toggle comes (asynchronous dispatch), so the
+    # jitted program, and the host callback that reads the mode, run after set_fake_quant_enabled.
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, name="fc2")(nn.relu(nn.Dense(32, name="fc1")(x)))
+
+    x = jnp.asarray(X)
+    params = {"params": {"fc1": {"kernel": jnp.asarray(W1.T), "bias": jnp.asarray(B1)},
+                         "fc2": {"kernel": jnp.asarray(W2.T), "bias": jnp.asarray(B2)}}}
+    qat = apply_qat(MLP(), bits=4, example_inputs=(x,))
+    quantized = np.asarray(qat.apply(params, x))
+    slow = jax.jit(lambda big: functools.reduce(lambda m, _: jnp.tanh(m @ m), range(8), big))
+    run = jax.jit(lambda p, x, pending: qat.apply(p, x + 0 * pending[:1, :1]))
+    big = jnp.asarray(RNG.standard_normal((700, 700)).astype(np.float32) / 30)
+    run(params, x, slow(big)).block_until_ready()  # compiled
+    made_on = run(params, x, slow(big))
+    set_fake_quant_enabled(qat, False)
+    np.testing.assert_allclose(np.asarray(made_on), quantized, rtol=1e-5, atol=1e-5)
+    set_fake_quant_enabled(qat, True)
 
 
 # ------------------------------------------------------------------------------- refusals, adapters

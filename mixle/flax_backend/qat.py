@@ -28,6 +28,7 @@ import inspect
 import re
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
@@ -484,7 +485,10 @@ def _switching_apply(qat_apply, float_class, qat_class):
     frozen into the compiled function: a jitted closure or bound method over the module, or the
     module as a static argument (found again by identity), would otherwise keep the mode it was
     traced in after ``set_fake_quant_enabled``. So both computations are traced into one
-    ``lax.cond`` whose predicate a host callback reads at every call (about 0.1 ms on CPU).
+    ``lax.cond`` whose predicate a host callback reads at every call (about 0.1 ms on CPU). The
+    callback runs when the device reaches it, which can be after the call returned (asynchronous
+    dispatch, inputs still being computed): it is an effect, and ``set_enabled`` waits for every
+    pending one before it switches, so a call computes in the mode it was made in.
     """
 
     def apply(self, variables, *args, **kwargs):
@@ -492,7 +496,8 @@ def _switching_apply(qat_apply, float_class, qat_class):
         if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             chosen = qat_apply if type(self) is qat_class else float_class.apply
             return chosen(self, variables, *args, **kwargs)
-        enabled = jax.pure_callback(lambda: np.bool_(type(self) is qat_class), jax.ShapeDtypeStruct((), jnp.bool_))
+        enabled = jax.experimental.io_callback(lambda: np.bool_(type(self) is qat_class),
+                                               jax.ShapeDtypeStruct((), jnp.bool_), ordered=False)
         # Each branch on a twin of its own class: Linen's apply calls type(module).__call__.
         as_qat, as_float = _twin(self, qat_class), _twin(self, float_class)
         return jax.lax.cond(enabled, lambda v: qat_apply(as_qat, v, *args, **kwargs),
@@ -539,6 +544,7 @@ def set_enabled(model, enabled):
     if isinstance(model, nnx.Module):
         _set_module_classes(model, state, enabled)
     else:
+        jax.effects_barrier()  # calls already made finish in their mode (see _switching_apply)
         object.__setattr__(model, "__class__", state.qat_class if enabled else state.off_class)
     return model
 
