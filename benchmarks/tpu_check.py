@@ -2,6 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
+        [--variants NAME...] [--no-serving] [--hlo]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -121,6 +122,11 @@ def numerics_probe():
     return {"grids": rows, "bf16_lattice": lattice}
 
 
+def _mkdir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "tpu_check_out")))
@@ -131,6 +137,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
     parser.add_argument("--no-serving", action="store_true")
+    parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -148,7 +155,8 @@ def main(argv=None):
         from tpu_speed import SIZES, print_serving, print_training, time_serving, time_training
 
         for size in args.speed:
-            results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants)
+            results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants,
+                                                          hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None)
             print_training(size, results[f"training {size}"])
             if not size.endswith("-b4") and not args.no_serving:
                 results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)

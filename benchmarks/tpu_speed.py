@@ -14,6 +14,7 @@ Serving: forward only, ``nnx.jit``, float (float32 parameters computing in bfloa
 """
 
 import argparse
+import gzip
 import statistics
 import sys
 import time
@@ -149,7 +150,25 @@ def _summary(times, float_times):
             "ratio_range": [min(times) / base, max(times) / base]}
 
 
-def time_training(size, rounds, pipeline, names=None):
+def compiled_step(model, optimizer, ids, hlo_path=None):
+    """XLA's memory estimate of one training step (GiB of temporaries and arguments), and its
+    optimized HLO written gzipped to ``hlo_path`` (where the step's time goes, read off the chip)."""
+    graphdef, state = nnx.split((model, optimizer))
+
+    def pure(state, ids):
+        m, o = nnx.merge(graphdef, state)
+        loss = _train_step(m, o, ids)
+        return loss, nnx.state((m, o))
+
+    compiled = jax.jit(pure).lower(state, ids).compile()
+    if hlo_path is not None:
+        with gzip.open(hlo_path, "wt") as stream:
+            stream.write(compiled.as_text())
+    memory = compiled.memory_analysis()
+    return {"temp_gib": memory.temp_size_in_bytes / 2**30, "args_gib": memory.argument_size_in_bytes / 2**30}
+
+
+def time_training(size, rounds, pipeline, names=None, hlo_dir=None):
     """``{variant: {"ms", "ratio", "ratio_range"} or {"error"}}``, one variant on the chip at a time.
 
     A 470M model with AdamW holds ~5.6 GB, so variants cannot stay resident side by side: each is
@@ -159,7 +178,7 @@ def time_training(size, rounds, pipeline, names=None):
     ids = jnp.asarray(rng.integers(0, size.vocab, (size.batch, size.seq + 1)), jnp.int32)
     makers = training_variants()
     names = names or list(makers)
-    times = {}
+    times, memory = {}, {}
     for name in ["float bf16", *[n for n in names if n != "float bf16"], "float bf16"]:
         model = LM(size, nnx.Rngs(0))
         try:
@@ -169,13 +188,17 @@ def time_training(size, rounds, pipeline, names=None):
             step = nnx.jit(_train_step, donate_argnums=(0, 1))
             step(model, optimizer, ids).block_until_ready()  # compile
             times.setdefault(name, []).extend(_timed(lambda: step(model, optimizer, ids), rounds, pipeline))
+            if hlo_dir is not None:
+                path = Path(hlo_dir) / f"{name.replace(' ', '_')}.hlo.txt.gz"
+                memory[name] = compiled_step(model, optimizer, ids, path)
         except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
             times[name] = _error(err)
         print(f"    {name}: {times[name] if isinstance(times[name], str) else f'{1e3 * statistics.median(times[name]):.2f} ms'}",
               flush=True)
         del model
         optimizer = step = None
-    return {name: {"error": t} if isinstance(t, str) else _summary(t, times["float bf16"]) for name, t in times.items()}
+    return {name: {"error": t} if isinstance(t, str) else {**_summary(t, times["float bf16"]), **memory.get(name, {})}
+            for name, t in times.items()}
 
 
 def time_serving(size, rounds, calls):
@@ -230,7 +253,8 @@ def print_training(size_name, results):
             print(f"  {name:22s} {row['error']}")
         else:
             lo, hi = row["ratio_range"]
-            print(f"  {name:22s} {row['ms']:8.2f} ms  {row['ratio']:.3f}x  (rounds {lo:.3f}-{hi:.3f})")
+            memory = f"  temporaries {row['temp_gib']:.2f} GiB" if "temp_gib" in row else ""
+            print(f"  {name:22s} {row['ms']:8.2f} ms  {row['ratio']:.3f}x  (rounds {lo:.3f}-{hi:.3f}){memory}")
 
 
 def print_serving(size_name, results):
@@ -247,9 +271,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pipeline", type=int, default=8)
     parser.add_argument("--no-serving", action="store_true")
+    parser.add_argument("--hlo", type=Path, help="write each variant's optimized step HLO and memory estimate here")
     args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    out = {"training": time_training(SIZES[args.size], args.rounds, args.pipeline)}
+    if args.hlo:
+        args.hlo.mkdir(parents=True, exist_ok=True)
+    out = {"training": time_training(SIZES[args.size], args.rounds, args.pipeline, hlo_dir=args.hlo)}
     print_training(args.size, out["training"])
     if not args.no_serving:
         out["serving"] = time_serving(SIZES[args.size], args.rounds, args.pipeline)
