@@ -100,6 +100,30 @@ def test_tpu_like_quotients_are_corrected_to_numpys_division():
     np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
 
 
+@stand_in
+@pytest.mark.parametrize("ulps", [-2, -1, 0, 1, 2])
+@pytest.mark.parametrize("lo,hi", [(-8, 7), (-127, 127), (0, 255)])
+def test_codes_next_to_half_integers_are_numpys_when_the_quotient_is_ulps_off(monkeypatch, ulps, lo, hi):
+    # Weights within 40 ulps of a half-integer times their scale (a tenth of them exactly on the
+    # product's float, the rounding ties), scales across 40 binades.
+    rng = np.random.default_rng(2)
+    n = 20000
+    scale = (rng.uniform(0.5, 1, n) * 2.0 ** rng.integers(-30, 10, n)).astype(np.float32)
+    h = (rng.integers(lo - 1, hi + 1, n) + 0.5).astype(np.float32)
+    on_product = (h.astype(np.float64) * scale).astype(np.float32)
+    nudge = np.where(np.arange(n) % 10 == 0, 0, rng.integers(-40, 41, n))
+    w = (on_product.view(np.int32) + nudge).astype(np.int32).view(np.float32)
+    expected = np.clip(np.round(w / scale), lo, hi)
+
+    def off_quotient(self, a, b):
+        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a / b, jnp.int32) + ulps, jnp.float32)
+
+    monkeypatch.setattr(JaxOps, "quotient", off_quotient)
+    got = jax.jit(lambda w, s: JaxOps().divide_round_clip(w, s, lo, hi))(jnp.asarray(w), jnp.asarray(scale))
+    assert ((w / scale) == h).sum() > 1000  # numpy's quotient is the half-integer itself: ties to even
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 def test_16_bit_rounding_without_a_cast_equals_numpys_cast(name):
     # The TPU skips a float32 -> float16 -> float32 round trip inside a jitted program (it keeps
