@@ -195,7 +195,7 @@ def _tensors(plan, float_matrices, gguf, mix, quantized, importance=None):
             mix_type = _FLOAT_MATRICES if types is None else types[part.name]
             tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays, importance)
         else:
-            tensor = _vector(part.tensor, part.name)
+            tensor = _vector(part.tensor + part.offset if part.offset else part.tensor, part.name)
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
             tensor.data = np.take(tensor.data, part.rows, axis=0 if tensor.data.ndim == 1 else -2)
         tensors.append(tensor)
