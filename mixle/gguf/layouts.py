@@ -297,8 +297,8 @@ class _DecoderWalk:
         layers, tail, moe, taken = {}, [], set(), []
         kinds = self.gguf.MODEL_TENSOR
         for order, (path, module) in enumerate(self.model.named_modules()):
-            if not path or any(path.startswith(prefix) for prefix in taken):
-                continue
+            if not path or path == "lm_head" or any(path.startswith(prefix) for prefix in taken):
+                continue  # the head: hf_decoder_layout's (token_embd when tied)
             found = self.tensor_map.get_type_and_name(path)
             if self.record.experts and path.endswith(".mlp") and path.startswith("model.layers."):
                 index = int(path.split(".")[2])
@@ -307,10 +307,10 @@ class _DecoderWalk:
                 layers.setdefault(index, []).extend((4, order, part) for part in expert_parts)
                 moe.add(sizes)
                 taken.append(path + ".")
-            elif found is not None and hasattr(module, "weight") or found is not None and hasattr(module, "codes"):
+            elif found is not None and (hasattr(module, "weight") or hasattr(module, "codes")):
                 kind, name = found
                 taken.append(path + ".")
-                if path == "lm_head" or kind.name in ("TOKEN_EMBD", "OUTPUT", "OUTPUT_NORM"):
+                if kind.name in ("TOKEN_EMBD", "OUTPUT", "OUTPUT_NORM"):
                     continue  # written by hf_decoder_layout itself
                 index = int(name.split(".")[1])
                 layers.setdefault(index, []).extend(

@@ -1,0 +1,218 @@
+"""Every dense decoder architecture against llama.cpp's own converter and quantizer.
+
+For each case (a tiny seeded transformers model of the architecture, rows of 256 so that the
+K-quants apply), mixle QAT-wraps the model on a llama.cpp mix (``apply_qat(gguf_mix=...)``) and writes
+it with ``save_gguf(..., gguf_mix=...)``. The oracle: the same float weights saved as a transformers
+checkpoint, converted by llama.cpp's ``convert_hf_to_gguf.py`` to F32 and quantized by
+``llama-quantize`` to the same mix (the llama.cpp vendored by llama-cpp-python 0.3.36's sdist). Same
+tensor names, types and shapes, bit-identical bytes, and the same inference metadata (the
+``<arch>.*`` keys, with llama.cpp's defaults filled in where one file leaves a key to them).
+
+CI has neither tool, so ``benchmarks/make_arch_fixtures.py`` ran them once and stored llama.cpp's side
+(``tests/fixtures/arch_reference.json``); the live test reruns the comparison when the converter
+(``MIXLE_LLAMA_CPP_SOURCE`` or the sdist unpacked under ``/tmp/llsdist``) and ``llama-quantize``
+(``MIXLE_LLAMA_CPP_BUILD`` or ``/tmp/llbuild``) are here. The tokenizer is not compared (the
+converter is given a minimal vocabulary; ``tests/test_gguf_tokenizer.py`` covers tokenizers).
+"""
+
+import copy
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mixle
+from tests.test_gguf_mixes import seeded
+from tests.test_imatrix import build_dir
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURE = "tests/fixtures/arch_reference.json"
+MIXES = ("Q4_K_M", "Q4_0")
+BASE = dict(vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# case -> (transformers family, config fields beyond BASE): every record of
+# mixle.gguf.architectures.DECODERS that is not a mixture of experts (those: tests/test_gguf_moe.py).
+CASES = {
+    "llama": ("Llama", dict(tie_word_embeddings=False)),
+    "llama_tied_bias": ("Llama", dict(tie_word_embeddings=True, attention_bias=True)),
+    "mistral": ("Mistral", dict(sliding_window=None)),
+    "qwen2": ("Qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3", dict(head_dim=64, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16, **TOKENS)),
+    "gemma3": ("Gemma3", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16, num_hidden_layers=6,
+                              **TOKENS)),
+    "phi3": ("Phi3", dict(**TOKENS)),
+    "olmo2": ("Olmo2", dict(tie_word_embeddings=False, **TOKENS)),
+    "smollm3": ("SmolLM3", dict(**TOKENS)),
+}
+
+
+def model_of(case, seed=0):
+    """The seeded float model of ``case`` (numpy's generator: stable across torch versions)."""
+    family, fields = CASES[case]
+    config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, f"{family}Config")
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**{**BASE, **fields}))
+    return seeded(model, seed)
+
+
+def sha(data):
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def _value(field):
+    value = field.contents()
+    return [float(v) if isinstance(v, float) else v for v in value] if isinstance(value, list) else value
+
+
+def inference_metadata(reader):
+    """``{key: value}`` of a file's ``<arch>.*`` keys and file type, with llama.cpp's defaults for the
+    keys it fills in itself (head_count_kv, key/value length, rope dimensions and base)."""
+    arch = reader.fields["general.architecture"].contents()
+    meta = {key[len(arch) + 1:]: _value(field) for key, field in reader.fields.items() if key.startswith(arch + ".")}
+    heads, width = meta["attention.head_count"], meta["embedding_length"]
+    for key, value in (("attention.head_count_kv", heads), ("attention.key_length", width // heads),
+                       ("attention.value_length", width // heads), ("rope.freq_base", 10000.0)):
+        meta.setdefault(key, value)
+    meta.setdefault("rope.dimension_count", meta["attention.key_length"])
+    meta["general.architecture"] = arch
+    meta["general.file_type"] = int(reader.fields["general.file_type"].contents())
+    return meta
+
+
+def summary(path):
+    """``{"tensors": {name: [type, shape, sha256]}, "metadata": inference_metadata}`` of a GGUF file."""
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: [t.tensor_type.name, [int(d) for d in reversed(t.shape)], sha(np.asarray(t.data))]
+               for t in reader.tensors}
+    return {"tensors": tensors, "metadata": inference_metadata(reader)}
+
+
+def mixle_file(case, mix, path):
+    """mixle's file of the case: the seeded model QAT-wrapped on ``mix``, written by save_gguf."""
+    qat = mixle.apply_qat(copy.deepcopy(model_of(case)), gguf_mix=mix)
+    mixle.save_gguf(qat, path, gguf_mix=mix)
+    return summary(path)
+
+
+def compare(mine, reference):
+    """The differences between two summaries (empty when the files agree on everything that matters)."""
+    problems = []
+    mine_meta, ref_meta = dict(mine["metadata"]), dict(reference["metadata"])
+    if "vocab_size" not in ref_meta:  # llama.cpp reads the vocabulary's size from the tokenizer
+        mine_meta.pop("vocab_size", None)
+    if mine_meta != ref_meta:
+        keys = sorted(set(mine_meta) | set(ref_meta))
+        problems += [f"metadata {k}: mixle {mine_meta.get(k)!r}, llama.cpp {ref_meta.get(k)!r}" for k in keys
+                     if mine_meta.get(k) != ref_meta.get(k)]
+    names = sorted(set(mine["tensors"]) | set(reference["tensors"]))
+    problems += [f"tensor {n}: mixle {mine['tensors'].get(n)}, llama.cpp {reference['tensors'].get(n)}" for n in names
+                 if mine["tensors"].get(n) != reference["tensors"].get(n)]
+    return problems
+
+
+# ------------------------------------------------------------------------------ llama.cpp's side
+
+
+def llama_cpp_source():
+    """The llama.cpp source tree holding convert_hf_to_gguf.py (None if absent)."""
+    found = [os.environ.get("MIXLE_LLAMA_CPP_SOURCE")] + sorted(glob.glob("/tmp/llsdist/*/vendor/llama.cpp"))
+    return next((p for p in found if p and os.path.isfile(os.path.join(p, "convert_hf_to_gguf.py"))), None)
+
+
+# The converter, with every family's set_vocab replaced by a minimal vocabulary (the tokenizer is
+# not what is compared, and a tiny tokenizer's pre-tokenizer is not one the converter knows).
+_CONVERT = r"""
+import sys
+source, model_dir, out = sys.argv[1:4]
+sys.path[:0] = [source + "/gguf-py", source]
+import convert_hf_to_gguf
+
+def set_vocab(self):
+    n = self.hparams["vocab_size"]
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list([f"<{i}>" for i in range(n)])
+    self.gguf_writer.add_token_types([1] * n)
+
+find = convert_hf_to_gguf.get_model_class
+
+def model_class(*args, **kwargs):
+    found = find(*args, **kwargs)
+    found.set_vocab = set_vocab
+    return found
+
+convert_hf_to_gguf.get_model_class = model_class
+sys.argv = ["convert_hf_to_gguf.py", model_dir, "--outfile", out, "--outtype", "f32"]
+convert_hf_to_gguf.main()
+"""
+
+
+def checkpoint(case, directory):
+    """The case's float weights as a transformers checkpoint, with a tokenizer.json of its vocabulary
+    (Gemma 3's converter counts its rows there)."""
+    model = model_of(case)
+    model.save_pretrained(directory)
+    n = model.config.vocab_size
+    with open(os.path.join(directory, "tokenizer.json"), "w") as handle:
+        json.dump({"model": {"type": "BPE", "vocab": {f"<{i}>": i for i in range(n)}, "merges": []},
+                   "added_tokens": []}, handle)
+
+
+def llama_cpp_files(case, directory, source, build, mixes=MIXES):
+    """``{mix: path}`` of llama.cpp's files of the case: convert_hf_to_gguf.py to F32, then llama-quantize."""
+    hf, f32 = os.path.join(directory, "hf"), os.path.join(directory, "f32.gguf")
+    checkpoint(case, hf)
+    subprocess.run([sys.executable, "-c", _CONVERT, source, hf, f32], check=True, capture_output=True, cwd=source)
+    files = {}
+    for mix in mixes:
+        files[mix] = os.path.join(directory, f"{mix}.gguf")
+        subprocess.run([os.path.join(build, "bin", "llama-quantize"), f32, files[mix], mix], check=True,
+                       capture_output=True)
+    return files
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = ROOT / FIXTURE
+    if not path.exists():
+        pytest.fail(f"{FIXTURE} is missing: run `python benchmarks/make_arch_fixtures.py`")
+    return json.loads(path.read_text())
+
+
+def test_the_fixture_covers_every_dense_record(reference):
+    from mixle.gguf.architectures import DECODERS
+
+    dense = {name for name, record in DECODERS.items() if not record.experts}
+    assert {type(model_of(case)).__name__ for case in CASES} == dense
+    assert set(reference["cases"]) == set(CASES)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_save_gguf_writes_llama_cpps_file(case, mix, reference, tmp_path):
+    """mixle's QAT file = convert_hf_to_gguf.py + llama-quantize of the same float weights."""
+    assert compare(mixle_file(case, mix, tmp_path / "mine.gguf"), reference["cases"][case][mix]) == []
+
+
+@pytest.mark.skipif(llama_cpp_source() is None or build_dir() is None,
+                    reason="no llama.cpp source (convert_hf_to_gguf.py) or build (llama-quantize)")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_live_llama_cpp_writes_the_same_file(case, tmp_path):
+    files = llama_cpp_files(case, str(tmp_path), llama_cpp_source(), build_dir())
+    for mix, path in files.items():
+        assert compare(mixle_file(case, mix, tmp_path / f"mine.{mix}.gguf"), summary(path)) == [], mix
