@@ -53,6 +53,8 @@ CASES = {
     "gemma2": ("Gemma2", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16, **TOKENS)),
     "gemma3": ("Gemma3", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16, num_hidden_layers=6,
                               **TOKENS)),
+    "gemma3_untied": ("Gemma3", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=16, tie_word_embeddings=False,
+                                     final_logit_softcapping=30.0, **TOKENS)),
     "phi3": ("Phi3", dict(**TOKENS)),
     "olmo2": ("Olmo2", dict(tie_word_embeddings=False, **TOKENS)),
     "smollm3": ("SmolLM3", dict(**TOKENS)),
@@ -216,3 +218,119 @@ def test_live_llama_cpp_writes_the_same_file(case, tmp_path):
     files = llama_cpp_files(case, str(tmp_path), llama_cpp_source(), build_dir())
     for mix, path in files.items():
         assert compare(mixle_file(case, mix, tmp_path / f"mine.{mix}.gguf"), summary(path)) == [], mix
+
+
+# ------------------------------------------------------------------- records, refusals, training
+
+
+def test_every_record_names_a_llama_cpp_architecture_and_its_tensors():
+    from mixle.gguf.architectures import DECODERS
+
+    names = set(gguf.MODEL_ARCH_NAMES.values())
+    assert {record.arch for record in DECODERS.values()} <= names
+    for record in DECODERS.values():
+        arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[record.arch]
+        assert gguf.MODEL_TENSOR.TOKEN_EMBD in gguf.MODEL_TENSORS[arch]
+
+
+def test_a_record_is_validated_when_made():
+    from mixle.gguf.architectures import DecoderArch
+
+    with pytest.raises(ValueError, match="metadata must be a tuple of names"):
+        DecoderArch(hf_class="XForCausalLM", arch="x", metadata=("no_such_key",))
+    with pytest.raises(ValueError, match="norm_offset=2"):
+        DecoderArch(hf_class="XForCausalLM", arch="x", norm_offset=2)
+    with pytest.raises(ValueError, match="swa_period and the 'swa_pattern' check"):
+        DecoderArch(hf_class="XForCausalLM", arch="x", swa_period=2)
+    with pytest.raises(ValueError, match="hf_class must name"):
+        DecoderArch(hf_class="Llama", arch="llama")
+
+
+# case, config change, what the refusal says: knobs llama.cpp's graph for the architecture does not implement
+REFUSALS = [
+    ("mistral", dict(sliding_window=16), r"sliding_window=16 \(llama.cpp's 'llama' graph attends to every"),
+    ("qwen3", dict(attention_bias=True), r"attention_bias=True \(llama.cpp's qwen3 graph has no o_proj bias"),
+    ("gemma2", dict(query_pre_attn_scalar=32), r"query_pre_attn_scalar=32 .* 1/sqrt\(64\)"),
+    ("gemma2", dict(attn_logit_softcapping=None), r"attn_logit_softcapping=None"),
+    ("gemma2", dict(tie_word_embeddings=False), r"not tied to the token embedding"),
+    ("gemma3", dict(layer_types=["full_attention"] * 6), r"layer_types=.*every 6th layer global"),
+    ("gemma3", dict(attn_logit_softcapping=20.0), r"does not soft-cap attention"),
+    ("gemma3", dict(hidden_activation="gelu"), r"hidden_act='gelu' \(llama.cpp computes tanh-approximated GELU"),
+    ("olmo2", dict(tie_word_embeddings=True), r"tied to the token embedding, but llama.cpp's graph reads a separate"),
+    ("smollm3", dict(no_rope_layers=[1, 0]), r"no_rope_layers=\[1, 0\]"),
+    ("phi3", dict(sliding_window=32), r"sliding_window=32"),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), r"rotary embedding is scaled"),
+    ("qwen2", dict(max_window_layers=1), None),  # a knob of a sliding window it does not use: written
+]
+
+
+@pytest.mark.parametrize("case, change, message", REFUSALS)
+def test_knobs_llama_cpp_does_not_implement_are_refused_before_writing(case, change, message, tmp_path):
+    family, fields = CASES[case]
+    config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, f"{family}Config")
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**{**BASE, **fields, **change}))
+    path = tmp_path / "m.gguf"
+    if message is None:
+        mixle.save_gguf(model, path, float_matrices="f32")
+        return
+    with pytest.raises(ValueError, match=message):
+        mixle.save_gguf(model, path, float_matrices="f32")
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gemma_scaled_embedding_keeps_its_scale_through_qat_and_convert(case, tmp_path):
+    """Gemma multiplies token embeddings by sqrt(hidden): the QAT layer (tied to the head) and the
+    converted one keep that, so the fake-quant toggle is exact and convert equals QAT."""
+    model = model_of(case)
+    ids = torch.arange(48).reshape(2, 24) % 64
+    qat = mixle.apply_qat(copy.deepcopy(model), gguf_mix="Q4_0")
+    assert type(qat.model.embed_tokens).__name__ == "QATScaledEmbedding"
+    with torch.no_grad():
+        float_logits = model(ids).logits
+        mixle.set_fake_quant_enabled(qat, False)
+        assert torch.equal(qat(ids).logits, float_logits)
+        mixle.set_fake_quant_enabled(qat, True)
+        trained = qat(ids).logits
+        converted = mixle.convert(qat)
+        assert torch.equal(converted(ids).logits, trained)
+        mixle.save_quantized(converted, tmp_path / "q.safetensors")
+        back = mixle.load_quantized(tmp_path / "q.safetensors", copy.deepcopy(model))
+        assert back.model.embed_tokens.embedding_scale == float(model.model.embed_tokens.embed_scale)
+        assert torch.equal(back(ids).logits, trained)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "olmo2"])
+def test_load_gguf_weights_reads_the_file_back_as_llama_cpp_multiplies(case, tmp_path):
+    """The norm offset (Gemma's 1 + w) and the row order are undone on reading."""
+    model = model_of(case)
+    mixle.save_gguf(model, tmp_path / "f32.gguf", float_matrices="f32")
+    back = mixle.load_gguf_weights(model, tmp_path / "f32.gguf")
+    offset = 1.0 if case.startswith("gemma") else 0.0
+    for (name, mine), (_, theirs) in zip(model.state_dict().items(), back.state_dict().items()):
+        if name.endswith("norm.weight"):  # what the model multiplies with: 1 + w for Gemma (w + 1 - 1 may round)
+            mine, theirs = mine + offset, theirs + offset
+        assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.skipif(llama_cpp_source() is None or build_dir() is None,
+                    reason="no llama.cpp source (convert_hf_to_gguf.py) or build (llama-quantize)")
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3"])
+def test_live_importance_matrix_quantizes_as_llama_quantize_imatrix(case, tmp_path):
+    """calibrate_importance -> save_imatrix -> llama-quantize --imatrix (of the converter's F32 file)
+    equals quantize_model(..., importance=) -> save_gguf, every tensor."""
+    from tests.test_imatrix import llama_quantize_imatrix
+
+    model = model_of(case)
+    ids = torch.tensor(np.random.default_rng(3).integers(0, 64, (8, 32)))
+    found = mixle.calibrate_importance(model, [ids], dataset="seeded ids")
+    mixle.save_imatrix(model, found, tmp_path / "m.imatrix.gguf")
+    hf, f32 = tmp_path / "hf", tmp_path / "f32.gguf"
+    checkpoint(case, hf)
+    subprocess.run([sys.executable, "-c", _CONVERT, llama_cpp_source(), str(hf), str(f32)], check=True,
+                   capture_output=True, cwd=llama_cpp_source())
+    for mix in ("Q4_0", "Q4_K_M"):
+        llama_quantize_imatrix(build_dir(), str(f32), str(tmp_path / "ref.gguf"), mix, str(tmp_path / "m.imatrix.gguf"))
+        mixle.save_gguf(mixle.quantize_model(model, gguf_mix=mix, importance=found), tmp_path / "mine.gguf")
+        ref, mine = summary(tmp_path / "ref.gguf"), summary(tmp_path / "mine.gguf")
+        assert compare(mine, ref) == [], mix
