@@ -334,3 +334,25 @@ def test_live_importance_matrix_quantizes_as_llama_quantize_imatrix(case, tmp_pa
         mixle.save_gguf(mixle.quantize_model(model, gguf_mix=mix, importance=found), tmp_path / "mine.gguf")
         ref, mine = summary(tmp_path / "ref.gguf"), summary(tmp_path / "mine.gguf")
         assert compare(mine, ref) == [], mix
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_llama_cpp_computes_the_transformers_forward(case, tmp_path):
+    """The F32 file in llama.cpp itself (llama-cpp-python, F32 KV cache) gives the transformers model's
+    logits: rotary layout, norm offsets, soft-capping, sliding windows and scaled embeddings included."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from mixle.gguf.architectures import DECODERS
+    from tests.gguf_parity_cases import IDS
+
+    model = model_of(case).eval()
+    mixle.save_gguf(model, tmp_path / "m.gguf", float_matrices="f32")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=16, logits_all=True, n_threads=1, type_k=0,
+                          type_v=0, verbose=False)
+    llm.eval(IDS)
+    with torch.no_grad():
+        want = model(torch.tensor([IDS])).logits[0].numpy()
+    # All-F32 weights and KV cache: float rounding and ggml's kernels only (the HF files' tolerance); Gemma's
+    # tanh GELU goes through ggml's float16 table (the gpt2 files' tolerance; measured 0.0085 at |logit| ~12).
+    gelu = DECODERS[type(model).__name__].activation == "gelu_pytorch_tanh"
+    np.testing.assert_allclose(np.array(llm.scores[: len(IDS)], dtype=np.float32), want, rtol=0,
+                               atol=0.01 if gelu else 1e-3)
