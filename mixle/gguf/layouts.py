@@ -1,19 +1,25 @@
-"""Which model tensors become which llama.cpp tensors: one layout function per architecture.
+"""Which model tensors become which llama.cpp tensors: one layout function per kind of model.
 
 A layout recognises a model, checks what llama.cpp's graph for its architecture computes, and
 lists the tensors to write (``Part``) with the hyper-parameters (``GGUFWriter.add_*`` calls).
-Tensor names come from gguf-py's ``TENSOR_NAMES``. ``LAYOUTS`` is the table ``save_gguf``
-tries in order; adding an architecture is one function there.
+``LAYOUTS`` is the table ``save_gguf`` tries in order: mixle's ``build_causal_lm`` (``gpt2``) and
+the transformers decoders of ``mixle.gguf.architectures`` (one ``DecoderArch`` record each).
+
+A transformers decoder is walked module by module: every module path goes through gguf-py's own
+tensor-name map for the record's architecture (``gguf.get_tensor_name_map``, as llama.cpp's
+converter names tensors), so ``post_attention_layernorm`` is ``ffn_norm`` in a Llama and
+``post_attention_norm`` in a Gemma or OLMo2, ``qkv_proj`` is ``attn_qkv``; a module holding
+weights the map has no name for, or a tensor the architecture's graph does not read, is refused.
+Norm weights get the record's offset (Gemma's ``1 + w``).
 
 Row permutation: llama.cpp's ``llama`` graph applies rotary embeddings to adjacent pairs of
 each head's dimensions, Hugging Face's Llama to the two halves, so (as llama.cpp's own
 converter does) the rows of ``q_proj`` and ``k_proj`` (and their biases) are reordered within
 each head: new row ``2i + j`` of a head is old row ``j * head_dim / 2 + i``. Whole rows move, so
-quantized blocks (which run along a row) move intact. ``qwen2`` rotates halves like Hugging
-Face: no permutation; nor ``qwen3moe``, whose q/k norms act per head before the rotation.
-Mixtral is written as ``llama`` with experts, so its q/k rows are permuted as Llama's.
+quantized blocks (which run along a row) move intact. Records with ``permute_qk`` (Llama,
+Mistral, Mixtral, SmolLM3) are permuted; the others rotate halves as transformers does.
 
-Mixtures of experts (``HF_ARCHS`` records with ``experts``): each layer's router (``mlp.gate``,
+Mixtures of experts (records with ``experts``): each layer's router (``mlp.gate``,
 float: F32, as llama.cpp never quantizes it) is ``ffn_gate_inp``; the fused expert weights
 ``gate_up_proj`` ``(E, 2I, H)`` (gate rows first) and ``down_proj`` ``(E, H, I)`` are
 ``ffn_gate_exps`` / ``ffn_up_exps`` (rows ``[:I]`` and ``[I:]`` of every expert) and
