@@ -11,8 +11,8 @@ of KB. The normal suite writes mixle's file of the same seed and compares.
 
 CI cannot build llama.cpp, so this script does, once: with ``--source`` (a llama.cpp tree holding
 ``convert_hf_to_gguf.py``) and ``--build-dir`` (holding ``bin/llama-quantize``) it uses those;
-otherwise it downloads llama-cpp-python's sdist and builds ``llama-quantize`` with cmake, without
-native CPU detection (a VM that reports AMX but does not grant it kills native builds).
+otherwise it downloads llama-cpp-python's sdist and builds the tools with cmake, without native CPU
+detection (``benchmarks/make_imatrix_fixtures.py``'s ``build_tools``).
 
     python benchmarks/make_arch_fixtures.py [--source DIR --build-dir /tmp/llbuild]
 """
@@ -28,26 +28,15 @@ from importlib import metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.make_imatrix_fixtures import SDIST, build_tools  # noqa: E402
 from tests.test_gguf_architectures import CASES, FIXTURE, MIXES, llama_cpp_files, summary  # noqa: E402
 
-SDIST = "llama-cpp-python==0.3.36"
-PORTABLE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-            "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-            "-DGGML_BMI2=ON"]
 
 
-def build_tools(work):
-    """``(llama.cpp source, build dir)``: the sdist unpacked in ``work`` and llama-quantize built from it."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", work],
-                   check=True)
-    archive = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))[0]
-    subprocess.run(["tar", "xzf", archive, "-C", work], check=True)
-    source = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
-    build = os.path.join(work, "build")
-    subprocess.run(["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", *PORTABLE], check=True)
-    subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count() or 2}", "--target", "llama-quantize"], check=True)
-    return source, build
+def sdist_tools(work):
+    """``(llama.cpp source, build dir)``: llama-cpp-python's sdist unpacked in ``work``, tools built from it."""
+    build = build_tools(work)
+    return glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))[0], build
 
 
 def main(argv=None):
@@ -57,7 +46,7 @@ def main(argv=None):
     parser.add_argument("--out", default=FIXTURE, help="the fixture file to write (default: %(default)s)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        source, build = (args.source, args.build_dir) if args.source and args.build_dir else build_tools(tmp)
+        source, build = (args.source, args.build_dir) if args.source and args.build_dir else sdist_tools(tmp)
         version = subprocess.run([os.path.join(build, "bin", "llama-quantize"), "--version"], capture_output=True,
                                  text=True)
         reference = {"llama_cpp_python_sdist": SDIST, "llama_cpp_version": (version.stdout + version.stderr).strip(),

@@ -34,7 +34,8 @@ def head_dim_of(config):
 def _rope_params(config):
     """``[(which, rope parameters dict)]``: one for most families, one per attention type for Gemma 3."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    typed = [(which, params[which]) for which in ("full_attention", "sliding_attention") if isinstance(params.get(which), dict)]
+    typed = [(which, params[which]) for which in ("full_attention", "sliding_attention")
+             if isinstance(params.get(which), dict)]
     return typed or [("", params)]
 
 
