@@ -108,6 +108,35 @@ def mixle_file(case, mix, path):
     return summary(path)
 
 
+# The structurally new cases, also with an importance matrix (llama-quantize --imatrix's weighted search
+# and types): a seeded one, so that the fixture does not depend on torch's float sums.
+IMATRIX_CASES = ("gemma3", "olmo2", "phi3", "qwen3")
+
+
+def known_importance(case):
+    """A seeded ``Imatrix`` over the case's matrices (gguf names; squares over six decades, some zero)."""
+    from mixle.core.imatrix import Imatrix
+    from mixle.gguf.plan import plan_of
+
+    plan = plan_of(model_of(case))
+    names = sorted(name for found in plan.imatrix_names.values() for name in found)
+    sums, counts = {}, {}
+    for index, name in enumerate(names):
+        rng = np.random.default_rng(2000 + index)
+        cols = plan.matrix_shapes[name][-1]
+        values = rng.standard_normal(cols) ** 2 * 10.0 ** rng.uniform(-3, 3, cols) * 320
+        values[rng.random(cols) < 0.05] = 0.0
+        sums[name], counts[name] = values.astype(np.float32)[None], np.array([320])
+    return Imatrix(sums, counts, ("seeded",), 10, 32)
+
+
+def mixle_imatrix_file(case, mix, path):
+    """mixle's file of the case QAT-wrapped on ``mix`` with the seeded importance matrix."""
+    qat = mixle.apply_qat(copy.deepcopy(model_of(case)), gguf_mix=mix, importance=known_importance(case))
+    mixle.save_gguf(qat, path, gguf_mix=mix)
+    return summary(path)
+
+
 def compare(mine, reference):
     """The differences between two summaries (empty when the files agree on everything that matters)."""
     problems = []
@@ -173,15 +202,23 @@ def checkpoint(case, directory):
 
 
 def llama_cpp_files(case, directory, source, build, mixes=MIXES):
-    """``{mix: path}`` of llama.cpp's files of the case: convert_hf_to_gguf.py to F32, then llama-quantize."""
+    """``{mix: path}`` of llama.cpp's files of the case: convert_hf_to_gguf.py to F32, then llama-quantize;
+    for ``IMATRIX_CASES`` also ``{"<mix>+imatrix": path}``, llama-quantize --imatrix of the seeded matrix."""
+    from mixle.gguf.imatrix_file import write_imatrix
+
     hf, f32 = os.path.join(directory, "hf"), os.path.join(directory, "f32.gguf")
     checkpoint(case, hf)
     subprocess.run([sys.executable, "-c", _CONVERT, source, hf, f32], check=True, capture_output=True, cwd=source)
-    files = {}
+    files, imatrix = {}, os.path.join(directory, "known.imatrix.gguf")
+    if case in IMATRIX_CASES:
+        write_imatrix(imatrix, known_importance(case))
     for mix in mixes:
-        files[mix] = os.path.join(directory, f"{mix}.gguf")
-        subprocess.run([os.path.join(build, "bin", "llama-quantize"), f32, files[mix], mix], check=True,
-                       capture_output=True)
+        for label, extra in ((mix, []), (f"{mix}+imatrix", ["--imatrix", imatrix])):
+            if extra and case not in IMATRIX_CASES:
+                continue
+            files[label] = os.path.join(directory, f"{label}.gguf")
+            subprocess.run([os.path.join(build, "bin", "llama-quantize"), *extra, f32, files[label], mix], check=True,
+                           capture_output=True)
     return files
 
 
@@ -211,13 +248,26 @@ def test_save_gguf_writes_llama_cpps_file(case, mix, reference, tmp_path):
     assert compare(mixle_file(case, mix, tmp_path / "mine.gguf"), reference["cases"][case][mix]) == []
 
 
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("case", IMATRIX_CASES)
+def test_save_gguf_with_an_importance_matrix_writes_llama_quantize_imatrix_file(case, mix, reference, tmp_path):
+    """apply_qat(gguf_mix=, importance=) + save_gguf = llama-quantize --imatrix of the converter's file."""
+    mine = mixle_imatrix_file(case, mix, tmp_path / "mine.gguf")
+    assert compare(mine, reference["cases"][case][f"{mix}+imatrix"]) == []
+
+
+def _mixle_file(case, label, path):
+    mix, _, imatrix = label.partition("+")
+    return mixle_imatrix_file(case, mix, path) if imatrix else mixle_file(case, mix, path)
+
+
 @pytest.mark.skipif(llama_cpp_source() is None or build_dir() is None,
                     reason="no llama.cpp source (convert_hf_to_gguf.py) or build (llama-quantize)")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_live_llama_cpp_writes_the_same_file(case, tmp_path):
     files = llama_cpp_files(case, str(tmp_path), llama_cpp_source(), build_dir())
-    for mix, path in files.items():
-        assert compare(mixle_file(case, mix, tmp_path / f"mine.{mix}.gguf"), summary(path)) == [], mix
+    for label, path in files.items():
+        assert compare(_mixle_file(case, label, tmp_path / f"mine.{label}.gguf"), summary(path)) == [], label
 
 
 # ------------------------------------------------------------------- records, refusals, training
