@@ -123,8 +123,7 @@ def gguf_tokenizer(n_vocab, *, vocab=None, tokenizer=None, source_gguf=None, tok
             keys are copied verbatim.
         tokenizer_pre: with a transformers tokenizer, llama.cpp's pre-tokenizer name to write
             (``tokenizer.ggml.pre``) instead of the one derived from the tokenizer.
-        arch: llama.cpp's architecture of the file (``"llama"``, ``"smollm3"``: ``add_space_prefix``, as the converter
-            writes it for them).
+        arch: llama.cpp's architecture of the file (``"llama"``, ``"smollm3"``: ``add_space_prefix``, as converted).
         config: the transformers model config (its special-token ids, as the converter reads ``config.json``).
 
     Returns:
