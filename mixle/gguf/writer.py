@@ -283,8 +283,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
 
     Args:
         model: mixle's ``build_causal_lm``, or a transformers causal LM of ``mixle.gguf.architectures.DECODERS``
-            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ``Qwen3MoeForCausalLM``, ...): float, after ``apply_qat``
-            or ``convert``.
+            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ...): float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
