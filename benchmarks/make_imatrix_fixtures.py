@@ -54,10 +54,15 @@ from tests.test_imatrix import (  # noqa: E402
 from tests.test_gguf_mixes import read_tensors, sha  # noqa: E402
 
 SDIST = "llama-cpp-python==0.3.36"
+# No native CPU detection: a VM that reports AMX without granting its tile state kills native builds.
+PORTABLE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+            "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+            "-DGGML_BMI2=ON"]
 
 
 def build_tools(work):
-    """Build llama-quantize and llama-imatrix from llama-cpp-python's sdist in ``work``; the build dir."""
+    """Build llama-quantize and llama-imatrix from llama-cpp-python's sdist in ``work``; the build dir
+    (the llama.cpp source is ``work/llama_cpp_python-*/vendor/llama.cpp``)."""
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", work],
                    check=True)
     archive = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))[0]
@@ -65,7 +70,7 @@ def build_tools(work):
     source = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
     build = os.path.join(work, "build")
     subprocess.run(["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF"], check=True)
+                    "-DLLAMA_BUILD_TESTS=OFF", *PORTABLE], check=True)
     subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count() or 2}", "--target", "llama-quantize",
                     "llama-imatrix"], check=True)
     return build

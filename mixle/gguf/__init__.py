@@ -3,7 +3,9 @@
 * ``blocks``: ggml's block layouts, packed from mixle's stored arrays (the block numerics are the
   grid records' own, ``mixle.core.grids``).
 * ``mixes``: llama-quantize's mixes (``Q4_K_M``, ...): the type it gives each tensor.
-* ``layouts``: how a model's weights become a GGUF file's tensors, per architecture.
+* ``architectures``: one record per transformers decoder (llama.cpp architecture, converter metadata,
+  tensor transforms, refusals); ``layouts``: how a model's weights become a GGUF file's tensors,
+  named through gguf-py's own tensor-name maps.
 * ``plan``: the plan of a model's file, built once: its layout, tensor shapes, the matrices an
   importance matrix covers, the types a mix gives them.
 * ``imatrix_file``: llama.cpp's importance-matrix files, and importance by layer or by tensor.

@@ -1,19 +1,25 @@
-"""Which model tensors become which llama.cpp tensors: one layout function per architecture.
+"""Which model tensors become which llama.cpp tensors: one layout function per kind of model.
 
 A layout recognises a model, checks what llama.cpp's graph for its architecture computes, and
 lists the tensors to write (``Part``) with the hyper-parameters (``GGUFWriter.add_*`` calls).
-Tensor names come from gguf-py's ``TENSOR_NAMES``. ``LAYOUTS`` is the table ``save_gguf``
-tries in order; adding an architecture is one function there.
+``LAYOUTS`` is the table ``save_gguf`` tries in order: mixle's ``build_causal_lm`` (``gpt2``) and
+the transformers decoders of ``mixle.gguf.architectures`` (one ``DecoderArch`` record each).
+
+A transformers decoder is walked module by module: every module path goes through gguf-py's own
+tensor-name map for the record's architecture (``gguf.get_tensor_name_map``, as llama.cpp's
+converter names tensors), so ``post_attention_layernorm`` is ``ffn_norm`` in a Llama and
+``post_attention_norm`` in a Gemma or OLMo2, ``qkv_proj`` is ``attn_qkv``; a module holding
+weights the map has no name for, or a tensor the architecture's graph does not read, is refused.
+Norm weights get the record's offset (Gemma's ``1 + w``).
 
 Row permutation: llama.cpp's ``llama`` graph applies rotary embeddings to adjacent pairs of
 each head's dimensions, Hugging Face's Llama to the two halves, so (as llama.cpp's own
 converter does) the rows of ``q_proj`` and ``k_proj`` (and their biases) are reordered within
 each head: new row ``2i + j`` of a head is old row ``j * head_dim / 2 + i``. Whole rows move, so
-quantized blocks (which run along a row) move intact. ``qwen2`` rotates halves like Hugging
-Face: no permutation; nor ``qwen3moe``, whose q/k norms act per head before the rotation.
-Mixtral is written as ``llama`` with experts, so its q/k rows are permuted as Llama's.
+quantized blocks (which run along a row) move intact. Records with ``permute_qk`` (Llama,
+Mistral, Mixtral, SmolLM3) are permuted; the others rotate halves as transformers does.
 
-Mixtures of experts (``HF_ARCHS`` records with ``experts``): each layer's router (``mlp.gate``,
+Mixtures of experts (records with ``experts``): each layer's router (``mlp.gate``,
 float: F32, as llama.cpp never quantizes it) is ``ffn_gate_inp``; the fused expert weights
 ``gate_up_proj`` ``(E, 2I, H)`` (gate rows first) and ``down_proj`` ``(E, H, I)`` are
 ``ffn_gate_exps`` / ``ffn_up_exps`` (rows ``[:I]`` and ``[I:]`` of every expert) and
@@ -27,6 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from torch import nn
+
+from mixle.gguf.architectures import (DECODERS, DecoderArch, config_metadata, config_refusals, decoder_of,
+                                      head_dim_of, rope_dimension_count, rope_theta)
 
 __all__ = ["Part", "Layout", "HFArch", "HF_ARCHS", "LAYOUTS", "layout_of", "rotary_pair_rows", "expert_shape"]
 
@@ -46,6 +55,7 @@ class Part:
             matrix), or a fused expert weight ``(experts, rows, cols)`` such as ``"gate_up_proj"``.
         row_slice: the rows of every expert this tensor takes (``slice(0, n)``: the gate half of
             ``gate_up_proj``), or None for all of them. Whole rows: quantized blocks stay intact.
+        offset: added to a ``tensor`` as it is written (Gemma's norms: the file holds ``1 + w``).
 
     A fused expert weight is written as a 3-D tensor (gguf ``ne = [cols, rows, experts]``); its
     ``path`` is the parameter's model path (``"model.layers.0.mlp.experts.gate_up_proj"``), the
@@ -59,6 +69,7 @@ class Part:
     rows: object = None
     attr: str = "weight"
     row_slice: slice | None = None
+    offset: float = 0.0
 
     @property
     def experts(self):
@@ -139,8 +150,9 @@ GPT2_ACTIVATION = "gelu_tanh"
 GPT2_ACTIVATIONS = ("gelu_tanh", "gelu_tanh_f16")
 
 
-def gpt2_layout(model, names, kinds):
+def gpt2_layout(model, gguf):
     """mixle's ``CausalLM`` (``build_causal_lm``) as llama.cpp's ``gpt2``, or None for other models."""
+    names, kinds = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     cls = type(model)
     if cls.__name__ != "CausalLM" or not cls.__module__.startswith("mixle."):
         return None
@@ -187,76 +199,21 @@ def gpt2_layout(model, names, kinds):
 
 
 # ----------------------------------------------------------------------------------------------
-# Hugging Face decoders: LlamaForCausalLM, Qwen2ForCausalLM, and the mixtures of experts
-# Qwen3MoeForCausalLM and MixtralForCausalLM (one record each).
+# transformers decoders: one ``DecoderArch`` record each (``mixle.gguf.architectures``); tensor names
+# through gguf-py's own map, as llama.cpp's converter names them.
+
+HFArch = DecoderArch  # the record's old name
+HF_ARCHS = DECODERS
+
+# The order of a layer's tensors in the file (llama.cpp does not care; kept as it always was):
+# by the stage of the layer they belong to, then as the model holds them.
+_STAGES = {"ATTN_NORM": 0, "ATTN_POST_NORM": 2, "FFN_NORM": 3, "FFN_PRE_NORM": 3, "FFN_POST_NORM": 5}
+# Matrices whose bias llama.cpp's graphs read (q/k/v: every architecture here; o_proj: ``attention_bias``).
+_BIASED = ("ATTN_Q", "ATTN_K", "ATTN_V", "ATTN_QKV")
 
 
-@dataclass(frozen=True)
-class HFArch:
-    """How one transformers causal LM class is written.
-
-    Attributes:
-        arch: llama.cpp's architecture name.
-        permute: reorder q/k rows for llama.cpp's adjacent-pair rotary layout.
-        experts: every layer's MLP is a sparse block of fused experts (``mlp.gate`` router,
-            ``mlp.experts.gate_up_proj`` / ``down_proj``), written as ``ffn_*_exps``.
-        qk_norm: the attention has ``q_norm`` / ``k_norm`` (``attn_q_norm`` / ``attn_k_norm``).
-        moe_block: the class name of the sparse MLP block each layer must hold.
-        topk_flag: the config flag that must be True because llama.cpp's graph always divides the
-            top-k routing weights by their sum (Qwen3-MoE's ``norm_topk_prob``), or None.
-        attention_bias: whether llama.cpp's graph reads ``config.attention_bias``'s o_proj bias.
-    """
-
-    arch: str
-    permute: bool
-    experts: bool = False
-    qk_norm: bool = False
-    moe_block: str | None = None
-    topk_flag: str | None = None
-    attention_bias: bool = True
-
-
-HF_ARCHS = {
-    "LlamaForCausalLM": HFArch("llama", True),
-    "Qwen2ForCausalLM": HFArch("qwen2", False),
-    "Qwen3MoeForCausalLM": HFArch("qwen3moe", False, experts=True, qk_norm=True, moe_block="Qwen3MoeSparseMoeBlock",
-                                  topk_flag="norm_topk_prob", attention_bias=False),
-    "MixtralForCausalLM": HFArch("llama", True, experts=True, moe_block="MixtralSparseMoeBlock"),
-}
-
-
-def _rope_theta(config):
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    scaling = getattr(config, "rope_scaling", None)
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        return None
-    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-
-
-def _check_hf_config(model, record):
-    """The rotary base, after refusing what llama.cpp's graph for ``record.arch`` computes differently."""
-    config, arch = model.config, record.arch
-    fix = "export a model with the default configuration of this family"
-    theta = _rope_theta(config)
-    if theta is None:
-        raise _refuse(model, arch, "its rotary embedding is scaled (rope_parameters "
-                      f"{getattr(config, 'rope_parameters', None)})", fix)
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise _refuse(model, arch, f"hidden_act={config.hidden_act!r} (llama.cpp computes SiLU)", fix)
-    if getattr(config, "mlp_bias", False):
-        raise _refuse(model, arch, "mlp_bias=True (llama.cpp's graph has no MLP biases)", fix)
-    if getattr(config, "sliding_window", None) is not None and record.experts:
-        raise _refuse(model, arch, f"sliding_window={config.sliding_window} (llama.cpp's {arch!r} graph attends to "
-                      f"every earlier position)", "set config.sliding_window=None if the model never sees longer "
-                      "contexts, or export another model")
-    if not record.attention_bias and getattr(config, "attention_bias", False):
-        raise _refuse(model, arch, f"attention_bias=True (llama.cpp's {arch} graph has no o_proj bias)", fix)
-    if record.topk_flag and not getattr(config, record.topk_flag, False):
-        raise _refuse(model, arch, f"{record.topk_flag}=False: llama.cpp's {arch} graph always divides the top-k "
-                      f"routing weights by their sum, so the file would mix the experts with other weights",
-                      f"export a model with {record.topk_flag}=True (as Qwen3-30B-A3B's config)")
-    return theta
+def _stage(kind):
+    return _STAGES.get(kind.name, 1 if kind.name.startswith("ATTN_") else 4)
 
 
 def _expert_parts(model, record, mlp, prefix, name, kinds):
@@ -300,67 +257,121 @@ def expert_shape(module, attr):
     return tuple(int(d) for d in (getattr(found, "array_shape", None) or found.shape))
 
 
-def _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps):
-    attn = layer.self_attn
-    q_rows = rotary_pair_rows(heads, head_dim) if record.permute else None
-    k_rows = rotary_pair_rows(kv_heads, head_dim) if record.permute else None
-    parts = []
-    for attr, kind, rows in (("q_proj", kinds.ATTN_Q, q_rows), ("k_proj", kinds.ATTN_K, k_rows),
-                             ("v_proj", kinds.ATTN_V, None), ("o_proj", kinds.ATTN_OUT, None)):
-        module, path = getattr(attn, attr), f"{prefix}.self_attn.{attr}"
-        parts.append(Part(name(kind) + ".weight", path, module=module, rows=rows))
-        if module.bias is not None:
-            parts.append(Part(name(kind) + ".bias", path, tensor=module.bias, rows=rows))
-    if record.qk_norm:  # per head, before the rotation: halves stay halves (no permutation here)
-        for attr, kind in (("q_norm", kinds.ATTN_Q_NORM), ("k_norm", kinds.ATTN_K_NORM)):
-            path = f"{prefix}.self_attn.{attr}"
-            _norm_eps(getattr(attn, attr), path, "rms", eps)
-            parts.append(Part(name(kind) + ".weight", path, tensor=getattr(attn, attr).weight))
-    return parts
+def _is_matrix(module):
+    """A layer whose 2-D weight is written as a matrix (float, QAT or converted), not a norm's vector."""
+    return hasattr(module, "weight_shape") or getattr(getattr(module, "weight", None), "dim", lambda: 0)() >= 2
 
 
-def hf_decoder_layout(model, names, kinds):
-    """A transformers causal LM of ``HF_ARCHS`` as its llama.cpp architecture, or None for other models."""
-    record = HF_ARCHS.get(type(model).__name__)
-    if record is None or not type(model).__module__.startswith("transformers."):
+class _DecoderWalk:
+    """One transformers decoder's parts, found by mapping every module path through gguf-py's map."""
+
+    def __init__(self, model, record, gguf):
+        self.model, self.record, self.gguf = model, record, gguf
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[record.arch]
+        self.allowed = set(gguf.MODEL_TENSORS[arch])
+        self.tensor_map = gguf.get_tensor_name_map(arch, len(model.model.layers))
+        self.eps = _norm_eps(model.model.norm, "model.norm", "rms", None)
+
+    def rows(self, kind):
+        if not self.record.permute_qk or kind.name not in ("ATTN_Q", "ATTN_K"):
+            return None
+        return rotary_pair_rows(self.heads if kind.name == "ATTN_Q" else self.kv_heads, self.head_dim)
+
+    def refuse(self, why, fix="export a model of this family as transformers builds it"):
+        return _refuse(self.model, self.record.arch, why, fix)
+
+    def module_parts(self, path, module, kind, name):
+        """The parts of one mapped module: a matrix (and its bias) or a norm's weight."""
+        if kind not in self.allowed:
+            raise self.refuse(f"{path!r} is llama.cpp's {kind.name}, which its {self.record.arch!r} graph does not read")
+        if not _is_matrix(module):
+            _norm_eps(module, path, "rms", self.eps)
+            return [Part(name + ".weight", path, tensor=module.weight, offset=self.record.norm_offset)]
+        parts = [Part(name + ".weight", path, module=module, rows=self.rows(kind))]
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            if kind.name not in _BIASED and not (kind.name == "ATTN_OUT" and self.record.attention_bias):
+                raise self.refuse(f"{path!r} has a bias, which llama.cpp's {self.record.arch!r} graph does not add")
+            parts.append(Part(name + ".bias", path, tensor=bias, rows=self.rows(kind)))
+        return parts
+
+    def parts(self):
+        """``(token embedding part, {layer: [(stage, order, part)]}, [output parts], MoE sizes)``."""
+        layers, tail, moe, taken = {}, [], set(), []
+        kinds = self.gguf.MODEL_TENSOR
+        for order, (path, module) in enumerate(self.model.named_modules()):
+            if not path or path == "lm_head" or any(path.startswith(prefix) for prefix in taken):
+                continue  # the head: hf_decoder_layout's (token_embd when tied)
+            found = self.tensor_map.get_type_and_name(path)
+            if self.record.experts and path.endswith(".mlp") and path.startswith("model.layers."):
+                index = int(path.split(".")[2])
+                name = lambda kind, index=index: self.gguf.TENSOR_NAMES[kind].format(bid=index)  # noqa: E731
+                expert_parts, sizes = _expert_parts(self.model, self.record, module, path[:-len(".mlp")], name, kinds)
+                layers.setdefault(index, []).extend((4, order, part) for part in expert_parts)
+                moe.add(sizes)
+                taken.append(path + ".")
+            elif found is not None and (hasattr(module, "weight") or hasattr(module, "codes")):
+                kind, name = found
+                taken.append(path + ".")
+                if kind.name in ("TOKEN_EMBD", "OUTPUT", "OUTPUT_NORM"):
+                    continue  # written by hf_decoder_layout itself
+                index = int(name.split(".")[1])
+                layers.setdefault(index, []).extend(
+                    (_stage(kind), order, part) for part in self.module_parts(path, module, kind, name))
+            elif any(True for _ in module.parameters(recurse=False)):
+                own = sorted(n for n, _ in module.named_parameters(recurse=False))
+                raise self.refuse(f"{path!r} ({type(module).__name__}) holds {own}, which llama.cpp's "
+                                  f"{self.record.arch!r} tensor names have no place for")
+        return layers, moe
+
+
+def _check_head(model, record, tied, allowed, gguf):
+    if tied and record.head == "untied":
+        raise _refuse(model, record.arch, "its output head is tied to the token embedding, but llama.cpp's graph "
+                      "reads a separate output.weight", "untie the head (config.tie_word_embeddings=False) before "
+                      "training, or export another model")
+    if not tied and (record.head == "tied" or gguf.MODEL_TENSOR.OUTPUT not in allowed):
+        raise _refuse(model, record.arch, "its output head is not tied to the token embedding, but llama.cpp's "
+                      "graph multiplies with the token embedding", "export a model with tie_word_embeddings=True")
+
+
+def hf_decoder_layout(model, gguf):
+    """A transformers causal LM of ``DECODERS`` as its llama.cpp architecture, or None for other models."""
+    record = decoder_of(model)
+    if record is None:
         return None
     config = model.config
-    theta = _check_hf_config(model, record)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    problems = config_refusals(config, record)
+    if problems:
+        raise _refuse(model, record.arch, *problems[0])
+    theta = rope_theta(config)
+    walk = _DecoderWalk(model, record, gguf)
     inner = model.model
     tok, head = inner.embed_tokens, model.lm_head
     tied = tied_head(tok, head, "model.embed_tokens", "lm_head")
-    eps = _norm_eps(inner.norm, "model.norm", "rms", None)
-    parts, moe = [Part(names[kinds.TOKEN_EMBD] + ".weight", "model.embed_tokens", module=tok)], set()
-    for index, layer in enumerate(inner.layers):
-        prefix, mlp = f"model.layers.{index}", layer.mlp
-        name = lambda kind: names[kind].format(bid=index)  # noqa: E731
-        _norm_eps(layer.input_layernorm, f"{prefix}.input_layernorm", "rms", eps)
-        parts.append(Part(name(kinds.ATTN_NORM) + ".weight", f"{prefix}.input_layernorm",
-                          tensor=layer.input_layernorm.weight))
-        parts += _attention_parts(record, layer, prefix, name, kinds, heads, kv_heads, head_dim, eps)
-        _norm_eps(layer.post_attention_layernorm, f"{prefix}.post_attention_layernorm", "rms", eps)
-        parts.append(Part(name(kinds.FFN_NORM) + ".weight", f"{prefix}.post_attention_layernorm",
-                          tensor=layer.post_attention_layernorm.weight))
-        if record.experts:
-            expert_parts, sizes = _expert_parts(model, record, mlp, prefix, name, kinds)
-            parts += expert_parts
-            moe.add(sizes)
-            continue
-        for attr, kind in (("gate_proj", kinds.FFN_GATE), ("up_proj", kinds.FFN_UP), ("down_proj", kinds.FFN_DOWN)):
-            parts.append(Part(name(kind) + ".weight", f"{prefix}.mlp.{attr}", module=getattr(mlp, attr)))
-    parts.append(Part(names[kinds.OUTPUT_NORM] + ".weight", "model.norm", tensor=inner.norm.weight))
+    _check_head(model, record, tied, walk.allowed, gguf)
+    names, kinds = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
+    layers, moe = walk.parts()
+    parts = [Part(names[kinds.TOKEN_EMBD] + ".weight", "model.embed_tokens", module=tok)]
+    for index in sorted(layers):
+        parts += [part for _, _, part in sorted(layers[index], key=lambda entry: entry[:2])]
+    parts.append(Part(names[kinds.OUTPUT_NORM] + ".weight", "model.norm", tensor=inner.norm.weight,
+                      offset=record.norm_offset))
     if not tied:
         parts.append(Part(names[kinds.OUTPUT] + ".weight", "lm_head", module=head))
+    hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, walk.head_dim
     hparams = [("add_context_length", config.max_position_embeddings), ("add_embedding_length", hidden),
                ("add_block_count", len(inner.layers)), ("add_feed_forward_length", config.intermediate_size),
-               ("add_head_count", heads), ("add_head_count_kv", kv_heads), ("add_layer_norm_rms_eps", eps),
-               ("add_rope_freq_base", float(theta)), ("add_rope_dimension_count", head_dim),
-               ("add_vocab_size", config.vocab_size)]
-    if head_dim * heads != hidden:
+               ("add_head_count", heads), ("add_head_count_kv", config.num_key_value_heads),
+               ("add_layer_norm_rms_eps", walk.eps), ("add_rope_freq_base", theta),
+               ("add_rope_dimension_count", rope_dimension_count(config)), ("add_vocab_size", config.vocab_size)]
+    extra = config_metadata(config, record)
+    if head_dim * heads != hidden and not any(method == "add_key_length" for method, _ in extra):
         hparams += [("add_key_length", head_dim), ("add_value_length", head_dim)]
+    hparams += extra
     if record.experts:
         hparams += _expert_hparams(model, record, moe)
     return Layout(record.arch, hparams, parts, config.vocab_size, tied, head_path="lm_head")
@@ -385,7 +396,7 @@ LAYOUTS = (gpt2_layout, hf_decoder_layout)
 def layout_of(model, gguf):
     """The first layout in ``LAYOUTS`` that takes ``model``; ValueError naming the supported ones."""
     for layout in LAYOUTS:
-        found = layout(model, gguf.TENSOR_NAMES, gguf.MODEL_TENSOR)
+        found = layout(model, gguf)
         if found is not None:
             return found
     raise ValueError(

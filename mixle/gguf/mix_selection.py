@@ -40,7 +40,9 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
         specs = {path: None if spec is None else spec.replace(act_bits=spec_fields["act_bits"])
                  for path, spec in specs.items()}
     modules = dict(model.named_modules())
-    embedding = any(spec is not None and type(modules[path]).__name__ == "Embedding" for path, spec in specs.items())
+    embedding = any(spec is not None and (type(modules[path]).__name__ == "Embedding"
+                                          or type(modules[path]).__name__.endswith("ScaledWordEmbedding"))
+                    for path, spec in specs.items())
     return [(re.escape(path), spec) for path, spec in specs.items()], ("embedding",) if embedding else ()
 
 

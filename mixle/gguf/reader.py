@@ -100,6 +100,8 @@ def _part_values(tensor, part, target, path, gguf):
         index = [int(i) for i in np.argwhere(~np.isfinite(values))[0]]
         raise ValueError(f"{where} holds NaN or infinity ({tensor.tensor_type.name} value {values[tuple(index)]} at "
                          f"{index}): the file is corrupt; write it again")
+    if part.offset:  # the file holds the norm weight plus the offset (Gemma's 1 + w)
+        values = values - np.float32(part.offset)
     if part.rows is not None:  # file row r holds model row rows[r]
         unpermuted = np.empty_like(values)
         unpermuted[part.rows] = values

@@ -123,7 +123,7 @@ def gguf_tokenizer(n_vocab, *, vocab=None, tokenizer=None, source_gguf=None, tok
             keys are copied verbatim.
         tokenizer_pre: with a transformers tokenizer, llama.cpp's pre-tokenizer name to write
             (``tokenizer.ggml.pre``) instead of the one derived from the tokenizer.
-        arch: llama.cpp's architecture of the file (``"llama"`` adds ``add_space_prefix`` as the converter does).
+        arch: llama.cpp's architecture of the file (``"llama"``, ``"smollm3"``: ``add_space_prefix``, as converted).
         config: the transformers model config (its special-token ids, as the converter reads ``config.json``).
 
     Returns:
@@ -330,6 +330,10 @@ def _tokens_and_types(tokenizer, ids, n_vocab):
     return tokens, types
 
 
+# The architectures of llama.cpp's LlamaModel converter family, whose set_vocab writes add_space_prefix.
+_SPACE_PREFIX_ARCHS = ("llama", "smollm3")
+
+
 def _from_transformers(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf):
     """The keys llama.cpp's converter writes for a byte-level BPE tokenizer (the module docstring)."""
     state = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -354,7 +358,7 @@ def _from_transformers(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf):
     if not special.merges:
         special.merges = split_merges(tokens)
     writer = gguf.GGUFWriter(None, arch or "gpt2")
-    if arch == "llama" and isinstance(space_prefix, bool):
+    if arch in _SPACE_PREFIX_ARCHS and isinstance(space_prefix, bool):
         writer.add_add_space_prefix(space_prefix)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

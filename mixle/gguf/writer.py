@@ -7,8 +7,8 @@
   LayerNorm, GELU, head tied to the token embedding) as llama.cpp's ``gpt2``, whose graph computes
   tanh-approximated GELU: a model built with ``activation="gelu_tanh"`` (an erf-GELU model is
   refused unless ``allow_activation_mismatch=True``);
-* transformers' ``LlamaForCausalLM`` as ``llama`` (q/k rows reordered for llama.cpp's rotary
-  layout) and ``Qwen2ForCausalLM`` as ``qwen2``, tied or untied;
+* transformers' dense decoders of ``mixle.gguf.architectures.DECODERS`` (Llama, Mistral, Qwen2, Qwen3,
+  Gemma 2 / 3, Phi-3, OLMo2, SmolLM3) as llama.cpp's converter writes them, tied or untied;
 * the mixtures of experts ``Qwen3MoeForCausalLM`` as ``qwen3moe`` and ``MixtralForCausalLM`` as
   ``llama`` with experts: the router as F32 ``ffn_gate_inp``, the fused expert weights as the 3-D
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (numpy ``(E, rows, cols)``, gguf
@@ -195,7 +195,7 @@ def _tensors(plan, float_matrices, gguf, mix, quantized, importance=None):
             mix_type = _FLOAT_MATRICES if types is None else types[part.name]
             tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays, importance)
         else:
-            tensor = _vector(part.tensor, part.name)
+            tensor = _vector(part.tensor + part.offset if part.offset else part.tensor, part.name)
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
             tensor.data = np.take(tensor.data, part.rows, axis=0 if tensor.data.ndim == 1 else -2)
         tensors.append(tensor)
@@ -274,7 +274,7 @@ def _file_type(tensors, gguf, mix):
 
 def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, gguf_mix=None, quantized=None,
               name=None, allow_activation_mismatch=False, importance=None, source_gguf=None, tokenizer_pre=None):
-    """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama``, ``qwen2`` or ``qwen3moe``).
+    """Write a causal LM as a GGUF file llama.cpp loads (``gpt2``, ``llama``, ``qwen3``, ``gemma3``, ...).
 
     Layers QAT-trained (or converted) on a llama.cpp grid are written as the ggml blocks of their
     own codes and scales, so llama.cpp multiplies with exactly the weights QAT trained with; see
@@ -282,8 +282,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     file is created, written to a temporary file and renamed into place: a failed call leaves none.
 
     Args:
-        model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``.
+        model: mixle's ``build_causal_lm``, or a transformers causal LM of ``mixle.gguf.architectures.DECODERS``
+            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ...): float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:

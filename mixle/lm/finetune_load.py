@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixle._optional import require
+from mixle.gguf.architectures import SUPPORTED
 from mixle.gguf.file import open_gguf
 from mixle.gguf.tokenizer import split_as_llama_cpp
 
 __all__ = ["SUPPORTED", "TEXT_SUFFIXES", "LoadedModel", "load_model", "load_texts", "check_finite", "model_kind",
            "tokens_needed", "check_vocabulary"]
 
-# The transformers classes mixle writes as llama.cpp files (``mixle.gguf.layouts``) and as
-# compressed-tensors checkpoints: class name -> llama.cpp architecture.
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# The transformers classes mixle writes as llama.cpp files and as compressed-tensors checkpoints:
+# class name -> llama.cpp architecture, from the architecture records (``mixle.gguf.architectures``).
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 

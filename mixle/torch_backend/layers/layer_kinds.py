@@ -25,6 +25,8 @@ from mixle.torch_backend.layers.lora import LoRALinear, QATLoRALinear
 from mixle.torch_backend.layers.mha_layers import OPTIONS as MHA_OPTIONS
 from mixle.torch_backend.layers.mha_layers import QATMultiheadAttention, QuantizedMultiheadAttention, wrap_mha
 from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, to_storage
+from mixle.torch_backend.layers.scaled_embedding import (QATScaledEmbedding, QuantizedScaledEmbedding,
+                                                         ScaledEmbeddingType, wrap_scaled_embedding)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,8 @@ class LayerKind:
         assemble: ``(QAT layer, {weight name: (codes, scale, parts)}) -> quantized layer``, for
             kinds with ``weight_names`` (``to_quantized`` takes one weight).
         opt_in_reason: the report's reason for an opt-in layer not asked for (default: a generic one).
+        opt_in_as: the ``opt_in`` name that selects an opt-in kind, when not its own (Gemma's scaled
+            embeddings answer to ``"embedding"``).
     """
 
     name: str
@@ -82,6 +86,12 @@ class LayerKind:
     batch_axes: int = 0
     assemble: Callable | None = None
     opt_in_reason: str = ""
+    opt_in_as: str = ""
+
+    @property
+    def opt_in_name(self):
+        """The name ``apply_qat(opt_in=...)`` selects this kind by."""
+        return self.opt_in_as or self.name
 
     def check_spec(self, spec):
         """Refuse the options of ``spec`` this kind's QAT layer would not honour.
@@ -159,7 +169,7 @@ class LayerKind:
         """The quantized layer replacing QAT ``layer``, holding ``codes``, ``scale`` and the grid's
         other ``parts`` (``to_storage``)."""
         extra = self.options_of(layer)
-        if parts and self.quantized_type not in (QuantizedLinear, QuantizedEmbedding):
+        if parts and self.quantized_type not in (QuantizedLinear, QuantizedEmbedding, QuantizedScaledEmbedding):
             raise ValueError(f"grid={layer.spec.grid!r} stores {sorted(parts)} too, which a "
                              f"{self.quantized_type.__name__} cannot hold yet: use one of the grids without them "
                              f"(e.g. grid='q4_0') for this layer")
@@ -202,6 +212,11 @@ KINDS = (
     LayerKind(name="conv", float_types=(nn.Conv1d, nn.Conv2d), qat_type=QATConvMixin, wrap=wrap_conv,
               quantize=quantize_conv_matrix, quantized_type=QuantizedConv, has_bias=True, opt_in=True, spec_options=(),
               options=("conv_shape", "stride", "padding", "dilation", "groups", "padding_mode", "reversed_padding")),
+    # Gemma's scaled embeddings before plain ones (a subclass whose lookups are multiplied by a scale)
+    LayerKind(name="scaled_embedding", float_types=(ScaledEmbeddingType,), qat_type=QATScaledEmbedding,
+              wrap=wrap_scaled_embedding, quantize=quantize_embedding_weight, quantized_type=QuantizedScaledEmbedding,
+              options=("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "embedding_scale"), opt_in=True,
+              follows_tie=True, opt_in_as="embedding"),
     LayerKind(name="embedding", float_types=(nn.Embedding,), qat_type=QATEmbedding,
               wrap=lambda module, spec, enabled: QATEmbedding(module, spec, enabled=enabled),
               quantize=quantize_embedding_weight, quantized_type=QuantizedEmbedding,
@@ -215,7 +230,7 @@ KINDS = (
               assemble=assemble_fused, spec_options=("act_bits",), opt_in=True, options=("array_shape",),
               opt_in_reason="router stays float by default; opt in with opt_in=('router',)"),
 )
-OPT_IN = tuple(kind.name for kind in KINDS if kind.opt_in)
+OPT_IN = tuple(dict.fromkeys(kind.opt_in_name for kind in KINDS if kind.opt_in))
 
 QAT_TYPES = tuple({kind.qat_type for kind in KINDS})
 QUANTIZED_TYPES = tuple({kind.quantized_type for kind in KINDS if kind.quantized_type is not None})

@@ -165,13 +165,13 @@ def _decide(path, module, selector, opt_in, naming):
     kind = _kind(module)
     if spec is None or not kind.opt_in:
         return spec, reason
-    if kind.name in opt_in:
-        return spec, f"{reason}; opt_in={kind.name!r}"
+    if kind.opt_in_name in opt_in:
+        return spec, f"{reason}; opt_in={kind.opt_in_name!r}"
     if kind_of_qat(module) is not None:  # opted in before: applying again keeps it
         return spec, f"{reason}; already fake-quantized"
     if selector.rule_for(path) in naming:
         return spec, reason
-    return None, kind.opt_in_reason or (f"not selected: {kind.name} layers are opt-in (pass opt_in=({kind.name!r},) "
+    return None, kind.opt_in_reason or (f"not selected: {kind.opt_in_name} layers are opt-in (pass opt_in=({kind.opt_in_name!r},) "
                                         f"or a pattern matching only them)")
 
 
