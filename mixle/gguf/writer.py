@@ -91,10 +91,9 @@ def _plan_matrix(part, data, float_matrices, gguf, mix_type, importance=None):
             return _Tensor(gguf_name, data, "F32")
         if mix_type is _FLOAT_MATRICES:
             return _float_matrix(data, path, gguf_name, float_matrices, gguf)
-        if importance is None:
-            return _mix_matrix(data, path, gguf_name, mix_type)
-        require_entry(gguf_name, mix_type, importance)
-        return _mix_matrix(data, path, gguf_name, mix_type, importance.get(gguf_name))
+        if importance is not None:
+            require_entry(gguf_name, mix_type, importance)
+        return _mix_matrix(data, path, gguf_name, mix_type, None if importance is None else importance.get(gguf_name))
     quantized, spec = data, data.spec
     if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
