@@ -86,7 +86,8 @@ def _plan_matrix(part, data, float_matrices, gguf, mix_type, importance=None):
     ``importance``: ``{gguf name: importance}`` a float matrix the mix quantizes is weighted by, or None.
     """
     path, gguf_name = part.path, part.name
-    if not isinstance(data, QuantizedArray):
+    want = full_shape(part) if isinstance(data, QuantizedArray) else None  # the layer's whole weight
+    if want is None:
         if part.tensor is not None:  # a float matrix llama.cpp keeps F32 (a router)
             return _Tensor(gguf_name, data, "F32")
         if mix_type is _FLOAT_MATRICES:
@@ -102,7 +103,6 @@ def _plan_matrix(part, data, float_matrices, gguf, mix_type, importance=None):
             f"{' / '.join(GGML_TYPE_OF_GRID.values())}), or leave it out of apply_qat so it is "
             f"written as float_matrices={float_matrices!r}"
         )
-    want = full_shape(part)
     if tuple(quantized.shape) != want:
         raise ValueError(f"quantized[{path!r}] has shape {list(quantized.shape)}, but the layer's weight is "
                          f"{list(want)}: quantize the layer's own weight")
