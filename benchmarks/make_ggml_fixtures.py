@@ -4,7 +4,7 @@ CI does not build llama-cpp-python, so this script runs ggml once, through ctype
 library llama-cpp-python bundles (``ggml_quantize_chunk`` with no importance matrix, then the
 type's ``to_float``), on the seeded rows of ``tests/test_ggml_quants.py`` (``fixture_rows``:
 normal rows and the edge cases: zeros, constants, outliers, 1e-30 and 1e30 scales, subnormals,
-negative maxima), for every ggml type ``mixle.core.ggml_quants`` emulates. It writes
+negative maxima), for every ggml type ``mixle.gguf.ggml_quants`` emulates. It writes
 ``tests/fixtures/ggml_reference.npz``: the inputs, per type ggml's block bytes and dequantized
 values, and the versions they came from. The normal suite then checks mixle's quantizers
 against these bytes without llama.cpp.

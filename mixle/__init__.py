@@ -9,7 +9,12 @@ then raises an ImportError naming the pip extra to install.
 True
 """
 
-__version__ = "0.1.0"
+from mixle._version import __version__
+
+# The formats mixle ships join mixle's own grids (mixle.core.grids) before any module looks a grid
+# up: llama.cpp's block types, then QLoRA's NF4. Both import numpy only.
+from mixle.gguf import formats as _llama_cpp_formats  # noqa: E402, F401
+from mixle.core import nf4 as _nf4  # noqa: E402, F401
 
 _API = "mixle.api"
 _NUMERICS = "mixle.core.numerics"

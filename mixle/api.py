@@ -256,7 +256,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
     ``importance`` (torch models): llama.cpp's importance matrix, as a ``llama-imatrix`` file's
     path, ``calibrate_importance``'s result or ``{layer path: per-input-column values}``. Each
     linear layer it covers is then quantized by ggml's importance-weighted search, bit for bit as
-    ``llama-quantize --imatrix`` (``mixle.core.ggml_weighted``), and under ``gguf_mix`` the layers
+    ``llama-quantize --imatrix`` (``mixle.gguf.ggml_weighted``), and under ``gguf_mix`` the layers
     get the types llama-quantize gives with an imatrix (Q4_0: the first eighth of ffn_down Q4_1).
     Fused experts (``calibrate_importance``'s ``<experts>.gate_up_proj`` / ``down_proj`` entries,
     or ``ffn_*_exps`` of a file) are quantized per expert with that expert's importance. Entries of

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import mixle
-from mixle.core.ggml_quants import BlockType
-from mixle.core.grids import GRIDS, Grid, register_grid
+from mixle.core.grids import GRIDS, BlockType, Grid, register_grid
 from mixle.core.numerics import quantize_array, quantize_dequantize_array
 from mixle.core.scale_codecs import SCALE_CODECS, ScaleCodec, register_scale_codec
 from mixle.core.stored import stored_layout

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixle.core.ggml_quants import KVALUES_MXFP4, NF4_THRESHOLDS
+from mixle.core.nf4 import NF4_THRESHOLDS
+from mixle.gguf.ggml_quants import KVALUES_MXFP4
 from mixle.core.numerics import fake_quant_forward, quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.models.qat import apply_qat

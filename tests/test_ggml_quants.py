@@ -1,4 +1,4 @@
-"""mixle's ggml block quantizers (``mixle.core.ggml_quants``) against ggml, bit for bit.
+"""mixle's ggml block quantizers (``mixle.gguf.ggml_quants``, ``mixle.core.nf4``) against ggml, bit for bit.
 
 Oracles: gguf-py's numpy quantizers (Q4_1, Q5_0, Q5_1, MXFP4: bytes and values) and its
 dequantizers (the K-quants' block layout); ggml's own C code through ctypes when llama-cpp-python
@@ -16,7 +16,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from mixle.core.ggml_quants import BLOCK_TYPES, NF4_TABLE, NF4_THRESHOLDS
+from mixle.core.grids import BLOCK_TYPES
+from mixle.core.nf4 import NF4_TABLE, NF4_THRESHOLDS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = "tests/fixtures/ggml_reference.npz"

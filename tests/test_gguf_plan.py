@@ -64,3 +64,28 @@ def test_save_gguf_and_apply_qat_walk_the_layout_once(layouts, tmp_path):
     mixle.apply_qat(model, gguf_mix="Q4_0", importance=imatrix)
     assert len(layouts) == 1
     assert mixle.get_qat_report(model).wrapped
+
+
+def test_save_gguf_gathers_the_torch_side_once_and_writes_from_numpy(monkeypatch, tmp_path):
+    """The model's weights leave torch in one call (``gather_weights``): the writer after it gets
+    numpy arrays and stored arrays, and neither it nor the plan imports torch."""
+    from mixle.core.stored import QuantizedArray
+    from mixle.gguf import writer
+
+    gathered = []
+    real = writer.gather_weights
+
+    def counted(parts, given=None):
+        gathered.append(real(parts, given))
+        return gathered[-1]
+
+    monkeypatch.setattr(writer, "gather_weights", counted)
+    model = mixle.apply_qat(_lm(), grid="q4_0", exclude=["blocks.2.fc"])
+    types = mixle.save_gguf(model, tmp_path / "m.gguf")
+    assert len(gathered) == 1 and set(gathered[0]) == set(types)
+    kinds = {name: type(data) for name, data in gathered[0].items()}
+    assert kinds["blk.0.attn_qkv.weight"] is QuantizedArray and kinds["blk.2.ffn_up.weight"] is np.ndarray
+    assert set(kinds.values()) == {QuantizedArray, np.ndarray}
+    for module in (writer, plan):
+        source = open(module.__file__).read()
+        assert "import torch" not in source and "from torch" not in source, module.__name__

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixle.core.checks import ScaleOverflowError
-from mixle.core.ggml_quants import BLOCK_TYPES
+from mixle.core.grids import BLOCK_TYPES
 from mixle.core.grids import GRIDS, Grid
 from mixle.core.manifest import load_arrays, save_arrays
 from mixle.core.numerics import quantize_array, quantize_dequantize_array

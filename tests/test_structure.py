@@ -7,9 +7,12 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mixle"
 
-# Each room's floor; a module may import only from its own floor or below.
+# Each room's floor; a module may import only from its own floor or below. llama.cpp's block numerics
+# and format records live in its room but stand on the core's floor: framework-free, imported by
+# ``import mixle`` (which registers the formats), and importing nothing of the room above them.
+LLAMA_CPP_FORMATS = ("mixle.gguf.formats", "mixle.gguf.ggml_quants", "mixle.gguf.ggml_kquants", "mixle.gguf.ggml_weighted")
 FLOORS = (
-    (1, ("mixle", "mixle._optional", "mixle.core")),
+    (1, ("mixle", "mixle._optional", "mixle.core", *LLAMA_CPP_FORMATS)),
     (2, ("mixle.backends", "mixle.torch_backend", "mixle.flax_backend")),
     (3, ("mixle.api", "mixle.exports", "mixle.gguf", "mixle.task", "mixle.experimental")),
     (4, ("mixle.lm",)),
@@ -90,6 +93,13 @@ def test_no_import_cycle():
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def test_the_core_knows_no_file_format_room():
+    # Formats join the core's records by registering (``register_grid``); the core imports none of them.
+    found = [f"{name}:{line} -> {target}" for name, path, tree in ALL if name.startswith("mixle.core")
+             for line, target, _ in imports_of(name, path, tree) if target.startswith(("mixle.gguf", "mixle.exports"))]
+    assert found == []
 
 
 def test_no_module_borrows_another_modules_underscore_names():

@@ -9,7 +9,9 @@ scales are stored (``scale_dtype``, a ``mixle.core.scale_codecs`` codec), its bl
 search (``weighted``) or that ggml ignores an importance (``ignores_importance``), its ggml type
 (name, id, block layout ``ggml_fields``), the GGUF file type a file mostly of it is (and its
 precedence), how the fused CPU kernels run it (``kernel``) and which backends train on it. Adding
-a format is one ``Grid`` (``register_grid``; plus its oracle test); every other table
+a format is one ``Grid`` (``register_grid``; plus its oracle test): mixle's own grids are here,
+llama.cpp's block types are registered by its room (``mixle.gguf.formats``) and NF4 by
+``mixle.core.nf4``, both when ``mixle`` is imported; every other table
 (``mixle.gguf.blocks.GGML_BLOCKS``, ``mixle.gguf.mixes.GRID_OF_TYPE``,
 ``mixle.torch_backend.fused_ggml.KINDS``, ``WEIGHTED`` ...) is read off the records, and nothing
 branches on grid names.
@@ -34,10 +36,11 @@ Rounding rules (``Grid.rounding``):
   the K-quants round.
 * ``"table_nearest"``: the index of the nearest value of the grid's ``table`` (MXFP4, NF4).
 
-Block numerics (``Grid.numerics``): llama.cpp's other block types (and NF4) are computed by
-``mixle.core.ggml_quants`` (bit for bit as ggml's reference C code), which ``numerics`` names
-(a ``BLOCK_TYPES`` key); the scale rule, rounding and search fields then describe what that code
-does, and the stored array (``mixle.core.stored``) holds its fields. ``table``: the values a
+Block numerics (``Grid.numerics``): llama.cpp's other block types (``mixle.gguf.ggml_quants``,
+bit for bit as ggml's reference C code) and NF4 (``mixle.core.nf4``) are computed by the
+``BlockType`` their record holds (``block_type``; ``numerics`` names it, a ``BLOCK_TYPES`` key);
+the scale rule, rounding and search fields then describe what that code does, and the stored
+array (``mixle.core.stored``) holds its fields. ``table``: the values a
 lookup grid's codes index (``w = table[code] * scale``).
 
 A zero block gets ``Grid.zero_scale`` (1: codes 0 and no division by zero); ``None`` keeps the
@@ -79,9 +82,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mixle.core import ggml_weighted as _searches
-from mixle.core.ggml_quants import BLOCK_TYPES, KVALUES_MXFP4, NF4_TABLE, BlockType
-from mixle.core.ggml_weighted import run_weighted
+from mixle.core.c_arith import as_numpy, c_ops
 from mixle.core.scale_codecs import SCALE_CODECS, scale_codec
 
 SCALE_RULES = ("absmax", "signed_max", "min_max", "power_of_two")
@@ -107,6 +108,60 @@ class KernelKind(NamedTuple):
     sub: int
     offset: bool = False
     indexes_table: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class BlockType:
+    """One block format's numerics: its geometry, its four functions and how its fields are a
+    stored array (what a ``mixle.core.grids.Grid`` with ``numerics`` quantizes with).
+
+    Attributes:
+        name: the name a grid's ``numerics`` gives it (``"q4_k"``).
+        block: values per block.
+        ggml_type: the ``GGMLQuantizationType`` name (``"Q4_K"``), or None (NF4).
+        bytes_per_block: packed bytes per block.
+        quantize: x (..., n) -> fields.
+        dequantize: fields -> float32 (..., n).
+        pack: fields -> uint8 (..., n // block * bytes_per_block).
+        unpack: uint8 bytes -> fields (numpy).
+        fields: the NamedTuple class of the fields.
+        parts: ``((stored-array part, field name), ...)``: which field is the codes, the (super-block)
+            scale, the offset (a min, or a two-level grid's super-block min), the sub-block scales and
+            mins of ``mixle.core.stored.QuantizedArray``.
+        code_shift: added to the stored code to give the array's code (Q5_0 stores ``code + 16``).
+
+    >>> BLOCK_TYPES["q5_0"].bytes_per_block, BLOCK_TYPES["q5_0"].code_shift
+    (22, -16)
+    """
+
+    name: str
+    block: int
+    ggml_type: str | None
+    bytes_per_block: int
+    quantize: Callable
+    dequantize: Callable
+    pack: Callable
+    unpack: Callable
+    fields: type
+    parts: tuple
+    code_shift: int = 0
+
+
+class WeightedSearch(NamedTuple):
+    """An importance-weighted quantizer of one block type (ggml's, for ``llama-quantize --imatrix``),
+    as a grid record holds it (``Grid.weighted``; llama.cpp's are ``mixle.gguf.ggml_weighted``').
+
+    Attributes:
+        quantize: ``(x, importance) -> fields``: x float32 rows (..., n), the importance broadcast
+            to x, both of x's library.
+        parts: ``BlockType.parts`` of its fields, for a grid without block numerics of its own
+            (None: the grid's block type's).
+        code_shift: as ``BlockType.code_shift``, with ``parts``.
+    """
+
+    quantize: Callable
+    parts: tuple | None = None
+    code_shift: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +193,7 @@ class Grid:
         sub_scale_dtype: instead of integer sub-scales (``sub_scale_bits``), float ones stored in
             this scale codec (``mixle.core.scale_codecs``: e.g. an FP8 scale per sub-block).
         ggml_type: the GGUF block type the grid is written as (``"Q4_0"``), or None.
-        numerics: the ``mixle.core.ggml_quants.BLOCK_TYPES`` entry that quantizes on this grid
+        numerics: the ``BLOCK_TYPES`` entry (a ``BlockType``) that quantizes on this grid
             (None: ``mixle.core.numerics``' own block rules).
         table: the values the codes index on a lookup grid (``w = table[code] * scale``), or None.
         qwix_native: Qwix's own grid: its calibration methods and 8-bit float weight formats
@@ -186,7 +241,7 @@ class Grid:
     def __post_init__(self):
         if self.block_type is not None and self.numerics is None:
             object.__setattr__(self, "numerics", self.block_type.name)
-        elif self.block_type is None and self.numerics in BLOCK_TYPES:
+        elif self.block_type is None and self.numerics is not None and self.numerics in BLOCK_TYPES:
             object.__setattr__(self, "block_type", BLOCK_TYPES[self.numerics])
         if set(self.codes) != set(self.divisor):
             raise ValueError(f"grid {self.name!r}: codes and divisor must list the same bit widths")
@@ -358,76 +413,8 @@ class Grid:
                 self.sub_block, self.numerics, self.table) == plain
 
 
-def _block_grid(name, codes, divisor, **fields):
-    """A grid whose numerics are ``BLOCK_TYPES[name]`` (blocks, ggml type and packing from there)."""
-    block_type = BLOCK_TYPES[name]
-    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type", backends=("torch",))
-    return Grid(name=name, codes=codes, divisor=divisor, block=block_type.block, ggml_type=block_type.ggml_type,
-                block_type=block_type, **{**common, **fields})
-
-
-# ggml's block layouts, the fields in file order with their bytes: ``"d"`` the float16 scale,
-# ``"m"`` / ``"dmin"`` the float16 min, ``"e"`` MXFP4's exponent byte, ``"scales"`` the sub-block
-# scales (and mins), ``"qs"`` / ``"ql"`` / ``"qh"`` the codes' bits.
-_K4 = (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128))
-
-
-# llama.cpp's other block types and NF4: their numerics are mixle.core.ggml_quants' (numpy and
-# torch; the torch layers train on them through their block numerics; Flax refuses them: the
-# block search is written for numpy and torch only).
-_BLOCK_GRIDS = (
-    _block_grid("q4_1", {4: (0, 15)}, {4: 15.0}, scale_rule="min_max", rounding="half_up", offset="min",
-                activation_grid="q8_0",
-                weighted=_searches.Q4_1_WEIGHTED, ggml_type_id=3, ggml_fields=(("d", 2), ("m", 2), ("qs", 16)),
-                file_type="MOSTLY_Q4_1", file_type_rank=1, kernel=KernelKind(2, 32, offset=True),
-                summary="llama.cpp's Q4_1: blocks of 32, w = d * code + m with d = (max - min) / 15 and the "
-                        "min m stored as float16"),
-    _block_grid("q5_0", {5: (-16, 15)}, {5: -16.0}, scale_rule="signed_max", rounding="offset_trunc",
-                activation_grid="q8_0",
-                weighted=_searches.Q5_0_WEIGHTED, ggml_type_id=6, ggml_fields=(("d", 2), ("qh", 4), ("qs", 16)),
-                file_type="MOSTLY_Q5_0", file_type_rank=3, kernel=KernelKind(3, 32),
-                summary="llama.cpp's Q5_0: blocks of 32, scale = signed max / -16 stored as float16"),
-    _block_grid("q5_1", {5: (0, 31)}, {5: 31.0}, scale_rule="min_max", rounding="half_up", offset="min",
-                activation_grid="q8_0",
-                weighted=_searches.Q5_1_WEIGHTED, ggml_type_id=7,
-                ggml_fields=(("d", 2), ("m", 2), ("qh", 4), ("qs", 16)), file_type="MOSTLY_Q5_1", file_type_rank=4,
-                kernel=KernelKind(4, 32, offset=True),
-                summary="llama.cpp's Q5_1: blocks of 32, w = d * code + m with d = (max - min) / 31 and the "
-                        "min m stored as float16"),
-    _block_grid("q4_k", {4: (0, 15)}, {4: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
-                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6, activation_grid="q8_k",
-                weighted=_searches.Q4_K_WEIGHTED, ggml_type_id=12, ggml_fields=_K4, file_type="MOSTLY_Q4_K_M",
-                file_type_rank=2, kernel=KernelKind(5, 32, offset=True),
-                summary="llama.cpp's Q4_K: super-blocks of 256 = 8 x 32 with 6-bit scales and mins (a "
-                        "least-squares search) under float16 d and dmin, w = d * sc * code - dmin * m"),
-    _block_grid("q5_k", {5: (0, 31)}, {5: 63.0}, scale_rule="min_max", rounding="nearest_int", offset="min",
-                scale_search="make_qkx2_quants", sub_block=32, sub_scale_bits=6, activation_grid="q8_k",
-                weighted=_searches.Q5_K_WEIGHTED, ggml_type_id=13, ggml_fields=_K4[:3] + (("qh", 32), ("qs", 128)),
-                file_type="MOSTLY_Q5_K_M", file_type_rank=5, kernel=KernelKind(6, 32, offset=True),
-                summary="llama.cpp's Q5_K: as Q4_K with codes 0..31"),
-    _block_grid("q6_k", {6: (-32, 31)}, {6: -128.0}, scale_rule="signed_max", rounding="nearest_int",
-                scale_search="make_qx_quants", sub_block=16, sub_scale_bits=8, sub_scale_signed=True,
-                activation_grid="q8_k",
-                weighted=_searches.Q6_K_WEIGHTED, ggml_type_id=14,
-                ggml_fields=(("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)), file_type="MOSTLY_Q6_K",
-                file_type_rank=6, kernel=KernelKind(7, 16),
-                summary="llama.cpp's Q6_K: super-blocks of 256 = 16 x 16 with int8 scales under a float16 d, "
-                        "codes -32..31, w = d * sc * code"),
-    _block_grid("mxfp4", {4: (0, 15)}, {4: 8.0}, scale_rule="power_of_two", rounding="table_nearest",
-                scale_dtype="e8m0", zero_scale=2.0 ** -128, table=tuple(float(v) for v in KVALUES_MXFP4),
-                activation_grid="q8_0",
-                ignores_importance=True, ggml_type_id=39, ggml_fields=(("e", 1), ("qs", 16)),
-                file_type="MOSTLY_MXFP4_MOE", file_type_rank=8,
-                kernel=KernelKind(8, 32),  # code = the E2M1 value doubled, a = 2**(e - 128)
-                summary="llama.cpp's MXFP4: blocks of 32, E2M1 values (doubled) under a shared E8M0 "
-                        "exponent (halved)"),
-    _block_grid("nf4", {4: (0, 15)}, {4: 1.0}, scale_rule="absmax", rounding="table_nearest", scale_dtype=None,
-                packing="pairs", table=tuple(NF4_TABLE),
-                kernel=KernelKind(9, 64, indexes_table=True),
-                summary="QLoRA's NormalFloat-4 (bitsandbytes): blocks of 64, w = NF4_TABLE[code] * absmax "
-                        "(float32); no GGUF type"),
-)
-
+# mixle's own grids; the formats mixle ships beside them (llama.cpp's block types,
+# ``mixle.gguf.formats``; QLoRA's NF4, ``mixle.core.nf4``) are registered by ``import mixle``.
 GRIDS = {
     grid.name: grid
     for grid in (
@@ -436,28 +423,13 @@ GRIDS = {
         Grid(name="qwix", codes={4: (-8, 7), 8: (-128, 127)}, divisor={4: 7.5, 8: 127.5}, qwix_native=True,
              summary="codes -(qmax+1)..qmax, scale = absmax / (qmax + 0.5) (Qwix's grid; also "
                      "compressed-tensors' symmetric int scheme)"),
-        Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",
-             rounding="offset_trunc", scale_dtype="float16", zero_scale=None, block=32, packing="ggml_q4_0",
-             ggml_type="Q4_0", activation_grid="q8_0", backends=("torch",), weighted=_searches.Q4_0_WEIGHTED,
-             ggml_type_id=2, ggml_fields=(("d", 2), ("qs", 16)), file_type="MOSTLY_Q4_0", file_type_rank=0,
-             kernel=KernelKind(0, 32),
-             summary="llama.cpp's Q4_0: blocks of 32, scale = signed max / -8 stored as float16"),
-        Grid(name="q8_0", codes={8: (-127, 127)}, divisor={8: 127.0}, rounding="half_away",
-             scale_dtype="float16", zero_scale=None, block=32, packing="bytes", ggml_type="Q8_0",
-             activation_grid="q8_0", backends=("torch",), ignores_importance=True, ggml_type_id=8,
-             ggml_fields=(("d", 2), ("qs", 32)), file_type="MOSTLY_Q8_0", file_type_rank=7, kernel=KernelKind(1, 32),
-             summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
-    ) + tuple(_BLOCK_GRIDS)
+    )
 }
 
 
-# Grids that only activations are quantized on (``Grid.activation_grid``), never weights.
-ACTIVATION_GRIDS = {
-    "q8_k": Grid(name="q8_k", codes={8: (-127, 127)}, divisor={8: -127.0}, scale_rule="signed_max",
-                 rounding="nearest_int", zero_scale=None, block=256, backends=(),
-                 summary="llama.cpp's Q8_K, the input of its K-quant products: blocks of 256, codes "
-                         "nearest_int(x * (-127 / signed max)), scale 1 / (-127 / signed max) in float32"),
-}
+# Grids that only activations are quantized on (``Grid.activation_grid``), never weights
+# (``register_grid(..., activations_only=True)``).
+ACTIVATION_GRIDS = {}
 
 
 def grid_named(name):
@@ -474,9 +446,12 @@ def grid_named(name):
 
 
 
-def register_grid(grid):
+def register_grid(grid, *, activations_only=False):
     """Add a format record to ``GRIDS``: every layer (numerics, backends, stored arrays, files)
     then reads it; nothing else needs to change. Returns the grid.
+
+    ``activations_only``: a grid only activations are quantized on (``ACTIVATION_GRIDS``: another
+    grid's ``activation_grid``), which no weight trains on or is stored on.
 
     Raises:
         ValueError: another grid already has its name (or it is not a Grid).
@@ -489,7 +464,7 @@ def register_grid(grid):
     known = GRIDS.get(grid.name) or ACTIVATION_GRIDS.get(grid.name)
     if known is not None and known is not grid:
         raise ValueError(f"grid {grid.name!r} is already registered: give the new format another name")
-    GRIDS[grid.name] = grid
+    (ACTIVATION_GRIDS if activations_only else GRIDS)[grid.name] = grid
     return grid
 
 
@@ -517,6 +492,9 @@ class DerivedTable(Mapping):
         return repr(self._build())
 
 
+# block numerics name -> its BlockType (what ``Grid(numerics=name)`` resolves), from the records.
+BLOCK_TYPES = DerivedTable(lambda: {g.block_type.name: g.block_type for g in GRIDS.values() if g.block_type})
+
 # grid name -> its weighted search, and the grids whose ggml quantizer discards an importance.
 WEIGHTED = DerivedTable(lambda: {g.name: g.weighted for g in GRIDS.values() if g.weighted is not None})
 IGNORED = DerivedTable(lambda: {g.name: g for g in GRIDS.values() if g.ignores_importance})
@@ -538,9 +516,34 @@ def importance_grid(grid_name, name="x"):
                      f"one of those grids")
 
 
+def run_weighted(search, x, importance):
+    """``search`` (a ``WeightedSearch``) on rows x (..., n) with one importance per column.
+
+    Args:
+        search: the grid's ``WeightedSearch``.
+        x: float32 numpy array or torch tensor (..., n): each last-axis row is one ggml row.
+        importance: float32 (..., n) broadcastable to x (one value per column), numpy or torch.
+
+    Returns:
+        The block type's fields (``mixle.gguf.ggml_quants``; Q4_0 as ScaleFields with codes
+        ``l + 8``), shaped ``x.shape[:-1] + (n_blocks, ...)``.
+
+    >>> x = np.linspace(-1, 1, 64, dtype=np.float32)[None]
+    >>> f = run_weighted(GRIDS["q4_0"].weighted, x, np.ones(64, np.float32))
+    >>> f.codes[0, 0, [0, -1]].tolist(), float(f.d[0, 0])
+    ([0, 8], 0.12164306640625)
+    """
+    o = c_ops(x)
+    if type(importance).__module__.split(".")[0] != type(x).__module__.split(".")[0]:  # numpy <-> torch
+        importance = o.const(np.asarray(as_numpy(importance), np.float32).tolist(), "float32")
+    qw = o.to_named(importance, "float32")
+    qw = qw + o.zeros(x)  # broadcast to x's rows
+    return search.quantize(x, qw)
+
+
 def quantize_weighted(grid_name, x, importance):
     """ggml's importance-weighted quantizer of ``grid_name`` on rows x (..., n)
-    (``mixle.core.ggml_weighted.run_weighted`` of the grid's ``weighted``).
+    (``run_weighted`` of the grid's ``weighted``).
 
     >>> x = np.linspace(-1, 1, 64, dtype=np.float32)[None]
     >>> quantize_weighted("q4_0", x, np.ones(64, np.float32)).codes[0, 0, [0, -1]].tolist()

@@ -8,14 +8,17 @@ matrix's count; stacked experts keep one sum vector and one count per expert. ``
 then weights each column by the mean ``sum / (float)count`` (1 where the count is 0).
 ``Imatrix`` holds those sums and counts keyed by name (GGUF tensor names as in the file, or model
 paths as ``calibrate_importance`` collects them); ``importance`` gives the means llama-quantize
-quantizes with; ``check_entries`` refuses entries that do not fit a model.
+quantizes with; ``check_entries`` refuses entries that do not fit a model. ``check_importance``
+validates the importance one array is quantized with (one value per input column).
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Imatrix", "check_entries"]
+from mixle.core.c_arith import as_numpy
+
+__all__ = ["Imatrix", "check_entries", "check_importance", "importance_rows"]
 
 
 @dataclass
@@ -97,3 +100,52 @@ def check_entries(imatrix, shapes, *, min_tokens=1, what="imatrix"):
         if (used < min_tokens).any():
             raise ValueError(f"{what}: tensor {name!r} was summed over {int(used.min())} input rows, fewer than "
                              f"min_tokens={min_tokens}: calibrate on more text (or lower min_tokens)")
+
+
+def importance_rows(shape, batch_ndim=0, out_ndim=None):
+    """``(batch, rows, columns)`` of a ``batch + out + in`` array: the columns an importance vector
+    has one value for (the product of the input axes).
+
+    >>> importance_rows((3, 8, 64), batch_ndim=1)
+    (3, 8, 64)
+    """
+    shape = tuple(int(d) for d in shape)
+    rest = shape[batch_ndim:]
+    out_ndim = (1 if len(rest) >= 2 else 0) if out_ndim is None else out_ndim
+    batch = int(np.prod(shape[:batch_ndim], dtype=np.int64))
+    rows = int(np.prod(rest[:out_ndim], dtype=np.int64))
+    return batch, rows, int(np.prod(rest[out_ndim:], dtype=np.int64))
+
+
+def check_importance(importance, shape, *, batch_ndim=0, out_ndim=None, name="x"):
+    """The importance of an array of ``shape``, validated, as float32 ``(batch or 1, 1, columns)``.
+
+    Args:
+        importance: one non-negative finite value per input column: shape ``(columns,)``, or the
+            batch axes then ``(columns,)`` for stacked experts (numpy, torch or a list).
+        shape, batch_ndim, out_ndim: the array's layout (``importance_rows``).
+        name: what the error calls the array.
+
+    Returns:
+        numpy float32 ``(B, 1, columns)``, B the batch size or 1.
+
+    Raises:
+        ValueError: a wrong shape, or a negative, NaN or infinite entry (its column named).
+
+    >>> check_importance([1.0, 2.0], (3, 2)).shape
+    (1, 1, 2)
+    """
+    batch, _, columns = importance_rows(shape, batch_ndim, out_ndim)
+    values = np.asarray(as_numpy(importance), dtype=np.float64)
+    allowed = [(columns,), tuple(shape[:batch_ndim]) + (columns,)]
+    if values.shape not in allowed:
+        shapes = " or ".join(str(a) for a in dict.fromkeys(allowed))
+        raise ValueError(f"{name}: importance has shape {values.shape}, but the array of shape {tuple(shape)} has "
+                         f"{columns} input columns: pass one value per column, shape {shapes}")
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        where = np.argwhere(bad)[0]
+        raise ValueError(f"{name}: importance[{', '.join(map(str, where))}] = {float(values[tuple(where)])!r}: an importance "
+                         f"must be finite and non-negative (llama.cpp's mean squared activations)")
+    values = values.astype(np.float32)
+    return values.reshape((batch if values.ndim > 1 else 1, 1, columns))

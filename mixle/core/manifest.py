@@ -17,6 +17,7 @@ import json
 
 import numpy as np
 
+from mixle._version import __version__
 from mixle.core.fileformat import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, ModelBytes, add_aliases, canonical_manifest,
                                    check_listed, describe_array, manifest_from, open_tensors, write_safetensors)
 from mixle.core.spec import QuantSpec
@@ -41,12 +42,10 @@ def build_manifest(layers, tensors, aliases, nbytes):
     >>> manifest["tensors"], manifest["nbytes"]["total"], len(manifest["manifest_sha256"])
     ({'w': {'dtype': 'F32', 'shape': [2], 'sha256': '00'}}, 8, 64)
     """
-    import mixle
-
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "mixle_version": mixle.__version__,
+        "mixle_version": __version__,
         "layers": layers,
         "tensors": {name: {"dtype": dtype, "shape": list(shape), "sha256": sha256}
                     for name, (dtype, shape, sha256) in tensors.items()},

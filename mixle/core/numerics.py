@@ -10,7 +10,7 @@ reshaped to *blocks* of shape ``(B, S, K)`` and every reduction runs over the la
 
 llama.cpp's grids also take an importance matrix (``quantize_array(..., importance=)``): one
 weight per input column, quantized by ggml's importance-weighted search as ``llama-quantize
---imatrix`` does (``mixle.core.ggml_weighted``).
+--imatrix`` does (``mixle.gguf.ggml_weighted``).
 """
 
 import math
@@ -355,7 +355,7 @@ def check_scale_range(ops, scale, spec, name="x", dtype=None):
 
 # The stored-array record (codes, scales, offsets, second-level scales) lives with its validation.
 from mixle.core.stored import QuantizedArray, block_quantized_array, check_dequantized_range  # noqa: E402
-from mixle.core.ggml_weighted import check_importance  # noqa: E402
+from mixle.core.imatrix import check_importance  # noqa: E402
 from mixle.core.grids import importance_grid  # noqa: E402
 
 
@@ -363,7 +363,7 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name=None, impo
     """Quantize an array to integer codes and per-block scales.
 
     A grid with block numerics (llama.cpp's ``q4_1`` ... ``q6_k``, ``mxfp4``; ``nf4``) is quantized
-    by ``mixle.core.ggml_quants``, bit for bit as ggml's reference quantizer, and the record holds
+    by its block numerics (``mixle.gguf.ggml_quants``), bit for bit as ggml's reference quantizer, and the record holds
     that block type's fields (``mixle.core.stored.block_quantized_array``).
 
     Args:
@@ -376,7 +376,7 @@ def quantize_array(x, spec=None, *, batch_ndim=0, out_ndim=None, name=None, impo
         importance: llama.cpp's importance matrix entry of x (the mean squared activation of
             each input column: shape ``(in,)``, or ``batch + (in,)`` for stacked experts; numpy
             or torch), or None. With it, x is quantized as ``llama-quantize --imatrix`` quantizes
-            it, bit for bit (``mixle.core.ggml_weighted``): a weighted search on ``q4_0``,
+            it, bit for bit (``mixle.gguf.ggml_weighted``): a weighted search on ``q4_0``,
             ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``; on ``q8_0`` and ``mxfp4``
             llama.cpp ignores it, and so does this (after checking it); other grids refuse it.
 

@@ -2,7 +2,7 @@
 
 A grid's ``scale_dtype`` names one of ``SCALE_CODECS`` (``None``: the weight's own float dtype).
 A codec says how a block type's stored field becomes float32 values (``decode``, on the C-emulation
-adapter ``mixle.core.ggml_kquants.c_ops`` of numpy or torch), how float32 values that are already
+adapter ``mixle.core.c_arith.c_ops`` of numpy or torch), how float32 values that are already
 exact values of the format become that field again (``encode``, numpy), which values are not exact
 (``inexact``, numpy), the dtype array libraries name it by (``dtype``: ``"float16"``; None where
 numpy and torch have none) and the dtype mixle's own files store it in (``file_dtype``: None keeps
@@ -14,9 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from mixle.core.ggml_quants import e8m0_half
+from mixle.core.c_arith import c_ops  # noqa: F401  (the examples' adapter)
 
-__all__ = ["ScaleCodec", "SCALE_CODECS", "AS_FLOAT32", "register_scale_codec", "scale_codec"]
+__all__ = ["ScaleCodec", "SCALE_CODECS", "AS_FLOAT32", "register_scale_codec", "scale_codec", "e8m0_half"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +48,17 @@ class ScaleCodec:
 def _float16_inexact(array):
     with np.errstate(over="ignore"):
         return array.astype(np.float16).astype(array.dtype) != array
+
+
+def e8m0_half(o, e):
+    """``ggml_e8m0_to_fp32_half``: 2**(e - 128) as float32 bits (subnormal for e < 2), with ``o``
+    the C-emulation adapter (``c_ops``) of ``e``.
+
+    >>> e8m0_half(c_ops(np.zeros(1)), np.array([127, 0], np.uint8)).tolist()
+    [0.5, 2.938735877055719e-39]
+    """
+    e = o.to_named(e, "int32")
+    return o.bits_f32(o.where(e < 2, 0x00200000 << e, (e - 1) << 23))
 
 
 def _e8m0_inexact(array):

@@ -18,7 +18,7 @@ as int8 / uint8.
 
 On a lookup grid (``Grid.table``: MXFP4, NF4) a code indexes the table: ``w = table[code] *
 scale``. A grid with block numerics (``Grid.numerics``: llama.cpp's Q4_1 ... Q6_K, MXFP4, NF4) is
-quantized by ``mixle.core.ggml_quants`` (``block_quantized_array``); its record holds that block
+quantized by its block numerics (``mixle.gguf.ggml_quants``; ``block_quantized_array``); its record holds that block
 type's fields (``BlockType.parts``): the codes (shifted to the grid's range), the float16 (or E8M0,
 or float32) scales and mins as float32 values, the integer sub-block scales and mins; and
 ``dequantize`` equals ggml's ``dequantize_row_*`` bit for bit. ``block_fields`` gives them back in
@@ -39,8 +39,9 @@ import numpy as np
 
 from mixle.core.array_ops import array_ops
 from mixle.core.checks import ScaleOverflowError
-from mixle.core.ggml_quants import as_numpy, c_ops
-from mixle.core.ggml_weighted import check_importance, importance_rows, run_weighted
+from mixle.core.c_arith import as_numpy, c_ops
+from mixle.core.grids import run_weighted
+from mixle.core.imatrix import check_importance, importance_rows
 from mixle.core.scale_codecs import AS_FLOAT32, scale_codec
 from mixle.core.packing import pack_int4, packed_int4_nbytes, unpack_int4
 from mixle.core.spec import QuantSpec, block_shape
@@ -132,7 +133,7 @@ class QuantizedArray:
         return values.reshape(self.codes.shape)
 
     def block_fields(self):
-        """The fields of the grid's block type (``mixle.core.ggml_quants``), numpy, in ggml's dtypes,
+        """The fields of the grid's block type (``Grid.block_type``), numpy, in ggml's dtypes,
         shaped ``(B, S, ...)`` as ``BLOCK_TYPES[...].pack`` takes them.
 
         >>> q = block_quantized_array(np.linspace(-1, 2, 32, dtype=np.float32), QuantSpec(grid="q5_0"))
@@ -214,7 +215,7 @@ def _grid_parts(grid):
 
 
 def block_type_of(grid):
-    """The block numerics (``mixle.core.ggml_quants.BlockType``) a grid record holds; ValueError for
+    """The block numerics (``mixle.core.grids.BlockType``) a grid record holds; ValueError for
     a grid without block numerics.
 
     >>> block_type_of(QuantSpec(grid="q4_k").grid_record).bytes_per_block
@@ -245,9 +246,9 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
         check: refuse a float16 scale or min that overflows (huge weights); callers that check
             ``scale`` and ``offset`` asynchronously themselves pass False.
         name: what the error calls x.
-        importance: one weight per input column (``mixle.core.ggml_weighted.check_importance``
+        importance: one weight per input column (``mixle.core.imatrix.check_importance``
             checks it), or None: with it, the blocks are ggml's importance-weighted quantizer's
-            (``llama-quantize --imatrix``), on ``q4_0`` too (``mixle.core.ggml_weighted``).
+            (``llama-quantize --imatrix``), on ``q4_0`` too (``mixle.gguf.ggml_weighted``).
 
     Returns:
         QuantizedArray in x's library with float32 scales (see the module docstring).

@@ -1,7 +1,9 @@
 """llama.cpp in one room: everything mixle knows of GGUF files and llama-quantize.
 
-* ``blocks``: ggml's block layouts, packed from mixle's stored arrays (the block numerics are the
-  grid records' own, ``mixle.core.grids``).
+* ``formats``: llama.cpp's block types as format records (``mixle.core.grids.Grid``), with their
+  numerics (``ggml_quants``, ``ggml_kquants``: ggml's reference quantizers bit for bit) and
+  importance-weighted searches (``ggml_weighted``); framework-free, and registered by ``import mixle``.
+* ``blocks``: ggml's block layouts, packed from mixle's stored arrays.
 * ``mixes``: llama-quantize's mixes (``Q4_K_M``, ...): the type it gives each tensor.
 * ``architectures``: one record per transformers decoder (llama.cpp architecture, converter metadata,
   tensor transforms, refusals); ``layouts``: how a model's weights become a GGUF file's tensors,
@@ -15,5 +17,6 @@
 * ``mix_selection``: the QAT selection a mix gives (``apply_qat(gguf_mix=)``).
 
 Importing this package imports none of them; torch and gguf-py are imported by the modules that
-need them.
+need them. The torch side of writing a file (the model's weights as numpy arrays and stored arrays)
+is ``mixle.torch_backend.gather``, called once per file.
 """

@@ -9,7 +9,7 @@ knows the block layouts (``GGML_BLOCKS``, the fields of each block in file order
 * Q4_0 (18 bytes per 32 weights of a row): the float16 scale ``d``, then 16 bytes where byte
   ``j`` holds ``q[j] | q[j + 16] << 4`` with ``q = code + 8`` (codes -8..7 stored as 0..15).
 * Q8_0 (34 bytes): the float16 scale ``d``, then the 32 codes as int8.
-* Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4: the fields of ``mixle.core.ggml_quants``'
+* Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4: the fields of ``mixle.gguf.ggml_quants``'
   block types, packed by their ``pack`` (``pack_array``).
 
 A row of ``cols`` weights takes ``cols / block`` blocks; rows follow each other. ``block_scale_problem``

@@ -10,9 +10,8 @@ they take a model.
 from functools import cached_property
 
 from mixle._optional import require
-from mixle.gguf.layouts import expert_shape, layout_of
+from mixle.gguf.layouts import layout_of
 from mixle.gguf.mixes import tensor_types
-from mixle.torch_backend.layers.expert_layers import is_fused
 
 __all__ = ["ModelPlan", "plan_of", "weight_shape", "full_shape", "part_shape", "float_weight"]
 
@@ -98,10 +97,11 @@ def weight_shape(module):
 
 
 def full_shape(part):
-    """The shape of the whole weight a part takes its rows from (an expert weight's ``(E, rows, cols)``)."""
-    if part.experts or is_fused(part.module):
-        return tuple(int(d) for d in expert_shape(part.module, part.attr))
-    return weight_shape(part.module)
+    """The shape of the whole weight a part takes its rows from (an expert weight's ``(E, rows, cols)``):
+    a converted fused weight's ``array_shape``, else the layer's ``weight_shape``, else the weight's own."""
+    found = getattr(part.module, part.attr, None)
+    shape = getattr(found, "array_shape", None) or getattr(part.module, "weight_shape", None) or found.shape
+    return tuple(int(d) for d in shape)
 
 
 def part_shape(part):

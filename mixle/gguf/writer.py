@@ -51,8 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch import nn
 
 from mixle.core.fileformat import replace_atomically
 from mixle.core.grids import GRIDS
@@ -62,11 +60,10 @@ from mixle.core.stored import QuantizedArray
 from mixle.gguf.blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_array
 from mixle.gguf.imatrix_file import importance_by_tensor, require_entry
 from mixle.gguf.mixes import grid_of_type, mix_named
-from mixle.gguf.plan import float_weight, full_shape, plan_of
+from mixle.gguf.plan import full_shape, plan_of
 from mixle.gguf.reader import load_gguf_weights  # noqa: F401  (its old path: the reader was this module's)
 from mixle.gguf.tokenizer import gguf_tokenizer
-from mixle.torch_backend.layers.layer_kinds import written_array
-from mixle.torch_backend.transforms.convert import check_convertible
+from mixle.torch_backend.gather import check_writable, gather_weights
 
 __all__ = ["save_gguf", "load_gguf_weights", "gguf_mix_types", "gguf_mix_specs", "FLOAT_MATRICES"]
 FLOAT_MATRICES = ("q8_0", "f16", "f32")
@@ -81,40 +78,24 @@ class _Tensor:
     ggml_type: str
 
 
-def _part_array(part, given, arrays):
-    """The QuantizedArray a weight part writes (``given`` or the layer's own), or None (float).
-
-    ``arrays`` caches the layers' stored arrays by model path (a fused weight's gate and up share one).
-    """
-    if given is not None:
-        return given
-    if part.path not in arrays:
-        try:
-            arrays[part.path] = written_array(part.module, part.attr)
-        except ValueError as err:
-            raise ValueError(str(err) if str(err).startswith("layer ") else f"layer {part.path!r}: {err}") from None
-    return arrays[part.path]
-
-
-def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None, importance=None):
-    """The tensor for a weight (float, QAT, converted, or ``given``), or ValueError naming the layer.
+def _plan_matrix(part, data, float_matrices, gguf, mix_type, importance=None):
+    """The tensor for a weight from its gathered ``data`` (float32 numpy, or the QuantizedArray of a
+    QAT, converted or ``quantized=`` layer), or ValueError naming the layer.
 
     ``mix_type``: the type ``gguf_mix`` gives the tensor (``_FLOAT_MATRICES``: no mix).
-    ``arrays``: the expert layers' stored arrays seen so far (gate and up share one).
     ``importance``: ``{gguf name: importance}`` a float matrix the mix quantizes is weighted by, or None.
     """
-    module, path, gguf_name = part.module, part.path, part.name
-    quantized = _part_array(part, given, {} if arrays is None else arrays)
-    if quantized is None:
+    path, gguf_name = part.path, part.name
+    want = full_shape(part) if isinstance(data, QuantizedArray) else None  # the layer's whole weight
+    if want is None:
         if part.tensor is not None:  # a float matrix llama.cpp keeps F32 (a router)
-            return _vector(part.tensor, gguf_name)
+            return _Tensor(gguf_name, data, "F32")
         if mix_type is _FLOAT_MATRICES:
-            return _float_matrix(float_weight(part), path, gguf_name, float_matrices, gguf)
-        if importance is None:
-            return _mix_matrix(float_weight(part), path, gguf_name, mix_type)
-        require_entry(gguf_name, mix_type, importance)
-        return _mix_matrix(float_weight(part), path, gguf_name, mix_type, importance.get(gguf_name))
-    spec = quantized.spec
+            return _float_matrix(data, path, gguf_name, float_matrices, gguf)
+        if importance is not None:
+            require_entry(gguf_name, mix_type, importance)
+        return _mix_matrix(data, path, gguf_name, mix_type, None if importance is None else importance.get(gguf_name))
+    quantized, spec = data, data.spec
     if spec.grid_record.ggml_type not in GGML_BLOCKS:
         raise ValueError(
             f"layer {path!r} is quantized on {spec.short()}, which GGUF has no block type for: train it on "
@@ -122,7 +103,6 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None, impor
             f"{' / '.join(GGML_TYPE_OF_GRID.values())}), or leave it out of apply_qat so it is "
             f"written as float_matrices={float_matrices!r}"
         )
-    want = full_shape(part)
     if tuple(quantized.shape) != want:
         raise ValueError(f"quantized[{path!r}] has shape {list(quantized.shape)}, but the layer's weight is "
                          f"{list(want)}: quantize the layer's own weight")
@@ -142,10 +122,9 @@ def _plan_matrix(part, float_matrices, gguf, mix_type, given, arrays=None, impor
     return _Tensor(gguf_name, blocks, spec.grid_record.ggml_type)
 
 
-def _mix_matrix(weight, path, gguf_name, ggml_type, importance=None):
-    """A float weight as llama.cpp's quantizer writes it on ``ggml_type`` (None: kept as F32), with
+def _mix_matrix(array, path, gguf_name, ggml_type, importance=None):
+    """A float32 weight as llama.cpp's quantizer writes it on ``ggml_type`` (None: kept as F32), with
     ``importance`` (``(in,)``, or ``(experts, in)`` for a 3-D expert weight) as ``llama-quantize --imatrix``."""
-    array = weight.cpu().to(torch.float32).numpy()
     if ggml_type in (None, "F32"):
         return _Tensor(gguf_name, array, "F32")
     if ggml_type == "F16":
@@ -156,8 +135,7 @@ def _mix_matrix(weight, path, gguf_name, ggml_type, importance=None):
     return _Tensor(gguf_name, pack_array(quantized, f"layer {path!r}"), ggml_type)
 
 
-def _float_matrix(weight, path, gguf_name, float_matrices, gguf):
-    array = weight.cpu().to(torch.float32).numpy()
+def _float_matrix(array, path, gguf_name, float_matrices, gguf):
     if float_matrices == "f32":
         return _Tensor(gguf_name, array, "F32")
     if float_matrices == "f16":
@@ -170,32 +148,33 @@ def _float_matrix(weight, path, gguf_name, float_matrices, gguf):
     return _Tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), "Q8_0")
 
 
-def _vector(tensor, gguf_name):
-    return _Tensor(gguf_name, tensor.detach().cpu().to(torch.float32).numpy(), "F32")
-
-
 # gguf_mix unset: float matrices follow float_matrices.
 _FLOAT_MATRICES = object()
 
 
-def _tensors(plan, float_matrices, gguf, mix, quantized, importance=None):
-    """Every tensor of the plan's layout as bytes to write (all refusals happen here, before any file).
-
-    ``importance``: ``{gguf name: importance}`` (``importance_by_tensor``), or None."""
-    layout = plan.layout
-    types = None if mix is None else plan.mix_types(mix, importance is not None)
+def _check_quantized_paths(layout, quantized):
+    """Refuse ``quantized=`` entries for paths that are no weight matrix of the layout."""
     matrices = [part.path for part in layout.parts if part.module is not None]
     unknown = sorted(set(quantized) - set(matrices))
     if unknown:
         raise ValueError(f"quantized names {unknown}, which are not weight matrices save_gguf writes: use the "
                          f"layers' model paths, e.g. {matrices[:3]}")
-    tensors, arrays = [], {}
+
+
+def _tensors(layout, weights, types, float_matrices, gguf, importance=None):
+    """Every tensor of the layout as bytes to write, from the gathered ``weights`` (``gather_weights``:
+    numpy arrays and QuantizedArrays); all refusals happen here, before any file.
+
+    ``types``: ``{gguf name: ggml type}`` of ``gguf_mix`` (None: no mix).
+    ``importance``: ``{gguf name: importance}`` (``importance_by_tensor``), or None."""
+    tensors = []
     for part in layout.parts:
+        data = weights[part.name]
         if part.module is not None:
             mix_type = _FLOAT_MATRICES if types is None else types[part.name]
-            tensor = _plan_matrix(part, float_matrices, gguf, mix_type, quantized.get(part.path), arrays, importance)
+            tensor = _plan_matrix(part, data, float_matrices, gguf, mix_type, importance)
         else:
-            tensor = _vector(part.tensor + part.offset if part.offset else part.tensor, part.name)
+            tensor = _Tensor(part.name, data + np.float32(part.offset) if part.offset else data, "F32")
         if part.rows is not None:  # whole rows move: quantized blocks run along a row
             tensor.data = np.take(tensor.data, part.rows, axis=0 if tensor.data.ndim == 1 else -2)
         tensors.append(tensor)
@@ -321,17 +300,25 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     """
     plan = plan_of(model, "save_gguf")
     gguf = plan.gguf
-    mix, float_matrices, quantized, importance = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
-                                                                       allow_activation_mismatch, importance)
+    mix, float_matrices, quantized = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
+                                                           allow_activation_mismatch, importance)
     layout = _checked_layout(plan, allow_activation_mismatch)
-    with torch.no_grad():
-        tensors = _tensors(plan, float_matrices, gguf, mix, quantized, importance)
     words = _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre)
+    types = None if mix is None else plan.mix_types(mix, importance is not None)
+    _check_quantized_paths(layout, quantized)
+    importance = _importance(plan, importance)
+    tensors = _tensors(layout, gather_weights(layout.parts, quantized), types, float_matrices, gguf, importance)
+    path = _checked_path(path)
+    replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, name or path.stem, mix, gguf))
+    return {t.name: t.ggml_type for t in tensors}
+
+
+def _checked_path(path):
+    """``path`` as a Path, after refusing one whose directory does not exist."""
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, name or path.stem, mix, gguf))
-    return {t.name: t.ggml_type for t in tensors}
+    return path
 
 
 def _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre):
@@ -350,11 +337,8 @@ def _checked_layout(plan, allow_activation_mismatch):
 
 
 def _check_save_arguments(plan, float_matrices, gguf_mix, quantized, allow_activation_mismatch, importance):
-    """``(mix or None, float_matrices, quantized dict, {gguf name: importance} or None)`` after
-    checking save_gguf's arguments."""
-    model = plan.model
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"save_gguf takes a torch.nn.Module, got {type(model).__name__}")
+    """``(mix or None, float_matrices, quantized dict)`` after checking save_gguf's arguments."""
+    check_writable(plan.model)  # a torch model, without layers a file cannot store (LoRA: fold them in first)
     if float_matrices is not None and float_matrices not in FLOAT_MATRICES:
         raise ValueError(f"float_matrices={float_matrices!r} is unknown: use one of {FLOAT_MATRICES}")
     if float_matrices is not None and gguf_mix is not None:
@@ -366,12 +350,11 @@ def _check_save_arguments(plan, float_matrices, gguf_mix, quantized, allow_activ
     if not isinstance(quantized, dict) or not all(isinstance(q, QuantizedArray) for q in quantized.values()):
         raise TypeError("quantized must be {layer path: QuantizedArray}, e.g. {'blocks.0.fc': quantize_array(w, "
                         "grid='q4_k')}")
-    check_convertible(model)  # e.g. LoRA layers: fold them in first
     if importance is not None and gguf_mix is None:
         raise ValueError("importance= is used where llama-quantize --imatrix uses it, in quantizing float matrices "
                          "to a mix's types: pass gguf_mix= too, or quantize first with quantize_model(..., importance=)")
     mix = None if gguf_mix is None else mix_named(gguf_mix)
-    return mix, float_matrices or "q8_0", quantized, _importance(plan, importance)
+    return mix, float_matrices or "q8_0", quantized
 
 
 def _write(path, layout, tensors, words, name, mix, gguf):

@@ -1,7 +1,7 @@
 """Fused CPU fake-quant kernels of llama.cpp's block grids, compiled from ``fused_ggml_quant.cpp``.
 
 One pass per block over a float32 or bfloat16 CPU weight computes, bit for bit, what the numpy
-numerics give (``mixle.core.numerics`` for ``q4_0`` / ``q8_0``; ``mixle.core.ggml_quants`` for
+numerics give (``mixle.core.numerics`` for ``q4_0`` / ``q8_0``; ``mixle.gguf.ggml_quants`` for
 ``q4_1``, ``q5_0``, ``q5_1``, ``mxfp4``, ``nf4``, ``q4_k``, ``q5_k``, ``q6_k``, themselves ggml's reference
 quantizers): the fake-quantized weight and, when asked, its int8 codes with one multiplier
 ``a`` (and offset ``b``) per sub-block, ``value = code * a (+ b)``, from which a rebuild is one

@@ -1,6 +1,7 @@
 // The block quantizers of fused_ggml_quant.cpp without an importance: q4_0, q8_0 (the numerics of
-// mixle/core/numerics.py), q4_1, q5_0, q5_1, mxfp4, nf4 (mixle/core/ggml_quants.py) and the K-quants' scale
-// searches (mixle/core/ggml_kquants.py), with the float16 / bfloat16 / rounding helpers they share.
+// mixle/core/numerics.py), q4_1, q5_0, q5_1, mxfp4 (mixle/gguf/ggml_quants.py), nf4 (mixle/core/nf4.py)
+// and the K-quants' scale searches (mixle/gguf/ggml_kquants.py), with the float16 / bfloat16 / rounding
+// helpers they share.
 // Included once, by fused_ggml_quant.cpp (see its head for the numerics rules both follow).
 
 #pragma once
@@ -150,7 +151,7 @@ void block_q8_0(const float* __restrict x, Block& o) {
     o.a[0] = stored;
 }
 
-// --------------------------------------------------------- q4_1, q5_0, q5_1 (mixle.core.ggml_quants)
+// --------------------------------------------------------- q4_1, q5_0, q5_1 (mixle.gguf.ggml_quants)
 
 template <int BITS>
 void block_affine(const float* x, Block& o) {
@@ -201,7 +202,7 @@ void blocks_q5_0(const float* __restrict x, int count, Block& o) {
     }
 }
 
-// ggml's MXFP4 (mixle.core.ggml_quants.quantize_mxfp4): the E8M0 exponent from the first largest
+// ggml's MXFP4 (mixle.gguf.ggml_quants.quantize_mxfp4): the E8M0 exponent from the first largest
 // |x|, then per value the first kvalue (E2M1 doubled) of smallest |kvalue * d - x|; code = kvalue.
 void block_mxfp4(const float* x, Block& o) {
     static const float kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -224,7 +225,7 @@ void block_mxfp4(const float* x, Block& o) {
     o.a[0] = d;
 }
 
-// QLoRA's NF4 (mixle.core.ggml_quants.quantize_nf4) on a block of 64: the code of x * (1 / absmax)
+// QLoRA's NF4 (mixle.core.nf4.quantize_nf4) on a block of 64: the code of x * (1 / absmax)
 // counts the decision tree's midpoints below it; value = kNf4Table[code] * absmax. Hex literals:
 // the float32 values exactly as the numpy port holds them.
 const float kNf4Table[16] = {
@@ -251,7 +252,7 @@ void block_nf4(const float* x, Block& o) {
     o.a[0] = amax;
 }
 
-// ------------------------------------------------------- K-quants (mixle.core.ggml_kquants)
+// ------------------------------------------------------- K-quants (mixle.gguf.ggml_kquants)
 
 constexpr int NL = 32;  // sub-blocks searched at once, one per lane (two vectors: their sums overlap)
 

@@ -1,6 +1,6 @@
 // Fused CPU fake-quant of llama.cpp's block grids for mixle's torch QAT (built by fused_ggml.py,
 // called via ctypes): q4_0, q8_0 (the numerics of mixle/core/numerics.py), q4_1, q5_0, q5_1, mxfp4, nf4 and
-// the K-quants q4_k, q5_k, q6_k (mixle/core/ggml_quants.py and ggml_kquants.py, themselves bit
+// the K-quants q4_k, q5_k, q6_k (mixle/gguf/ggml_quants.py and ggml_kquants.py, themselves bit
 // for bit ggml's reference quantizers, ggml/src/ggml-quants.c). Every value is computed with the
 // same float32 operations in the same order as that numpy code (sums as sequential loops from 0,
 // C's grouping of products and sums; built with -ffp-contract=off: no fused multiply-add), so the
@@ -14,7 +14,7 @@
 //
 // With an importance (one value per column; mixle_ggml_fake_quant_weighted) the blocks are ggml's
 // importance-weighted quantizers' (quantize_row_q4_0_impl ... quantize_row_q6_K_impl, as
-// mixle/core/ggml_weighted.py): make_qx_quants / make_qkx3_quants weighted by
+// mixle/gguf/ggml_weighted.py): make_qx_quants / make_qkx3_quants weighted by
 // imatrix * sqrt(sigma2 + x * x), make_qp_quants for the K-quants' 6-bit scales and mins.
 //
 // Input and output are float32 or bfloat16 (read exactly as float32; written rounded to nearest

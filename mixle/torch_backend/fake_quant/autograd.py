@@ -59,7 +59,7 @@ def fake_quantized_weight(param, spec, *, shared=False, output_axis=0, importanc
     """``(fake-quantized param with STE gradient, entry)``, cached per version of ``param``.
 
     ``importance`` (a float32 tensor, one value per input column; llama.cpp's grids with a
-    weighted search, see ``mixle.core.ggml_weighted``): the weight is quantized by ggml's
+    weighted search, see ``mixle.gguf.ggml_weighted``): the weight is quantized by ggml's
     importance-weighted search, bit for bit ``quantize_array(param, spec, importance=...)``.
 
     ``output_axis=1`` (a weight stored ``(in, out)``, e.g. transformers' Conv1D) quantizes and

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixle.core.checks import ScaleOverflowError
-from mixle.core.ggml_weighted import check_importance
+from mixle.core.imatrix import check_importance
 from mixle.core.grids import importance_grid
 from mixle.core.numerics import block_shape
 from mixle.core.spec import WEIGHT_FIELDS, resolve_spec

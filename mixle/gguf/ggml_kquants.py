@@ -1,13 +1,12 @@
-"""ggml's K-quant block quantizers (Q4_K, Q5_K, Q6_K) bit for bit, and the float32 C arithmetic
-that all of mixle's ggml quantizers share (``mixle.core.ggml_quants`` builds on it).
+"""ggml's K-quant block quantizers (Q4_K, Q5_K, Q6_K) bit for bit.
 
 Each quantizer follows the operation order of ggml's reference C code without an importance
 matrix (``ggml/src/ggml-quants.c`` of the llama.cpp vendored by llama-cpp-python 0.3.36):
 float32 throughout, every sum a sequential loop over a block's elements (vectorized across
 blocks, never numpy's pairwise or torch's blocked reductions), products and sums grouped as C
 groups them, no fused multiply-add (ggml-base is built without FMA code generation). The maths
-is written once against a small array-ops adapter (``mixle.core.array_ops``, extended here) and
-gives the same bits on numpy arrays and torch tensors. Inputs are finite float32 rows.
+is written once against the C-arithmetic adapter (``mixle.core.c_arith``) and gives the same
+bits on numpy arrays and torch tensors. Inputs are finite float32 rows.
 
 Fields records hold what a block stores: codes as small unsigned ints, sub-block scales and
 mins as small ints, super-block scales as float16. ``pack_*`` writes ggml's block bytes (numpy
@@ -15,12 +14,25 @@ uint8, shape ``(..., n_blocks * bytes_per_block)`` like ``gguf.quants.quantize``
 reads them back.
 """
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from mixle.core.array_ops import NumpyOps, TorchOps, array_ops
+from mixle.core.c_arith import (
+    as_numpy,
+    block_rows,
+    c_ops,
+    first_absmax,
+    flat_rows,
+    float_blocks,
+    half_bytes,
+    half_from,
+    ieee,
+    nearest_int,
+    running_max,
+    seq_sum,
+    to_half,
+)
 
 __all__ = [
     "KFields",
@@ -43,244 +55,6 @@ QK_K = 256
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: below this a group's max counts as zero
 
 
-class _NumpyC(NumpyOps):
-    """numpy ops plus what the C emulation needs: float32 constants and bit views."""
-
-    def __init__(self):
-        super().__init__(np)
-
-    def c(self, value):
-        return np.float32(value)
-
-    def zeros(self, like, name="float32"):
-        return np.zeros(like.shape, dtype=name)
-
-    def const(self, values, name):
-        return np.asarray(values, dtype=name)
-
-    def f32_bits(self, x):
-        return x.view(np.int32)
-
-    def bits_f32(self, i):
-        return i.astype(np.int32).view(np.float32)
-
-    def log2(self, x):
-        # log2f as a correctly rounded float32: float64 log2 rounded once more.
-        return np.log2(x.astype(np.float64)).astype(np.float32)
-
-    def sqrt(self, x):
-        return np.sqrt(x)
-
-    def leading(self, x):  # the last axis first, contiguous
-        return np.ascontiguousarray(np.moveaxis(x, -1, 0))
-
-    def trailing(self, x):  # the first axis last
-        return np.moveaxis(x, 0, -1)
-
-
-
-class _TorchC(TorchOps):
-    """torch ops with the same extensions, on the device of the input tensor."""
-
-    def __init__(self, x):
-        super().__init__()
-        self.device = x.device
-
-    def c(self, value):
-        return self.torch.tensor(value, dtype=self.torch.float32, device=self.device)
-
-    def zeros(self, like, name="float32"):
-        return self.torch.zeros(like.shape, dtype=getattr(self.torch, name), device=self.device)
-
-    def const(self, values, name):
-        return self.torch.tensor(values, dtype=getattr(self.torch, name), device=self.device)
-
-    def f32_bits(self, x):
-        return x.contiguous().view(self.torch.int32)
-
-    def bits_f32(self, i):
-        return i.to(self.torch.int32).contiguous().view(self.torch.float32)
-
-    def log2(self, x):
-        return self.torch.log2(x.double()).float()
-
-    def sqrt(self, x):
-        # torch's float32 sqrt is not always correctly rounded (sqrtf is); via float64 it is.
-        return self.torch.sqrt(x.double()).float()
-
-    def leading(self, x):
-        return x.movedim(-1, 0).contiguous()
-
-    def trailing(self, x):
-        return x.movedim(0, -1)
-
-
-def ieee(func):
-    """func with numpy's floating-point warnings off: C's overflows, infinities and NaNs are part
-    of what is emulated.
-
-    >>> float(ieee(lambda: np.float32(1e30) * np.float32(1e30))())
-    inf
-    """
-
-    @functools.wraps(func)
-    def quiet(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return func(*args, **kwargs)
-
-    return quiet
-
-
-def c_ops(x):
-    """The C-emulation adapter for x (a numpy array or torch tensor).
-
-    >>> type(c_ops(np.zeros(2, np.float32))).__name__
-    '_NumpyC'
-    """
-    base = array_ops(x)
-    if isinstance(base, TorchOps):
-        return _TorchC(x)
-    if type(base) is NumpyOps:
-        return _NumpyC()
-    raise TypeError(f"ggml quantizers run on numpy arrays and torch tensors, not {type(x).__name__}")
-
-
-def float_blocks(x, block):
-    """``(ops, blocks)``: x as float32 viewed ``(..., n // block, block)``.
-
-    >>> float_blocks(np.zeros((2, 64)), 32)[1].shape
-    (2, 2, 32)
-    """
-    x = x.detach() if type(x).__module__.startswith("torch") else np.asarray(x)  # codes have no gradient
-    o = c_ops(x)
-    x = o.to_named(x, "float32")
-    if x.ndim == 0 or x.shape[-1] % block:
-        raise ValueError(f"the last axis ({tuple(x.shape)}) must be a multiple of the block, {block}")
-    return o, x.reshape(tuple(x.shape[:-1]) + (x.shape[-1] // block, block))
-
-
-def nearest_int(o, fval):
-    """ggml's ``nearest_int``: add 1.5 * 2**23 in float32 and read the mantissa, as int32 (round
-    half to even for |fval| < 2**22; the same bits as C beyond).
-
-    >>> nearest_int(_NumpyC(), np.array([0.5, 1.5, -2.5, 2.6], np.float32)).tolist()
-    [0, 2, -2, 3]
-    """
-    return (o.f32_bits(fval + o.c(12582912.0)) & 0x007FFFFF) - 0x00400000
-
-
-def c_int(o, x):
-    """``(int)x`` as x86-64 converts float32: truncation, INT_MIN for NaN or out of range. A C
-    cast to (u)int8 keeps the low byte of this.
-
-    >>> c_int(_NumpyC(), np.array([2.9, -2.9, 3e9, np.nan], np.float32)).tolist()
-    [2, -2, -2147483648, -2147483648]
-    """
-    inside = abs(x) < o.c(2147483648.0)
-    return o.to_named(o.where(inside, o.trunc(x), o.c(-2147483648.0)), "int32")
-
-
-def to_half(o, x):
-    """float16 store (round to nearest even, as ``GGML_FP32_TO_FP16``).
-
-    >>> to_half(_NumpyC(), np.array([1 + 2**-11, 1 + 3 * 2**-11], np.float32)).tolist()  # ties to even
-    [1.0, 1.001953125]
-    """
-    return o.to_named(x, "float16")
-
-
-def seq_sum(o, terms):
-    """C's ``float s = 0; for (i...) s += terms[i];`` over the last axis, in order.
-
-    >>> float(seq_sum(_NumpyC(), np.array([1e8, 1.0, 1.0, -1e8], np.float32)))  # pairwise: 2.0
-    0.0
-    """
-    acc = o.c(0.0) + terms[..., 0]
-    for i in range(1, terms.shape[-1]):
-        acc = acc + terms[..., i]
-    return acc
-
-
-def first_absmax(o, x):
-    """``(amax, max)`` of C's ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` from 0: the
-    first largest magnitude and its signed value, over the last axis.
-
-    >>> [float(v) for v in first_absmax(_NumpyC(), np.array([1.0, -3.0, 3.0], np.float32))]
-    [3.0, -3.0]
-    """
-    amax = o.zeros(x[..., 0])
-    vmax = o.zeros(x[..., 0])
-    for i in range(x.shape[-1]):
-        v = x[..., i]
-        larger = amax < abs(v)
-        amax = o.where(larger, abs(v), amax)
-        vmax = o.where(larger, v, vmax)
-    return amax, vmax
-
-
-def running_max(o, x):
-    """C's ``if (v > m) m = v;`` from 0 over the last axis.
-
-    >>> float(running_max(_NumpyC(), np.array([-2.0, -1.0], np.float32)))
-    0.0
-    """
-    m = o.zeros(x[..., 0])
-    for i in range(x.shape[-1]):
-        m = o.where(x[..., i] > m, x[..., i], m)
-    return m
-
-
-def as_numpy(field):
-    """A field as a numpy array (torch tensors leave their device).
-
-    >>> as_numpy([1, 2]).tolist()
-    [1, 2]
-    """
-    return field.detach().cpu().numpy() if hasattr(field, "detach") else np.asarray(field)
-
-
-def half_bytes(h):
-    """float16 values as their little-endian bytes, on a new last axis of 2.
-
-    >>> half_bytes(np.array([1.0, -2.0])).tolist()
-    [[0, 60], [0, 192]]
-    """
-    return np.ascontiguousarray(as_numpy(h).astype("<f2"))[..., None].view(np.uint8)
-
-
-def half_from(b):
-    """float16 values from little-endian byte pairs (the last axis, of 2).
-
-    >>> half_from(np.array([[0, 60], [0, 192]], np.uint8)).tolist()
-    [1.0, -2.0]
-    """
-    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float16)
-
-
-def block_rows(b, bytes_per_block):
-    """Packed bytes ``(..., n_blocks * bytes_per_block)`` viewed as ``(..., n_blocks, bytes_per_block)``.
-
-    >>> block_rows(np.zeros(40, np.uint8), 20).shape
-    (2, 20)
-    """
-    b = np.asarray(as_numpy(b), dtype=np.uint8)
-    if b.ndim == 0 or b.shape[-1] % bytes_per_block:
-        raise ValueError(f"the last axis ({b.shape}) must be a multiple of {bytes_per_block} bytes")
-    return b.reshape(b.shape[:-1] + (b.shape[-1] // bytes_per_block, bytes_per_block))
-
-
-def flat_rows(b):
-    """``(..., n_blocks, bytes)`` blocks as rows ``(..., n_blocks * bytes)``.
-
-    >>> flat_rows(np.zeros((3, 2, 20), np.uint8)).shape
-    (3, 40)
-    """
-    return b.reshape(b.shape[:-2] + (b.shape[-2] * b.shape[-1],))
-
-
-# ---------------------------------------------------------------- the K-quants' scale searches
-
-
 def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     """ggml's ``make_qkx2_quants`` (use_mad false) on groups ``x`` with weights ``w``, (S, n).
 
@@ -289,7 +63,7 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     later trials' scales and codes are computed from.
 
     >>> x = np.linspace(-1, 2, 32, dtype=np.float32)[None]
-    >>> scale, the_min, L = make_qkx2_quants(_NumpyC(), x, np.ones_like(x), 15, -1.0, 0.1, 20)
+    >>> scale, the_min, L = make_qkx2_quants(c_ops(np.zeros(1, np.float32)), x, np.ones_like(x), 15, -1.0, 0.1, 20)
     >>> float(scale[0]), float(the_min[0]), L[0, [0, -1]].tolist()
     (0.19354838132858276, 0.9516129493713379, [0, 15])
     """
@@ -351,7 +125,7 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     scales (is = 0, then -9..9 without 0) run in C's order, on the groups laid out element-major
     (``(n, S)``: each of C's running sums is then one pass over contiguous memory).
 
-    >>> scale, L = make_qx_quants_rmse1(_NumpyC(), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
+    >>> scale, L = make_qx_quants_rmse1(c_ops(np.zeros(1, np.float32)), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
     >>> float(scale[0]), L[0, [0, -1]].tolist()
     (0.032094523310661316, [1, 63])
     """

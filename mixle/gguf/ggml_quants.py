@@ -1,5 +1,5 @@
 """llama.cpp's block quantizers bit for bit: Q4_1, Q5_0, Q5_1, MXFP4 (here), Q4_K, Q5_K, Q6_K
-(``mixle.core.ggml_kquants``), plus QLoRA's NF4, and the table ``BLOCK_TYPES`` of all of them.
+(``mixle.gguf.ggml_kquants``), and the table ``BLOCK_TYPES`` of all of them.
 
 ``quantize_<type>(x)`` gives the fields a block stores (a NamedTuple of arrays of x's library,
 numpy or torch), ``dequantize_<type>(fields)`` the float32 values ggml's ``dequantize_row_*``
@@ -8,24 +8,15 @@ computes from them, ``pack_<type>(fields)`` ggml's block bytes (numpy uint8, sha
 ``unpack_<type>(bytes)`` the fields back. For float32 input, quantize then dequantize equals
 ggml's reference quantize (``quantize_row_*_ref``: no importance matrix) then dequantize bit for
 bit, and the packed bytes equal ggml's: every function follows ggml-quants.c's float32
-operation order (see ``mixle.core.ggml_kquants`` for the shared C arithmetic).
-
-NF4 has no ggml type: it follows bitsandbytes' blockwise 4-bit kernel (codes from the normalized
-value ``x * (1 / absmax)`` by the NF4 decision tree's midpoints, ``x > t`` taking the upper code;
-values ``table[code] * absmax``), in blocks of 64, the bitsandbytes / QLoRA default. mixle's
-NF4 block bytes are the float32 absmax (little-endian) then 32 code bytes, the first of each
-pair of codes in the high nibble, as bitsandbytes packs them. An all-zero block is normalized
-with a zero reciprocal (as ggml's ``d ? 1/d : 0``), so all its codes are that of 0.0.
+operation order (``mixle.core.c_arith`` holds the shared C arithmetic). Their grid records are
+``mixle.gguf.formats``'.
 """
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from mixle.core.ggml_kquants import (  # noqa: F401  (the K-quants are re-exported)
-    KFields,
-    Q6KFields,
+from mixle.core.c_arith import (
     as_numpy,
     block_rows,
     c_int,
@@ -36,50 +27,35 @@ from mixle.core.ggml_kquants import (  # noqa: F401  (the K-quants are re-export
     half_bytes,
     half_from,
     ieee,
+    reciprocal,
     to_half,
 )
-from mixle.core.ggml_kquants import dequantize_q4_k, pack_q4_k, quantize_q4_k, unpack_q4_k  # noqa: F401
-from mixle.core.ggml_kquants import dequantize_q5_k, pack_q5_k, quantize_q5_k, unpack_q5_k  # noqa: F401
-from mixle.core.ggml_kquants import dequantize_q6_k, pack_q6_k, quantize_q6_k, unpack_q6_k  # noqa: F401
+from mixle.core.grids import BlockType
+from mixle.core.scale_codecs import e8m0_half  # noqa: F401  (ggml's E8M0 decoding, MXFP4's scale)
+from mixle.gguf.ggml_kquants import KFields, Q6KFields  # noqa: F401  (the K-quants are re-exported)
+from mixle.gguf.ggml_kquants import dequantize_q4_k, pack_q4_k, quantize_q4_k, unpack_q4_k  # noqa: F401
+from mixle.gguf.ggml_kquants import dequantize_q5_k, pack_q5_k, quantize_q5_k, unpack_q5_k  # noqa: F401
+from mixle.gguf.ggml_kquants import dequantize_q6_k, pack_q6_k, quantize_q6_k, unpack_q6_k  # noqa: F401
 
 __all__ = [
     "AffineFields",
     "ScaleFields",
     "MxFields",
-    "NF4Fields",
     "KFields",
     "Q6KFields",
-    "BlockType",
     "BLOCK_TYPES",
     "KVALUES_MXFP4",
     "e8m0_half",
-    "NF4_TABLE",
-    "NF4_BLOCK",
 ] + [
     f"{verb}_{name}"
-    for name in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4", "nf4")
+    for name in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4")
     for verb in ("quantize", "dequantize", "pack", "unpack")
 ]
 
 QK = 32  # the block of Q4_1, Q5_0, Q5_1 and MXFP4
-NF4_BLOCK = 64  # bitsandbytes' (and QLoRA's) default NF4 blocksize
 
 # ggml-common.h's kvalues_mxfp4: E2M1 values doubled (the scale is E8M0 halved).
 KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-
-# bitsandbytes' NF4 code values and its decision tree's thresholds (midpoints), low to high.
-NF4_TABLE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
-NF4_THRESHOLDS = (
-    -0.8480964004993439, -0.6106329262256622, -0.4599952697753906, -0.33967943489551544,
-    -0.23460740596055984, -0.13791173323988914, -0.045525018125772476, 0.03979014977812767,
-    0.1202552504837513, 0.2035212516784668, 0.2920137718319893, 0.3893125355243683,
-    0.5016634166240692, 0.6427869200706482, 0.8614784181118011,
-)  # fmt: skip
 
 
 class AffineFields(NamedTuple):
@@ -120,17 +96,6 @@ class MxFields(NamedTuple):
     e: object
 
 
-class NF4Fields(NamedTuple):
-    """An NF4 block of 64: ``x = NF4_TABLE[codes] * absmax``.
-
-    Attributes:
-        codes: uint8 (..., n_blocks, 64), 0..15.
-        absmax: float32 (..., n_blocks), the block's largest magnitude.
-    """
-
-    codes: object
-    absmax: object
-
 
 def _min_max(o, x):
     """C's ``min = FLT_MAX, max = -FLT_MAX; if (v < min) min = v; if (v > max) max = v;``."""
@@ -142,10 +107,6 @@ def _min_max(o, x):
     return mn, mx
 
 
-def _reciprocal(o, d):
-    """``d ? 1.0f/d : 0.0f``."""
-    return o.where(d != 0, o.c(1.0) / d, o.zeros(d))
-
 
 @ieee
 def _quantize_affine(x, bits):
@@ -154,7 +115,7 @@ def _quantize_affine(x, bits):
     mn, mx = _min_max(o, xb)
     top = (1 << bits) - 1
     d = (mx - mn) / o.c(float(top))
-    x0 = (xb - mn[..., None]) * _reciprocal(o, d)[..., None]
+    x0 = (xb - mn[..., None]) * reciprocal(o, d)[..., None]
     q = c_int(o, x0 + o.c(0.5))
     if bits == 4:  # MIN(15, (int8_t)(x0 + 0.5f)), stored as uint8_t
         q = o.clip(((q + 128) & 0xFF) - 128, -128, top) & 0xFF
@@ -238,7 +199,7 @@ def quantize_q5_0(x):
     o, xb = float_blocks(x, QK)
     _, vmax = first_absmax(o, xb)
     d = vmax / o.c(-16.0)
-    q = c_int(o, xb * _reciprocal(o, d)[..., None] + o.c(16.5))
+    q = c_int(o, xb * reciprocal(o, d)[..., None] + o.c(16.5))
     q = o.clip(((q + 128) & 0xFF) - 128, -128, 31) & 0x1F  # MIN(31, (int8_t)...); 5 bits stored
     return ScaleFields(o.to_named(q, "uint8"), to_half(o, d))
 
@@ -255,17 +216,6 @@ def dequantize_q5_0(fields):
     q = o.to_named(o.to_named(codes, "int32") - 16, "float32")
     y = q * o.to_named(fields.d, "float32")[..., None]
     return y.reshape(tuple(codes.shape[:-2]) + (codes.shape[-2] * QK,))
-
-
-def e8m0_half(o, e):
-    """``ggml_e8m0_to_fp32_half``: 2**(e - 128) as float32 bits (subnormal for e < 2), with ``o``
-    the C-emulation adapter (``c_ops``) of ``e``.
-
-    >>> e8m0_half(c_ops(np.zeros(1)), np.array([127, 0], np.uint8)).tolist()
-    [0.5, 2.938735877055719e-39]
-    """
-    e = o.to_named(e, "int32")
-    return o.bits_f32(o.where(e < 2, 0x00200000 << e, (e - 1) << 23))
 
 
 @ieee
@@ -311,42 +261,6 @@ def dequantize_mxfp4(fields):
     values = o.const([float(v) for v in KVALUES_MXFP4], "float32")[codes]
     y = values * e8m0_half(o, fields.e)[..., None]
     return y.reshape(tuple(codes.shape[:-2]) + (codes.shape[-2] * QK,))
-
-
-@ieee
-def quantize_nf4(x):
-    """QLoRA's NF4 (bitsandbytes' blockwise quantizer) of x (..., n), n a multiple of 64.
-
-    Args:
-        x: float32 numpy array or torch tensor (other floats are cast to float32).
-
-    Returns:
-        NF4Fields, arrays of x's library.
-
-    >>> f = quantize_nf4(np.linspace(-2, 1, 64, dtype=np.float32))
-    >>> f.codes[0, [0, 42, -1]].tolist(), float(f.absmax[0])
-    ([0, 7, 12], 2.0)
-    """
-    o, xb = float_blocks(x, NF4_BLOCK)
-    amax, _ = first_absmax(o, xb)
-    normalized = xb * _reciprocal(o, amax)[..., None]
-    codes = o.zeros(xb, "int32")
-    for t in NF4_THRESHOLDS:  # the decision tree's leaf: how many midpoints lie below
-        codes = codes + o.to_named(normalized > o.c(t), "int32")
-    return NF4Fields(o.to_named(codes, "uint8"), amax)
-
-
-@ieee
-def dequantize_nf4(fields):
-    """float32 values (..., n) of NF4 fields: ``NF4_TABLE[code] * absmax``.
-
-    >>> dequantize_nf4(quantize_nf4(np.linspace(-2, 1, 64, dtype=np.float32)))[[0, 42, -1]].tolist()
-    [-2.0, 0.0, 0.8814196586608887]
-    """
-    o = c_ops(fields.codes)
-    codes = o.to_named(fields.codes, "int64")
-    y = o.const(NF4_TABLE, "float32")[codes] * o.to_named(fields.absmax, "float32")[..., None]
-    return y.reshape(tuple(codes.shape[:-2]) + (codes.shape[-2] * NF4_BLOCK,))
 
 
 # ------------------------------------------------------------------------------- packing
@@ -452,76 +366,13 @@ def unpack_mxfp4(data):
     return MxFields(_codes_from(b[..., 1:]), b[..., 0].copy())
 
 
-def pack_nf4(fields):
-    """mixle's NF4 block bytes (36 per block): absmax as float32, then codes two a byte (high
-    nibble first, as bitsandbytes packs them).
-
-    >>> pack_nf4(quantize_nf4(np.ones(64, np.float32))).tolist()[:5]
-    [0, 0, 128, 63, 255]
-    """
-    codes, absmax = (as_numpy(v) for v in fields)
-    c = codes.astype(np.uint8)
-    pairs = ((c[..., 0::2] << 4) | c[..., 1::2]).astype(np.uint8)
-    scale = np.ascontiguousarray(absmax.astype("<f4"))[..., None].view(np.uint8)
-    return flat_rows(np.concatenate([scale, pairs], axis=-1))
-
-
-def unpack_nf4(data):
-    """NF4Fields (numpy) from mixle's NF4 block bytes (..., n_blocks * 36).
-
-    >>> unpack_nf4(pack_nf4(quantize_nf4(np.ones(64, np.float32)))).absmax.tolist()
-    [1.0]
-    """
-    b = block_rows(data, 36)
-    pairs = b[..., 4:]
-    codes = np.stack([pairs >> 4, pairs & 0xF], axis=-1).reshape(pairs.shape[:-1] + (NF4_BLOCK,))
-    return NF4Fields(codes.astype(np.uint8), np.ascontiguousarray(b[..., :4]).view("<f4")[..., 0].astype(np.float32))
-
-
 # --------------------------------------------------------------------------------- table
-
-
-@dataclass(frozen=True, eq=False)
-class BlockType:
-    """One block format's numerics: its geometry, its four functions and how its fields are a
-    stored array (what a ``mixle.core.grids.Grid`` with ``numerics`` quantizes with).
-
-    Attributes:
-        name: the name a grid's ``numerics`` gives it (``"q4_k"``).
-        block: values per block.
-        ggml_type: the ``GGMLQuantizationType`` name (``"Q4_K"``), or None (NF4).
-        bytes_per_block: packed bytes per block.
-        quantize: x (..., n) -> fields.
-        dequantize: fields -> float32 (..., n).
-        pack: fields -> uint8 (..., n // block * bytes_per_block).
-        unpack: uint8 bytes -> fields (numpy).
-        fields: the NamedTuple class of the fields.
-        parts: ``((stored-array part, field name), ...)``: which field is the codes, the (super-block)
-            scale, the offset (a min, or a two-level grid's super-block min), the sub-block scales and
-            mins of ``mixle.core.stored.QuantizedArray``.
-        code_shift: added to the stored code to give the array's code (Q5_0 stores ``code + 16``).
-
-    >>> BLOCK_TYPES["q5_0"].bytes_per_block, BLOCK_TYPES["q5_0"].code_shift
-    (22, -16)
-    """
-
-    name: str
-    block: int
-    ggml_type: str | None
-    bytes_per_block: int
-    quantize: Callable
-    dequantize: Callable
-    pack: Callable
-    unpack: Callable
-    fields: type
-    parts: tuple
-    code_shift: int = 0
 
 
 _AFFINE_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "m"))
 _K_PARTS = (("codes", "codes"), ("scale", "d"), ("offset", "dmin"), ("sub_scales", "scales"), ("sub_offsets", "mins"))
 
-# llama.cpp's block numerics (and NF4's), by the name a grid's ``numerics`` gives them.
+# llama.cpp's block numerics, by the name a grid's ``numerics`` gives them (``mixle.gguf.formats``).
 BLOCK_TYPES = {bt.name: bt for bt in (
     BlockType("q4_1", QK, "Q4_1", 20, quantize_q4_1, dequantize_q4_1, pack_q4_1, unpack_q4_1, AffineFields,
               _AFFINE_PARTS),
@@ -535,6 +386,4 @@ BLOCK_TYPES = {bt.name: bt for bt in (
               (("codes", "codes"), ("scale", "d"), ("sub_scales", "scales")), -32),
     BlockType("mxfp4", QK, "MXFP4", 17, quantize_mxfp4, dequantize_mxfp4, pack_mxfp4, unpack_mxfp4, MxFields,
               (("codes", "codes"), ("scale", "e"))),
-    BlockType("nf4", NF4_BLOCK, None, 36, quantize_nf4, dequantize_nf4, pack_nf4, unpack_nf4, NF4Fields,
-              (("codes", "codes"), ("scale", "absmax"))),
 )}

@@ -19,38 +19,30 @@ reference quantizer:
   does mixle (``Grid.importance == "ignored"``). Other grids have no weighted search in ggml and
   refuse one.
 
-Each search is a ``WeightedSearch`` record that the grid record holds (``Grid.weighted``).
+Each search is a ``WeightedSearch`` record (``mixle.core.grids``) that the grid record holds
+(``Grid.weighted``, ``mixle.gguf.formats``); ``mixle.core.grids.run_weighted`` runs it.
 
-``make_qkx3_quants`` with weights given is ``make_qkx2_quants`` (``mixle.core.ggml_kquants``)
+``make_qkx3_quants`` with weights given is ``make_qkx2_quants`` (``mixle.gguf.ggml_kquants``)
 with other search constants, and ``make_qx_quants`` with weights is the same search as without
 (``make_qx_quants_rmse1``); both are reused. Everything is float32 in C's operation order and runs
 on numpy arrays and torch tensors through the same code (``c_ops``), giving the same bits.
 """
 
-from typing import Callable, NamedTuple
-
 import numpy as np
 
-from mixle.core.ggml_kquants import (
+from mixle.core.c_arith import c_ops, float_blocks, ieee, nearest_int, running_max, seq_sum, to_half
+from mixle.core.grids import WeightedSearch
+from mixle.gguf.ggml_kquants import (
     GROUP_MAX_EPS,
     QK_K,
-    as_numpy,
-    c_ops,
-    float_blocks,
-    ieee,
     k_fields,
     make_qkx2_quants,
     make_qx_quants_rmse1,
-    nearest_int,
     q6_k_fields,
-    running_max,
-    seq_sum,
-    to_half,
 )
-from mixle.core.ggml_quants import AffineFields, ScaleFields
+from mixle.gguf.ggml_quants import AffineFields, ScaleFields
 
-__all__ = ["WeightedSearch", "run_weighted", "make_qp_quants", "check_importance", "importance_rows"] + [
-    f"{name}_WEIGHTED" for name in ("Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")]
+__all__ = ["make_qp_quants"] + [f"{name}_WEIGHTED" for name in ("Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")]
 
 
 def _row_sigma2(o, xb):
@@ -163,23 +155,6 @@ def _q6_k_weighted(x, qw):
     return q6_k_fields(o, xb, xs, scales, levels)
 
 
-class WeightedSearch(NamedTuple):
-    """ggml's importance-weighted quantizer of one block type, as a grid record holds it
-    (``Grid.weighted``).
-
-    Attributes:
-        quantize: ``(x, importance) -> fields``: x float32 rows (..., n), the importance broadcast
-            to x, both of x's library.
-        parts: ``BlockType.parts`` of its fields, for a grid without block numerics of its own
-            (None: the grid's block type's).
-        code_shift: as ``BlockType.code_shift``, with ``parts``.
-    """
-
-    quantize: Callable
-    parts: tuple | None = None
-    code_shift: int = 0
-
-
 Q4_0_WEIGHTED = WeightedSearch(lambda x, qw: _symmetric(x, qw, 8), (("codes", "codes"), ("scale", "d")), -8)
 Q5_0_WEIGHTED = WeightedSearch(lambda x, qw: _symmetric(x, qw, 16))
 Q4_1_WEIGHTED = WeightedSearch(lambda x, qw: _affine(x, qw, 15))
@@ -187,77 +162,3 @@ Q5_1_WEIGHTED = WeightedSearch(lambda x, qw: _affine(x, qw, 31))
 Q4_K_WEIGHTED = WeightedSearch(lambda x, qw: _k_weighted(x, qw, 15))
 Q5_K_WEIGHTED = WeightedSearch(lambda x, qw: _k_weighted(x, qw, 31))
 Q6_K_WEIGHTED = WeightedSearch(_q6_k_weighted)
-
-
-def run_weighted(search, x, importance):
-    """``search`` (a ``WeightedSearch``) on rows x (..., n) with one importance per column.
-
-    Args:
-        search: the grid's ``WeightedSearch``.
-        x: float32 numpy array or torch tensor (..., n): each last-axis row is one ggml row.
-        importance: float32 (..., n) broadcastable to x (one value per column), numpy or torch.
-
-    Returns:
-        The block type's fields (``mixle.core.ggml_quants``; Q4_0 as ScaleFields with codes
-        ``l + 8``), shaped ``x.shape[:-1] + (n_blocks, ...)``.
-
-    >>> x = np.linspace(-1, 1, 64, dtype=np.float32)[None]
-    >>> f = run_weighted(Q4_0_WEIGHTED, x, np.ones(64, np.float32))
-    >>> f.codes[0, 0, [0, -1]].tolist(), float(f.d[0, 0])
-    ([0, 8], 0.12164306640625)
-    """
-    o = c_ops(x)
-    if type(importance).__module__.split(".")[0] != type(x).__module__.split(".")[0]:  # numpy <-> torch
-        importance = o.const(np.asarray(as_numpy(importance), np.float32).tolist(), "float32")
-    qw = o.to_named(importance, "float32")
-    qw = qw + o.zeros(x)  # broadcast to x's rows
-    return search.quantize(x, qw)
-
-
-def importance_rows(shape, batch_ndim=0, out_ndim=None):
-    """``(batch, rows, columns)`` of a ``batch + out + in`` array: the columns an importance vector
-    has one value for (the product of the input axes).
-
-    >>> importance_rows((3, 8, 64), batch_ndim=1)
-    (3, 8, 64)
-    """
-    shape = tuple(int(d) for d in shape)
-    rest = shape[batch_ndim:]
-    out_ndim = (1 if len(rest) >= 2 else 0) if out_ndim is None else out_ndim
-    batch = int(np.prod(shape[:batch_ndim], dtype=np.int64))
-    rows = int(np.prod(rest[:out_ndim], dtype=np.int64))
-    return batch, rows, int(np.prod(rest[out_ndim:], dtype=np.int64))
-
-
-def check_importance(importance, shape, *, batch_ndim=0, out_ndim=None, name="x"):
-    """The importance of an array of ``shape``, validated, as float32 ``(batch or 1, 1, columns)``.
-
-    Args:
-        importance: one non-negative finite value per input column: shape ``(columns,)``, or the
-            batch axes then ``(columns,)`` for stacked experts (numpy, torch or a list).
-        shape, batch_ndim, out_ndim: the array's layout (``importance_rows``).
-        name: what the error calls the array.
-
-    Returns:
-        numpy float32 ``(B, 1, columns)``, B the batch size or 1.
-
-    Raises:
-        ValueError: a wrong shape, or a negative, NaN or infinite entry (its column named).
-
-    >>> check_importance([1.0, 2.0], (3, 2)).shape
-    (1, 1, 2)
-    """
-    batch, _, columns = importance_rows(shape, batch_ndim, out_ndim)
-    values = np.asarray(as_numpy(importance), dtype=np.float64)
-    allowed = [(columns,), tuple(shape[:batch_ndim]) + (columns,)]
-    if values.shape not in allowed:
-        shapes = " or ".join(str(a) for a in dict.fromkeys(allowed))
-        raise ValueError(f"{name}: importance has shape {values.shape}, but the array of shape {tuple(shape)} has "
-                         f"{columns} input columns: pass one value per column, shape {shapes}")
-    bad = ~np.isfinite(values) | (values < 0)
-    if bad.any():
-        where = np.argwhere(bad)[0]
-        raise ValueError(f"{name}: importance[{', '.join(map(str, where))}] = {float(values[tuple(where)])!r}: an importance "
-                         f"must be finite and non-negative (llama.cpp's mean squared activations)")
-    values = values.astype(np.float32)
-    return values.reshape((batch if values.ndim > 1 else 1, 1, columns))
