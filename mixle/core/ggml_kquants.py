@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mixle.core.array_ops import NumpyOps, TorchOps, array_ops
+from mixle.core.array_ops import JaxOps, NumpyOps, TorchOps, array_ops
 
 __all__ = [
     "KFields",
@@ -77,6 +77,11 @@ class _NumpyC(NumpyOps):
     def trailing(self, x):  # the first axis last
         return np.moveaxis(x, 0, -1)
 
+    def assign(self, a, i, value):
+        """``a[..., i] = value``, in place; returns ``a``."""
+        a[..., i] = value
+        return a
+
 
 
 class _TorchC(TorchOps):
@@ -114,6 +119,72 @@ class _TorchC(TorchOps):
     def trailing(self, x):
         return x.movedim(0, -1)
 
+    def assign(self, a, i, value):
+        a[..., i] = value
+        return a
+
+
+class _JaxC(JaxOps):
+    """jax.numpy ops with the same extensions, exact on every XLA backend: constants are numpy
+    float32 scalars (sums of constants are computed here, in float32), quotients go through
+    ``JaxOps.divide`` (the TPU's division is not IEEE), products that feed a sum through ``rounded``
+    (XLA's CPU backend contracts them into FMAs), square roots are corrected to the nearest float."""
+
+    def c(self, value):
+        return np.float32(value)
+
+    def zeros(self, like, name="float32"):
+        return self.xp.zeros(like.shape, dtype=name)
+
+    def const(self, values, name):
+        return self.xp.asarray(np.asarray(values, dtype=name))
+
+    def f32_bits(self, x):
+        return self.jax.lax.bitcast_convert_type(x, self.xp.int32)
+
+    def bits_f32(self, i):
+        return self.jax.lax.bitcast_convert_type(i.astype(self.xp.int32), self.xp.float32)
+
+    def log2(self, x):
+        raise TypeError("log2 (MXFP4's exponent) has no exact jax form here: quantize MXFP4 with numpy or torch")
+
+    def sqrt(self, x):
+        return self.exact_sqrt(x)
+
+    def leading(self, x):
+        return self.xp.moveaxis(x, -1, 0)
+
+    def trailing(self, x):
+        return self.xp.moveaxis(x, 0, -1)
+
+    def assign(self, a, i, value):
+        return a.at[..., i].set(value)
+
+    # C's running loops over a block's elements as reductions and loops XLA compiles quickly (an
+    # unrolled chain of selects, fused with what reads it, took minutes to compile), same values.
+
+    def ordered_sum(self, terms, axis):
+        """C's ``s = 0; for (i...) s += terms[i]`` along ``axis``, in order (one loop, not unrolled)."""
+        terms = self.xp.moveaxis(self.rounded(terms), axis, 0)
+        body = lambda i, acc: acc + self.jax.lax.dynamic_index_in_dim(terms, i, keepdims=False)  # noqa: E731
+        return self.jax.lax.fori_loop(1, terms.shape[0], body, self.c(0.0) + terms[0])
+
+    def first_of(self, x, index, axis=-1):
+        return self.xp.take_along_axis(x, self.xp.expand_dims(index, axis), axis=axis).squeeze(axis)
+
+    def min_max(self, x, axis=-1):
+        """The first smallest and the first largest value (C's strict comparisons keep the first)."""
+        return self.first_of(x, x.argmin(axis=axis), axis), self.first_of(x, x.argmax(axis=axis), axis)
+
+    def first_absmax(self, x):
+        amax = abs(x).max(axis=-1)
+        vmax = self.first_of(x, abs(x).argmax(axis=-1))
+        return amax, self.xp.where(amax > 0, vmax, self.c(0.0))
+
+    def running_max(self, x):
+        top = x.max(axis=-1)
+        return self.xp.where(top > 0, top, self.c(0.0))
+
 
 def ieee(func):
     """func with numpy's floating-point warnings off: C's overflows, infinities and NaNs are part
@@ -140,9 +211,11 @@ def c_ops(x):
     base = array_ops(x)
     if isinstance(base, TorchOps):
         return _TorchC(x)
+    if isinstance(base, JaxOps):
+        return _JaxC()
     if type(base) is NumpyOps:
         return _NumpyC()
-    raise TypeError(f"ggml quantizers run on numpy arrays and torch tensors, not {type(x).__name__}")
+    raise TypeError(f"ggml quantizers run on numpy arrays, torch tensors and jax arrays, not {type(x).__name__}")
 
 
 def float_blocks(x, block):
@@ -151,8 +224,11 @@ def float_blocks(x, block):
     >>> float_blocks(np.zeros((2, 64)), 32)[1].shape
     (2, 2, 32)
     """
-    x = x.detach() if type(x).__module__.startswith("torch") else np.asarray(x)  # codes have no gradient
     o = c_ops(x)
+    if isinstance(o, TorchOps):
+        x = x.detach()  # codes have no gradient
+    elif not isinstance(o, JaxOps):
+        x = np.asarray(x)
     x = o.to_named(x, "float32")
     if x.ndim == 0 or x.shape[-1] % block:
         raise ValueError(f"the last axis ({tuple(x.shape)}) must be a multiple of the block, {block}")
@@ -166,7 +242,7 @@ def nearest_int(o, fval):
     >>> nearest_int(_NumpyC(), np.array([0.5, 1.5, -2.5, 2.6], np.float32)).tolist()
     [0, 2, -2, 3]
     """
-    return (o.f32_bits(fval + o.c(12582912.0)) & 0x007FFFFF) - 0x00400000
+    return (o.f32_bits(o.rounded(fval) + o.c(12582912.0)) & 0x007FFFFF) - 0x00400000
 
 
 def c_int(o, x):
@@ -195,6 +271,9 @@ def seq_sum(o, terms):
     >>> float(seq_sum(_NumpyC(), np.array([1e8, 1.0, 1.0, -1e8], np.float32)))  # pairwise: 2.0
     0.0
     """
+    if isinstance(o, _JaxC):
+        return o.ordered_sum(terms, -1)
+    terms = o.rounded(terms)
     acc = o.c(0.0) + terms[..., 0]
     for i in range(1, terms.shape[-1]):
         acc = acc + terms[..., i]
@@ -208,6 +287,8 @@ def first_absmax(o, x):
     >>> [float(v) for v in first_absmax(_NumpyC(), np.array([1.0, -3.0, 3.0], np.float32))]
     [3.0, -3.0]
     """
+    if isinstance(o, _JaxC):
+        return o.first_absmax(x)
     amax = o.zeros(x[..., 0])
     vmax = o.zeros(x[..., 0])
     for i in range(x.shape[-1]):
@@ -224,6 +305,8 @@ def running_max(o, x):
     >>> float(running_max(_NumpyC(), np.array([-2.0, -1.0], np.float32)))
     0.0
     """
+    if isinstance(o, _JaxC):
+        return o.running_max(x)
     m = o.zeros(x[..., 0])
     for i in range(x.shape[-1]):
         m = o.where(x[..., i] > m, x[..., i], m)
@@ -294,17 +377,20 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     (0.19354838132858276, 0.9516129493713379, [0, 15])
     """
     x, w = o.leading(x), o.leading(w)  # element-major (n, S): C's running sums read contiguous rows
-    mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
-    for i in range(1, x.shape[0]):
-        mn = o.where(x[i] < mn, x[i], mn)
-        mx = o.where(x[i] > mx, x[i], mx)
-        sum_w = sum_w + w[i]
-        sum_x = sum_x + w[i] * x[i]
+    if isinstance(o, _JaxC):  # the same values (sum_w's first term plus 0: no -0.0 in a sum of weights)
+        (mn, mx), sum_w, sum_x = o.min_max(x, axis=0), o.ordered_sum(w, 0), o.ordered_sum(w * x, 0)
+    else:
+        mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
+        for i in range(1, x.shape[0]):
+            mn = o.where(x[i] < mn, x[i], mn)
+            mx = o.where(x[i] > mx, x[i], mx)
+            sum_w = sum_w + w[i]
+            sum_x = sum_x + w[i] * x[i]
     zero = o.zeros(mn)
     mn = o.where(mn > 0, zero, mn)
     flat, flat_min = mx == mn, mn  # C returns early here: L = 0, scale 0
-    iscale = o.c(float(nmax)) / (mx - mn)
-    scale = o.c(1.0) / iscale
+    iscale = o.divide(o.c(float(nmax)), mx - mn)
+    scale = o.divide(o.c(1.0), iscale)
     levels = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     best_error = _weighted_error(o, w, x, scale, mn, levels)
     for s in range(nstep + 1):
@@ -323,23 +409,24 @@ def _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x):
     """One trial of ``make_qkx2_quants`` on element-major ``x``, ``w`` (n, S): iscale = step / (max -
     min), then the weighted least squares scale and min of its codes. Returns ``(Laux, scale, min,
     error, D > 0)``."""
-    iscale = step / (mx - mn)
+    iscale = o.divide(step, mx - mn)
     trial = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     lt = o.to_named(trial, "float32")
     wl = w * lt
     sum_l, sum_l2, sum_xl = _lead_sum(o, wl), _lead_sum(o, wl * lt), _lead_sum(o, wl * x)
-    big_d = sum_w * sum_l2 - sum_l * sum_l
-    this_scale = (sum_w * sum_xl - sum_x * sum_l) / big_d
-    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / big_d
+    r = o.rounded
+    big_d = r(sum_w * sum_l2) - r(sum_l * sum_l)
+    this_scale = o.divide(r(sum_w * sum_xl) - r(sum_x * sum_l), big_d)
+    this_min = o.divide(r(sum_l2 * sum_x) - r(sum_l * sum_xl), big_d)
     positive = this_min > 0
     this_min = o.where(positive, o.zeros(this_min), this_min)
-    this_scale = o.where(positive, sum_xl / sum_l2, this_scale)
+    this_scale = o.where(positive, o.divide(sum_xl, sum_l2), this_scale)
     return trial, this_scale, this_min, _weighted_error(o, w, x, this_scale, this_min, trial), big_d > 0
 
 
 def _weighted_error(o, w, x, scale, mn, levels):
     """``sum w * diff * diff`` with ``diff = scale * L + min - x``, summed in order (element-major)."""
-    diff = (scale * o.to_named(levels, "float32") + mn) - x
+    diff = (o.rounded(scale * o.to_named(levels, "float32")) + mn) - x
     return _lead_sum(o, w * (diff * diff))
 
 
@@ -362,19 +449,19 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     scale = best = chosen = None
     for s in [0] + [s for s in range(-9, 10) if s]:
         if s == 0:
-            iscale = o.c(float(-nmax)) / vmax
+            iscale = o.divide(o.c(float(-nmax)), vmax)
         else:
-            iscale = -(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) / vmax
+            iscale = o.divide(-(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))), vmax)
         levels = o.clip(nearest_int(o, iscale * xl), -nmax, nmax - 1)
         lf = o.to_named(levels, "float32")
         sumlx, suml2 = _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
         if s == 0:
-            scale = o.where(suml2 != 0, sumlx / suml2, o.zeros(sumlx))
+            scale = o.where(suml2 != 0, o.divide(sumlx, suml2), o.zeros(sumlx))
             best, chosen = scale * sumlx, levels
             continue
         take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         chosen = o.where(take, levels, chosen)
-        scale = o.where(take, sumlx / suml2, scale)
+        scale = o.where(take, o.divide(sumlx, suml2), scale)
         best = o.where(take, scale * sumlx, best)
     zero = amax < o.c(GROUP_MAX_EPS)
     chosen = o.where(zero, o.zeros(chosen, "int32") - nmax, chosen)
@@ -383,6 +470,9 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
 
 def _lead_sum(o, terms):
     """``seq_sum`` over the first axis (element-major groups)."""
+    if isinstance(o, _JaxC):
+        return o.ordered_sum(terms, 0)
+    terms = o.rounded(terms)
     acc = o.c(0.0) + terms[0]
     for i in range(1, terms.shape[0]):
         acc = acc + terms[i]
@@ -416,17 +506,17 @@ def _quantize_k(x, nmax, rmin, nstep):
     """``quantize_row_q4_K_ref`` / ``quantize_row_q5_K_ref``: the shared K-quant recipe."""
     o, xb = float_blocks(x, QK_K)
     xs = xb.reshape(tuple(xb.shape[:-1]) + (8, 32))
-    av_x = o.sqrt(seq_sum(o, xs * xs) / o.c(32.0))
+    av_x = o.sqrt(o.divide(seq_sum(o, xs * xs), o.c(32.0)))
     w = av_x[..., None] + abs(xs)
     scales, mins, levels = make_qkx2_quants(o, xs, w, nmax, rmin, 0.1, nstep)
     max_scale, max_min = running_max(o, scales), running_max(o, mins)
     zero = o.zeros(max_scale)
-    inv_scale = o.where(max_scale > 0, o.c(63.0) / max_scale, zero)
-    inv_min = o.where(max_min > 0, o.c(63.0) / max_min, zero)
+    inv_scale = o.where(max_scale > 0, o.divide(o.c(63.0), max_scale), zero)
+    inv_min = o.where(max_min > 0, o.divide(o.c(63.0), max_min), zero)
     ls = o.clip(nearest_int(o, inv_scale[..., None] * scales) & 0xFF, 0, 63)  # uint8_t, then MIN(63, .)
     lm = o.clip(nearest_int(o, inv_min[..., None] * mins) & 0xFF, 0, 63)
-    d = to_half(o, max_scale / o.c(63.0))
-    dmin = to_half(o, max_min / o.c(63.0))
+    d = to_half(o, o.divide(max_scale, o.c(63.0)))
+    dmin = to_half(o, o.divide(max_min, o.c(63.0)))
     return k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax)
 
 
@@ -436,7 +526,7 @@ def k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax):
     is zero keeps the search's ``levels``), as KFields."""
     sub_d = o.to_named(d, "float32")[..., None] * o.to_named(ls, "float32")
     sub_m = o.to_named(dmin, "float32")[..., None] * o.to_named(lm, "float32")
-    requant = o.clip(nearest_int(o, (xs + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
+    requant = o.clip(nearest_int(o, o.divide(xs + o.rounded(sub_m)[..., None], sub_d[..., None])), 0, nmax)
     levels = o.where((sub_d == 0)[..., None], levels, requant)  # `if (!d) continue;` keeps L
     codes = o.to_named(levels.reshape(tuple(xb.shape)), "uint8")
     return KFields(codes, o.to_named(ls, "uint8"), o.to_named(lm, "uint8"), d, dmin)
@@ -450,7 +540,7 @@ def _dequantize_k(f):
     sub_m = o.to_named(f.dmin, "float32")[..., None] * o.to_named(f.mins, "float32")
     q = o.to_named(f.codes, "float32").reshape(tuple(f.codes.shape[:-1]) + (8, 32))
     # an infinite d stored by a huge block
-    y = sub_d[..., None] * q - sub_m[..., None]
+    y = o.rounded(sub_d[..., None] * q) - o.rounded(sub_m)[..., None]
     return y.reshape(tuple(f.codes.shape[:-2]) + (f.codes.shape[-2] * QK_K,))
 
 
@@ -630,12 +720,12 @@ def q6_k_fields(o, xb, xs, scales, levels):
     shared by the reference and the importance-weighted quantizers."""
     max_abs, max_scale = first_absmax(o, scales)
     zero = max_abs < o.c(GROUP_MAX_EPS)  # the whole block is stored as zero bytes
-    iscale = o.c(-128.0) / max_scale
-    d = to_half(o, o.where(zero, o.zeros(iscale), o.c(1.0) / iscale))
+    iscale = o.divide(o.c(-128.0), max_scale)
+    d = to_half(o, o.where(zero, o.zeros(iscale), o.divide(o.c(1.0), iscale)))
     q_scales = o.clip(nearest_int(o, iscale[..., None] * scales), -(2**31), 127)
     q_scales = o.where(zero[..., None], o.zeros(q_scales, "int32"), ((q_scales + 128) & 0xFF) - 128)
     sub_d = o.to_named(d, "float32")[..., None] * o.to_named(q_scales, "float32")
-    requant = o.clip(nearest_int(o, xs / sub_d[..., None]), -32, 31) + 32
+    requant = o.clip(nearest_int(o, o.divide(xs, sub_d[..., None])), -32, 31) + 32
     levels = o.where((sub_d == 0)[..., None], levels, requant)  # `if (!d) continue;` keeps L
     levels = o.where(zero[..., None, None], o.zeros(levels, "int32"), levels)
     codes = o.to_named(levels.reshape(tuple(xb.shape)), "uint8")

@@ -111,6 +111,12 @@ def _check_grids(specs):
             spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
         except ValueError as err:
             raise ValueError(f"module {path or '<root>'!r}: {err}") from None
+        options = spec.qwix_only_options()
+        if spec.grid_record.ggml_type is not None and options:
+            raise ValueError(
+                f"module {path or '<root>'!r}: {spec.short()} is llama.cpp's {spec.grid_record.ggml_type}, which Flax "
+                f"trains through mixle's block numerics (the blocks llama-quantize writes), but {options} would "
+                f"run Qwix's own quantizer: drop them (act_bits on llama.cpp's grids is torch only for now)")
 
 
 def _check_integer_products(specs, provider):
