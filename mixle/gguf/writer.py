@@ -59,6 +59,7 @@ from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray
+from mixle.exports.flax_twin import is_flax, torch_twin
 from mixle.gguf.blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_array
 from mixle.gguf.imatrix_file import importance_by_tensor, require_entry
 from mixle.gguf.mixes import grid_of_type, mix_named
@@ -283,7 +284,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
 
     Args:
         model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``.
+            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``;
+            or mixle's Flax causal LM of those families (see below).
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
@@ -318,7 +320,14 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     >>> types = save_gguf(apply_qat(lm, grid="q4_0"), os.path.join(tempfile.mkdtemp(), "lm.gguf"))
     >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
     ('Q4_0', 'Q4_0', 'F32')
+
+    A Flax causal LM (``mixle.lm.flax_causal_lm``; float, QAT-wrapped or converted) is written as its
+    transformers twin holding its weights and the blocks of its quantized kernels
+    (``mixle.exports.flax_twin``): the file equals the equivalent torch model's, byte for byte.
     """
+    if is_flax(model):
+        model, given = torch_twin(model, "save_gguf")
+        quantized = {**given, **(quantized or {})}
     plan = plan_of(model, "save_gguf")
     gguf = plan.gguf
     mix, float_matrices, quantized, importance = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
