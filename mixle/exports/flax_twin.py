@@ -10,10 +10,14 @@ with the same weights and the same spec (the numerics are one, and exact on both
 and transformers (the ``hf`` extra) besides jax.
 """
 
+import re
+
+import numpy as np
+
 from mixle._optional import require
 from mixle.backends import backend_of
 
-__all__ = ["is_flax", "torch_twin", "flax_specs"]
+__all__ = ["is_flax", "torch_twin", "quantized_twin", "flax_specs"]
 
 
 def is_flax(model):
@@ -50,6 +54,36 @@ def torch_twin(model, purpose):
                          f"layout (missing {missing[:4]}, unexpected {unexpected[:4]}): write a model loaded with "
                          f"mixle.lm.flax_causal_lm.load_causal_lm")
     return twin, stored_arrays(model)
+
+
+def quantized_twin(model, purpose):
+    """The twin (``torch_twin``) with converted layers holding the Flax kernels' codes and scales.
+
+    The torch pipeline quantizes the twin's weights on each kernel's spec, and every stored array is
+    then checked equal to the Flax model's own (the one numerics, exact on both backends); a head
+    tied to the embedding is selected through the head, as torch's selection ties them.
+
+    Raises:
+        ValueError: the Flax model quantizes no kernel, or a stored array differs (a numerics bug).
+    """
+    from mixle.torch_backend.transforms.convert import quantize_model
+
+    twin, arrays = torch_twin(model, purpose)
+    if not arrays:
+        raise ValueError(f"{purpose}: this {type(model).__name__} quantizes no kernel: prepare it with "
+                         f"apply_qat(model, ..., example_inputs=...) (or convert it) first")
+    tied = twin.config.tie_word_embeddings
+    patterns = [(re.escape("lm_head" if tied and path == "model.embed_tokens" else path), q.spec)
+                for path, q in arrays.items()]
+    converted = quantize_model(twin, patterns=patterns)
+    modules = dict(converted.named_modules())
+    for path, flax_array in arrays.items():
+        torch_array = modules[path].quantized_array()
+        for part, value in flax_array.parts().items():
+            if not np.array_equal(np.asarray(getattr(torch_array, part)), value):
+                raise ValueError(f"{purpose}: the {part} of {path!r} differ between the Flax kernel and its torch "
+                                 f"twin on {flax_array.spec.short()}: the numerics disagree (report this)")
+    return converted
 
 
 def flax_specs(model, specs):
