@@ -46,7 +46,7 @@ def torch_twin(model, purpose):
     fields = torch_config(model)
     config = transformers.AutoConfig.for_model(**fields)
     twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = {name: torch.from_numpy(array) for name, array in float_tensors(model).items()}
+    state = {name: torch.from_numpy(array.copy()) for name, array in float_tensors(model).items()}
     missing, unexpected = twin.load_state_dict(state, strict=False)
     missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
