@@ -15,12 +15,12 @@ uint8, shape ``(..., n_blocks * bytes_per_block)`` like ``gguf.quants.quantize``
 reads them back.
 """
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from mixle.core.array_ops import JaxOps, NumpyOps, TorchOps, array_ops
+from mixle.core.array_ops import JaxOps, TorchOps
+from mixle.core.c_arith import JaxC, c_ops, ieee  # noqa: F401  (c_ops, ieee: re-exported)
 
 __all__ = [
     "KFields",
@@ -41,181 +41,6 @@ __all__ = [
 
 QK_K = 256
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: below this a group's max counts as zero
-
-
-class _NumpyC(NumpyOps):
-    """numpy ops plus what the C emulation needs: float32 constants and bit views."""
-
-    def __init__(self):
-        super().__init__(np)
-
-    def c(self, value):
-        return np.float32(value)
-
-    def zeros(self, like, name="float32"):
-        return np.zeros(like.shape, dtype=name)
-
-    def const(self, values, name):
-        return np.asarray(values, dtype=name)
-
-    def f32_bits(self, x):
-        return x.view(np.int32)
-
-    def bits_f32(self, i):
-        return i.astype(np.int32).view(np.float32)
-
-    def log2(self, x):
-        # log2f as a correctly rounded float32: float64 log2 rounded once more.
-        return np.log2(x.astype(np.float64)).astype(np.float32)
-
-    def sqrt(self, x):
-        return np.sqrt(x)
-
-    def leading(self, x):  # the last axis first, contiguous
-        return np.ascontiguousarray(np.moveaxis(x, -1, 0))
-
-    def trailing(self, x):  # the first axis last
-        return np.moveaxis(x, 0, -1)
-
-    def assign(self, a, i, value):
-        """``a[..., i] = value``, in place; returns ``a``."""
-        a[..., i] = value
-        return a
-
-
-
-class _TorchC(TorchOps):
-    """torch ops with the same extensions, on the device of the input tensor."""
-
-    def __init__(self, x):
-        super().__init__()
-        self.device = x.device
-
-    def c(self, value):
-        return self.torch.tensor(value, dtype=self.torch.float32, device=self.device)
-
-    def zeros(self, like, name="float32"):
-        return self.torch.zeros(like.shape, dtype=getattr(self.torch, name), device=self.device)
-
-    def const(self, values, name):
-        return self.torch.tensor(values, dtype=getattr(self.torch, name), device=self.device)
-
-    def f32_bits(self, x):
-        return x.contiguous().view(self.torch.int32)
-
-    def bits_f32(self, i):
-        return i.to(self.torch.int32).contiguous().view(self.torch.float32)
-
-    def log2(self, x):
-        return self.torch.log2(x.double()).float()
-
-    def sqrt(self, x):
-        # torch's float32 sqrt is not always correctly rounded (sqrtf is); via float64 it is.
-        return self.torch.sqrt(x.double()).float()
-
-    def leading(self, x):
-        return x.movedim(-1, 0).contiguous()
-
-    def trailing(self, x):
-        return x.movedim(0, -1)
-
-    def assign(self, a, i, value):
-        a[..., i] = value
-        return a
-
-
-class _JaxC(JaxOps):
-    """jax.numpy ops with the same extensions, exact on every XLA backend: constants are numpy
-    float32 scalars (sums of constants are computed here, in float32), quotients go through
-    ``JaxOps.divide`` (the TPU's division is not IEEE), products that feed a sum through ``rounded``
-    (XLA's CPU backend contracts them into FMAs), square roots are corrected to the nearest float."""
-
-    def c(self, value):
-        return np.float32(value)
-
-    def zeros(self, like, name="float32"):
-        return self.xp.zeros(like.shape, dtype=name)
-
-    def const(self, values, name):
-        return self.xp.asarray(np.asarray(values, dtype=name))
-
-    def f32_bits(self, x):
-        return self.jax.lax.bitcast_convert_type(x, self.xp.int32)
-
-    def bits_f32(self, i):
-        return self.jax.lax.bitcast_convert_type(i.astype(self.xp.int32), self.xp.float32)
-
-    def log2(self, x):
-        raise TypeError("log2 (MXFP4's exponent) has no exact jax form here: quantize MXFP4 with numpy or torch")
-
-    def sqrt(self, x):
-        return self.exact_sqrt(x)
-
-    def leading(self, x):
-        return self.xp.moveaxis(x, -1, 0)
-
-    def trailing(self, x):
-        return self.xp.moveaxis(x, 0, -1)
-
-    def assign(self, a, i, value):
-        return a.at[..., i].set(value)
-
-    # C's running loops over a block's elements as reductions and loops XLA compiles quickly (an
-    # unrolled chain of selects, fused with what reads it, took minutes to compile), same values.
-
-    def ordered_sum(self, terms, axis):
-        """C's ``s = 0; for (i...) s += terms[i]`` along ``axis``, in order (one loop, not unrolled)."""
-        terms = self.xp.moveaxis(self.rounded(terms), axis, 0)
-        body = lambda i, acc: acc + self.jax.lax.dynamic_index_in_dim(terms, i, keepdims=False)  # noqa: E731
-        return self.jax.lax.fori_loop(1, terms.shape[0], body, self.c(0.0) + terms[0])
-
-    def first_of(self, x, index, axis=-1):
-        return self.xp.take_along_axis(x, self.xp.expand_dims(index, axis), axis=axis).squeeze(axis)
-
-    def min_max(self, x, axis=-1):
-        """The first smallest and the first largest value (C's strict comparisons keep the first)."""
-        return self.first_of(x, x.argmin(axis=axis), axis), self.first_of(x, x.argmax(axis=axis), axis)
-
-    def first_absmax(self, x):
-        amax = abs(x).max(axis=-1)
-        vmax = self.first_of(x, abs(x).argmax(axis=-1))
-        return amax, self.xp.where(amax > 0, vmax, self.c(0.0))
-
-    def running_max(self, x):
-        top = x.max(axis=-1)
-        return self.xp.where(top > 0, top, self.c(0.0))
-
-
-def ieee(func):
-    """func with numpy's floating-point warnings off: C's overflows, infinities and NaNs are part
-    of what is emulated.
-
-    >>> float(ieee(lambda: np.float32(1e30) * np.float32(1e30))())
-    inf
-    """
-
-    @functools.wraps(func)
-    def quiet(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return func(*args, **kwargs)
-
-    return quiet
-
-
-def c_ops(x):
-    """The C-emulation adapter for x (a numpy array or torch tensor).
-
-    >>> type(c_ops(np.zeros(2, np.float32))).__name__
-    '_NumpyC'
-    """
-    base = array_ops(x)
-    if isinstance(base, TorchOps):
-        return _TorchC(x)
-    if isinstance(base, JaxOps):
-        return _JaxC()
-    if type(base) is NumpyOps:
-        return _NumpyC()
-    raise TypeError(f"ggml quantizers run on numpy arrays, torch tensors and jax arrays, not {type(x).__name__}")
 
 
 def float_blocks(x, block):
@@ -239,7 +64,7 @@ def nearest_int(o, fval):
     """ggml's ``nearest_int``: add 1.5 * 2**23 in float32 and read the mantissa, as int32 (round
     half to even for |fval| < 2**22; the same bits as C beyond).
 
-    >>> nearest_int(_NumpyC(), np.array([0.5, 1.5, -2.5, 2.6], np.float32)).tolist()
+    >>> nearest_int(c_ops(np.zeros(0, np.float32)), np.array([0.5, 1.5, -2.5, 2.6], np.float32)).tolist()
     [0, 2, -2, 3]
     """
     return (o.f32_bits(o.rounded(fval) + o.c(12582912.0)) & 0x007FFFFF) - 0x00400000
@@ -249,7 +74,7 @@ def c_int(o, x):
     """``(int)x`` as x86-64 converts float32: truncation, INT_MIN for NaN or out of range. A C
     cast to (u)int8 keeps the low byte of this.
 
-    >>> c_int(_NumpyC(), np.array([2.9, -2.9, 3e9, np.nan], np.float32)).tolist()
+    >>> c_int(c_ops(np.zeros(0, np.float32)), np.array([2.9, -2.9, 3e9, np.nan], np.float32)).tolist()
     [2, -2, -2147483648, -2147483648]
     """
     inside = abs(x) < o.c(2147483648.0)
@@ -259,7 +84,7 @@ def c_int(o, x):
 def to_half(o, x):
     """float16 store (round to nearest even, as ``GGML_FP32_TO_FP16``).
 
-    >>> to_half(_NumpyC(), np.array([1 + 2**-11, 1 + 3 * 2**-11], np.float32)).tolist()  # ties to even
+    >>> to_half(c_ops(np.zeros(0, np.float32)), np.array([1 + 2**-11, 1 + 3 * 2**-11], np.float32)).tolist()  # ties to even
     [1.0, 1.001953125]
     """
     return o.to_named(x, "float16")
@@ -268,10 +93,10 @@ def to_half(o, x):
 def seq_sum(o, terms):
     """C's ``float s = 0; for (i...) s += terms[i];`` over the last axis, in order.
 
-    >>> float(seq_sum(_NumpyC(), np.array([1e8, 1.0, 1.0, -1e8], np.float32)))  # pairwise: 2.0
+    >>> float(seq_sum(c_ops(np.zeros(0, np.float32)), np.array([1e8, 1.0, 1.0, -1e8], np.float32)))  # pairwise: 2.0
     0.0
     """
-    if isinstance(o, _JaxC):
+    if isinstance(o, JaxC):
         return o.ordered_sum(terms, -1)
     terms = o.rounded(terms)
     acc = o.c(0.0) + terms[..., 0]
@@ -284,10 +109,10 @@ def first_absmax(o, x):
     """``(amax, max)`` of C's ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` from 0: the
     first largest magnitude and its signed value, over the last axis.
 
-    >>> [float(v) for v in first_absmax(_NumpyC(), np.array([1.0, -3.0, 3.0], np.float32))]
+    >>> [float(v) for v in first_absmax(c_ops(np.zeros(0, np.float32)), np.array([1.0, -3.0, 3.0], np.float32))]
     [3.0, -3.0]
     """
-    if isinstance(o, _JaxC):
+    if isinstance(o, JaxC):
         return o.first_absmax(x)
     amax = o.zeros(x[..., 0])
     vmax = o.zeros(x[..., 0])
@@ -302,10 +127,10 @@ def first_absmax(o, x):
 def running_max(o, x):
     """C's ``if (v > m) m = v;`` from 0 over the last axis.
 
-    >>> float(running_max(_NumpyC(), np.array([-2.0, -1.0], np.float32)))
+    >>> float(running_max(c_ops(np.zeros(0, np.float32)), np.array([-2.0, -1.0], np.float32)))
     0.0
     """
-    if isinstance(o, _JaxC):
+    if isinstance(o, JaxC):
         return o.running_max(x)
     m = o.zeros(x[..., 0])
     for i in range(x.shape[-1]):
@@ -372,12 +197,12 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     later trials' scales and codes are computed from.
 
     >>> x = np.linspace(-1, 2, 32, dtype=np.float32)[None]
-    >>> scale, the_min, L = make_qkx2_quants(_NumpyC(), x, np.ones_like(x), 15, -1.0, 0.1, 20)
+    >>> scale, the_min, L = make_qkx2_quants(c_ops(np.zeros(0, np.float32)), x, np.ones_like(x), 15, -1.0, 0.1, 20)
     >>> float(scale[0]), float(the_min[0]), L[0, [0, -1]].tolist()
     (0.19354838132858276, 0.9516129493713379, [0, 15])
     """
     x, w = o.leading(x), o.leading(w)  # element-major (n, S): C's running sums read contiguous rows
-    if isinstance(o, _JaxC):  # the same values (sum_w's first term plus 0: no -0.0 in a sum of weights)
+    if isinstance(o, JaxC):  # the same values (sum_w's first term plus 0: no -0.0 in a sum of weights)
         (mn, mx), sum_w, sum_x = o.min_max(x, axis=0), o.ordered_sum(w, 0), o.ordered_sum(w * x, 0)
     else:
         mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
@@ -393,16 +218,29 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     scale = o.divide(o.c(1.0), iscale)
     levels = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     best_error = _weighted_error(o, w, x, scale, mn, levels)
-    for s in range(nstep + 1):
-        step = (o.c(rmin) + o.c(rdelta) * o.c(float(s))) + o.c(float(nmax))
+
+    def step_trial(step, carry):
+        best_error, scale, mn, levels = carry
         trial, this_scale, this_min, cur_error, valid = _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x)
         take = valid & (cur_error < best_error)
-        best_error = o.where(take, cur_error, best_error)
-        scale = o.where(take, this_scale, scale)
-        mn = o.where(take, this_min, mn)
-        levels = o.where(take, trial, levels)
+        return (o.where(take, cur_error, best_error), o.where(take, this_scale, scale), o.where(take, this_min, mn),
+                o.where(take, trial, levels))
+
+    steps = [(o.c(rmin) + o.c(rdelta) * o.c(float(s))) + o.c(float(nmax)) for s in range(nstep + 1)]
+    _, scale, mn, levels = _trials(o, steps, step_trial, (best_error, scale, mn, levels))
     levels = o.where(flat, o.zeros(levels, "int32"), levels)
     return o.where(flat, zero, scale), -o.where(flat, flat_min, mn), o.trailing(levels)
+
+
+def _trials(o, values, body, carry):
+    """``carry = body(value, carry)`` for each of ``values`` in order: the scale searches' trials (jax:
+    one ``fori_loop`` over them, so XLA compiles one trial instead of one per value)."""
+    if isinstance(o, JaxC):
+        table = o.xp.stack([o.xp.asarray(v, o.xp.float32) for v in values])
+        return o.jax.lax.fori_loop(0, len(values), lambda i, c: body(table[i], c), carry)
+    for value in values:
+        carry = body(value, carry)
+    return carry
 
 
 def _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x):
@@ -438,7 +276,7 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     scales (is = 0, then -9..9 without 0) run in C's order, on the groups laid out element-major
     (``(n, S)``: each of C's running sums is then one pass over contiguous memory).
 
-    >>> scale, L = make_qx_quants_rmse1(_NumpyC(), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
+    >>> scale, L = make_qx_quants_rmse1(c_ops(np.zeros(0, np.float32)), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
     >>> float(scale[0]), L[0, [0, -1]].tolist()
     (0.032094523310661316, [1, 63])
     """
@@ -446,23 +284,23 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     xl = o.leading(x)
     wl = xl * xl if qw is None else o.leading(qw)
     wx = wl * xl
-    scale = best = chosen = None
-    for s in [0] + [s for s in range(-9, 10) if s]:
-        if s == 0:
-            iscale = o.divide(o.c(float(-nmax)), vmax)
-        else:
-            iscale = o.divide(-(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))), vmax)
-        levels = o.clip(nearest_int(o, iscale * xl), -nmax, nmax - 1)
+
+    def sums(numerator):
+        levels = o.clip(nearest_int(o, o.divide(numerator, vmax) * xl), -nmax, nmax - 1)
         lf = o.to_named(levels, "float32")
-        sumlx, suml2 = _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
-        if s == 0:
-            scale = o.where(suml2 != 0, o.divide(sumlx, suml2), o.zeros(sumlx))
-            best, chosen = scale * sumlx, levels
-            continue
+        return levels, _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
+
+    def trial(numerator, carry):
+        scale, best, chosen = carry
+        levels, sumlx, suml2 = sums(numerator)
         take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        chosen = o.where(take, levels, chosen)
         scale = o.where(take, o.divide(sumlx, suml2), scale)
-        best = o.where(take, scale * sumlx, best)
+        return scale, o.where(take, scale * sumlx, best), o.where(take, levels, chosen)
+
+    chosen, sumlx, suml2 = sums(o.c(float(-nmax)))  # is = 0
+    scale = o.where(suml2 != 0, o.divide(sumlx, suml2), o.zeros(sumlx))
+    numerators = [-(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) for s in range(-9, 10) if s]
+    scale, _, chosen = _trials(o, numerators, trial, (scale, scale * sumlx, chosen))
     zero = amax < o.c(GROUP_MAX_EPS)
     chosen = o.where(zero, o.zeros(chosen, "int32") - nmax, chosen)
     return o.where(zero, o.zeros(scale), scale), o.trailing(chosen) + nmax
@@ -470,7 +308,7 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
 
 def _lead_sum(o, terms):
     """``seq_sum`` over the first axis (element-major groups)."""
-    if isinstance(o, _JaxC):
+    if isinstance(o, JaxC):
         return o.ordered_sum(terms, 0)
     terms = o.rounded(terms)
     acc = o.c(0.0) + terms[0]
