@@ -181,3 +181,28 @@ def test_compressed_tensors_from_flax_equal_the_torch_files(tmp_path, tied):
     assert names == sorted(p.name for p in (tmp_path / "flax").iterdir()) and "model.safetensors" in names
     for name in names:
         assert (tmp_path / "flax" / name).read_bytes() == (tmp_path / "torch" / name).read_bytes(), name
+
+
+def test_importance_weighted_qat_from_flax_writes_the_torch_file(tmp_path):
+    pytest.importorskip("gguf")
+    from mixle.gguf.writer import save_gguf
+
+    torch_model, flax_model = _twins(_checkpoint(tmp_path, tied=False))
+    rng = np.random.default_rng(4)
+    paths = [name for name, module in torch_model.named_modules() if isinstance(module, torch.nn.Linear)]
+    importance = {path: np.abs(rng.standard_normal(torch_model.get_submodule(path).in_features)).astype(np.float32)
+                  for path in paths}
+    apply_qat(torch_model, grid="q4_k", importance=importance)
+    flax_importance = {path.removeprefix("model."): values for path, values in importance.items()}
+    apply_qat(flax_model, grid="q4_k", importance=flax_importance, example_inputs=IDS)
+    (tmp_path / "torch").mkdir(), (tmp_path / "flax").mkdir()
+    save_gguf(torch_model, tmp_path / "torch" / "m.gguf")
+    save_gguf(flax_model, tmp_path / "flax" / "m.gguf")
+    assert (tmp_path / "flax" / "m.gguf").read_bytes() == (tmp_path / "torch" / "m.gguf").read_bytes()
+    unweighted = tmp_path / "plain"
+    unweighted.mkdir()
+    save_gguf(apply_qat(_twins(tmp_path / "ckpt")[0], grid="q4_k"), unweighted / "m.gguf")
+    assert unweighted.joinpath("m.gguf").read_bytes() != (tmp_path / "torch" / "m.gguf").read_bytes()
+    (tmp_path / "converted").mkdir()
+    save_gguf(convert(flax_model), tmp_path / "converted" / "m.gguf")  # convert keeps the weighted codes
+    assert (tmp_path / "converted" / "m.gguf").read_bytes() == (tmp_path / "torch" / "m.gguf").read_bytes()

@@ -37,7 +37,7 @@ from flax import nnx
 from flax.typing import MISSING
 
 from mixle.core.layer_weights import quantize_linear_weight
-from mixle.core.numerics import QuantizedArray, dequantize_array
+from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
@@ -168,7 +168,7 @@ class QuantizedKernel(nnx.Variable):
                         "and convert it again")
 
 
-def quantize_kernel(kernel, input_axes, spec):
+def quantize_kernel(kernel, input_axes, spec, importance=None):
     """A ``QuantizedValue`` of ``kernel`` contracted over ``input_axes``, with mixle's numerics.
 
     >>> from mixle.core.spec import QuantSpec
@@ -178,8 +178,8 @@ def quantize_kernel(kernel, input_axes, spec):
     """
     perm, out_count = weight_layout(kernel.ndim, input_axes)
     matrix = as_matrix(jnp.asarray(kernel), perm, out_count)
-    if spec.grid_record.numerics is not None:  # numpy's block numerics: jax's codes, without a compile
-        q = quantize_linear_weight(np.asarray(matrix), spec)
+    if spec.grid_record.numerics is not None or importance is not None:  # numpy's: jax's codes, no compile
+        q = quantize_array(np.asarray(matrix), spec, importance=importance)
         q = type(q)(*(jnp.asarray(v) for v in (q.codes, q.scale)), spec, q.batch_ndim, q.out_ndim,
                     **{n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")})
     else:
@@ -280,7 +280,7 @@ def convert(model):
     for owner, name, spec, layout in kernels:
         module = modules[owner]
         variable = vars(module)[name]
-        value = quantize_kernel(variable.get_raw_value(), layout, spec)
+        value = quantize_kernel(variable.get_raw_value(), layout, spec, state.provider.importance.get(owner))
         setattr(module, name, QuantizedKernel(value))
     return new
 

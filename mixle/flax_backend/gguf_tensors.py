@@ -131,5 +131,6 @@ def stored_arrays(model):
         kernel = np.asarray(vars(modules[owner])[name].get_raw_value())
         perm, out_count = weight_layout(kernel.ndim, state.provider.layouts[(owner, name)])
         matrix = np.transpose(kernel, perm).reshape(math.prod(kernel.shape[a] for a in perm[:out_count]), -1)
-        arrays[torch_path(owner)] = quantize_array(matrix, spec, name=f"kernel {owner}.{name}")
+        arrays[torch_path(owner)] = quantize_array(matrix, spec, name=f"kernel {owner}.{name}",
+                                                   importance=state.provider.importance.get(owner))
     return arrays

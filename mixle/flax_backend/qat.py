@@ -35,6 +35,7 @@ from flax import nnx
 
 from mixle.flax_backend import qwix_seam
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
+from mixle.core.grids import importance_grid
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
@@ -195,6 +196,20 @@ def _decisions(plan, provider, previous):
     return decisions
 
 
+def _checked_importance(importance, specs):
+    """``{module path: float32 numpy}`` of the entries whose grids search with an importance (those on
+    grids ggml ignores it on dropped); the values are checked against each kernel when it is traced."""
+    kept = {}
+    for path, values in importance.items():
+        spec = specs.get(path)
+        if spec is None:
+            raise ValueError(f"importance has an entry for module {path!r}, which apply_qat does not fake-quantize: "
+                             f"drop it, or select the module")
+        if importance_grid(spec.grid, f"module {path!r}") == "weighted":
+            kept[path] = np.asarray(values, np.float32)
+    return kept
+
+
 def _check_reapply(state, plan, reconfigure):
     """Idempotent re-application; a different spec needs reconfigure=True."""
     if state is None or reconfigure:
@@ -329,7 +344,7 @@ def _probe_nnx(model, inputs):
     jax.eval_shape(probe, state)
 
 
-def _apply_nnx(model, selector, reconfigure, inputs):
+def _apply_nnx(model, selector, reconfigure, inputs, importance=None):
     state = qat_state(model)
     if state is None and qwix_seam.quantized_by_qwix(type(model)):
         raise ValueError(
@@ -348,6 +363,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
 
     rules = _rules(plan.specs, "/")
     provider = QATProvider(rules)
+    provider.importance = _checked_importance(importance or {}, plan.specs)
     enabled = state is None or type(model) is state.qat_class
     saved_classes = {path: type(m) for path, m in modules.items()}
     saved = {path: {k: m.__dict__[k] for k in qwix_seam.MODULE_ATTRIBUTES if k in m.__dict__}
@@ -512,8 +528,12 @@ def _switching_apply(qat_apply, float_class, qat_class):
 # Public entry points (called through mixle.backends)
 
 
-def apply(model, selector, reconfigure, example_inputs=None):
-    """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``)."""
+def apply(model, selector, reconfigure, example_inputs=None, importance=None):
+    """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``); ``importance``: ``{module path: values}``
+    (NNX), each selected kernel's ggml importance-weighted search."""
+    if importance and not isinstance(model, nnx.Module):
+        raise TypeError("apply_qat(importance=...) takes NNX models on the Flax backend: a Linen module's kernels "
+                        "live outside it")
     if selector.opt_in:
         raise ValueError(f"opt_in={selector.opt_in!r} is for torch models: the Flax backend quantizes the kernels "
                          f"Qwix's rules select; drop opt_in")
@@ -522,7 +542,7 @@ def apply(model, selector, reconfigure, example_inputs=None):
         raise TypeError(f"expected a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
     try:
         if isinstance(model, nnx.Module):
-            return _apply_nnx(model, selector, reconfigure, inputs)
+            return _apply_nnx(model, selector, reconfigure, inputs, importance or {})
         return _apply_linen(model, selector, reconfigure, inputs)
     except TypeError as err:  # JAX's own errors of tracing the model on inputs it does not take
         raise TypeError(

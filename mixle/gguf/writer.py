@@ -284,8 +284,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
 
     Args:
         model: mixle's ``build_causal_lm``, or transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: float, after ``apply_qat`` or ``convert``;
-            or mixle's Flax causal LM of those families (see below).
+            / ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` (or a Flax one: ``_torch_model``), any state.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
@@ -320,16 +319,9 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     >>> types = save_gguf(apply_qat(lm, grid="q4_0"), os.path.join(tempfile.mkdtemp(), "lm.gguf"))
     >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
     ('Q4_0', 'Q4_0', 'F32')
-
-    A Flax causal LM (``mixle.lm.flax_causal_lm``; float, QAT-wrapped or converted) is written as its
-    transformers twin holding its weights and the blocks of its quantized kernels
-    (``mixle.exports.flax_twin``): the file equals the equivalent torch model's, byte for byte.
     """
-    if is_flax(model):
-        model, given = torch_twin(model, "save_gguf")
-        quantized = {**given, **(quantized or {})}
-    plan = plan_of(model, "save_gguf")
-    gguf = plan.gguf
+    model, quantized = _torch_model(model, quantized)
+    gguf = (plan := plan_of(model, "save_gguf")).gguf
     mix, float_matrices, quantized, importance = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
                                                                        allow_activation_mismatch, importance)
     layout = _checked_layout(plan, allow_activation_mismatch)
@@ -341,6 +333,16 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
     replace_atomically(path, lambda tmp: _write(tmp, layout, tensors, words, name or path.stem, mix, gguf))
     return {t.name: t.ggml_type for t in tensors}
+
+
+def _torch_model(model, quantized):
+    """``(model, quantized)`` to write: a Flax causal LM (float, QAT-wrapped or converted) as its
+    transformers twin holding its weights, and the blocks of its quantized kernels added to
+    ``quantized`` (``mixle.exports.flax_twin``): the file equals the torch model's, byte for byte."""
+    if not is_flax(model):
+        return model, quantized
+    twin, given = torch_twin(model, "save_gguf")
+    return twin, {**given, **(quantized or {})}
 
 
 def _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre):
