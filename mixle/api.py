@@ -72,10 +72,11 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
         gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
             the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``;
             it takes one spec field, ``act_bits=8`` (inputs rounded as llama.cpp rounds them).
-        importance: torch: an importance matrix as ``quantize_model`` takes it, fixed from
-            calibration: each linear layer with an entry fake-quantizes by ggml's weighted search
-            (STE backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice
-            QAT trained on; with ``gguf_mix``, as ``quantize_model``'s (types, entries needed).
+        importance: an importance matrix as ``quantize_model`` takes it, fixed from calibration:
+            each linear layer with an entry fake-quantizes by ggml's weighted search (STE
+            backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice QAT
+            trained on; with ``gguf_mix``, as ``quantize_model``'s (types, entries needed). Flax:
+            NNX causal LMs of ``mixle.lm.flax_causal_lm``, keyed by Flax or transformers paths.
             Refused on grids without that search (int, nf4) and other layer kinds; unused on
             ``q8_0`` / ``mxfp4`` (which ggml ignores it on), after checking.
 
@@ -116,24 +117,37 @@ def _llama_cpp_choices(model, gguf_mix, importance, spec, spec_fields, patterns,
     """``(patterns, opt_in, {layer path: importance} or None)`` of ``apply_qat``'s ``gguf_mix`` and
     ``importance``, the model's GGUF layout walked once for all of them."""
     values, source = None, model
+    flax = backends.backend_of(model) is not None and backends.backend_of(model).name == "flax"
     if importance is not None:
         source = _torch_plan(model)
         values = importance_by_layer(source, importance)
+        if flax:  # keyed by the twin's paths (mixle.exports.flax_twin), as an imatrix of the torch model is
+            from mixle.flax_backend.gguf_tensors import flax_path, torch_path
+
+            values = {torch_path(flax_path(path)): v for path, v in values.items()}
     if gguf_mix is not None:
-        patterns, opt_in = mix_selection(source, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
-                                         importance=values)
+        patterns, opt_in = mix_selection(model if flax else source, gguf_mix, spec, spec_fields, patterns, exclude,
+                                         opt_in, importance=values)
         values = values if values is None else mix_importance(source, gguf_mix, values)
+    if flax and values is not None:
+        from mixle.flax_backend.gguf_tensors import flax_path
+
+        values = {flax_path(path): v for path, v in values.items()}
     return patterns, opt_in, values
 
 
 def _torch_plan(model):
     """The GGUF plan of a torch model (``mixle.gguf.plan``), for ``apply_qat``'s ``importance``."""
     record = backends.backend_of(model)
-    if record is None or record.name != "torch":
-        raise TypeError(f"apply_qat(importance=...) takes torch models (llama.cpp's imatrix quantizers, run by the "
-                        f"torch QAT layers), got a {type(model).__name__}: drop importance= for this model")
+    if record is None:
+        raise TypeError(f"apply_qat(importance=...) takes torch and Flax NNX models (llama.cpp's imatrix quantizers), "
+                        f"got a {type(model).__name__}: drop importance= for this model")
     from mixle.gguf.plan import plan_of
 
+    if record.name == "flax":  # the plan of its transformers twin (mixle.exports.flax_twin)
+        from mixle.exports.flax_twin import torch_twin
+
+        model = torch_twin(model, "apply_qat(importance=...)")[0]
     return plan_of(model, "apply_qat(importance=...)")
 
 

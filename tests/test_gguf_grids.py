@@ -273,11 +273,12 @@ def test_storage_refuses_what_the_grids_cannot_write(grid, codes, scale, words):
         check_quantized_storage(*_storage_args(grid, codes, scale), name="fc")
 
 
-def test_flax_refuses_the_llama_cpp_grids():
+def test_flax_trains_llama_cpps_grids_but_refuses_mxfp4_and_nf4():
     from mixle.core.spec import WEIGHT_FIELDS
 
-    with pytest.raises(ValueError, match=r"grid='q4_0'.*not supported by the flax backend"):
-        QuantSpec(grid="q4_0").check_backend("flax", WEIGHT_FIELDS, "fake-quantizes weights")
+    QuantSpec(grid="q4_0").check_backend("flax", WEIGHT_FIELDS, "fake-quantizes weights")
+    with pytest.raises(ValueError, match=r"grid='mxfp4'.*not supported by the flax backend"):
+        QuantSpec(grid="mxfp4").check_backend("flax", WEIGHT_FIELDS, "fake-quantizes weights")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ def _bits(t):
     return t.detach().numpy().view(np.uint32)
 
 
-def test_the_new_grids_are_the_eight_block_types_and_train_on_torch_only():
+def test_the_new_grids_are_the_eight_block_types_and_train_on_torch_and_flax():
     assert NEW_GRIDS == ["mxfp4", "nf4", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k"]
-    assert all(GRIDS[name].backends == ("torch",) for name in NEW_GRIDS)
+    assert all(GRIDS[name].backends == (("torch",) if name in ("mxfp4", "nf4") else ("torch", "flax"))
+               for name in NEW_GRIDS)
 
 
 @pytest.mark.parametrize("grid", NEW_GRIDS)

@@ -292,6 +292,27 @@ class JaxOps(NumpyOps):
         kinds of error)."""
         return a / b
 
+    def exact_sqrt(self, x):
+        """float32 ``sqrt(x)`` rounded once to the nearest float, on every XLA backend.
+
+        The backend's root ``s`` (which an accelerator may approximate) steps to a neighbour while
+        the exact root lies past the midpoint between them: ``x > (s + u/2)**2`` is ``r - s*u >
+        u*u/4`` with ``r = x - s*s`` exact (``_remainder``) and ``u`` the power-of-two gap to the
+        neighbour, so every term is exact (a root is never a tie).
+        """
+        xp, lax = self.xp, self.jax.lax
+        s = lax.optimization_barrier(xp.sqrt(x))
+        valid = xp.isfinite(s) & (x > 0)
+        quarter = xp.float32(0.25)
+        for _ in range(_DIVISION_STEPS):
+            up, down = xp.nextafter(s, xp.float32(xp.inf)), xp.nextafter(s, xp.float32(0))
+            u, d = self.rounded(up - s), self.rounded(s - down)
+            r = self._remainder(x, s, s)
+            above = self.rounded(r - self.rounded(s * u)) > self.rounded(u * u) * quarter
+            below = self.rounded(r + self.rounded(s * d)) < self.rounded(d * d) * quarter
+            s = xp.where(valid & above, up, xp.where(valid & below, down, s))
+        return s
+
     def _remainder(self, a, b, q):
         """``a - q * b`` exactly (representable when q is within an ulp of ``a / b``)."""
         xp = self.xp

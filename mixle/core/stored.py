@@ -121,15 +121,16 @@ class QuantizedArray:
             if grid.offset == "zero_point":
                 codes = codes - ops.to_dtype(self.offset, self.scale)
             values = codes * self.scale
-            if grid.offset == "min":
-                values = values + self.offset
+            if grid.offset == "min":  # ggml's x*d + m: two roundings (no FMA under XLA)
+                values = ops.rounded(values) + self.offset
             return values.reshape(self.codes.shape)
         subs = size // grid.sub_block
         codes = codes.reshape((batch, count, subs, grid.sub_block))
         scale = (self.scale * ops.to_dtype(self.sub_scales, self.scale)).reshape((batch, count, subs, 1))
         values = scale * codes
         if grid.offset == "min":
-            values = values - (self.offset * ops.to_dtype(self.sub_offsets, self.scale)).reshape(scale.shape)
+            mins = ops.rounded(self.offset * ops.to_dtype(self.sub_offsets, self.scale)).reshape(scale.shape)
+            values = ops.rounded(values) - mins
         return values.reshape(self.codes.shape)
 
     def block_fields(self):
@@ -286,7 +287,8 @@ def block_quantized_array(x, spec, *, batch_ndim=0, out_ndim=None, check=True, n
         parts[part] = value
     if check:
         for part in ("scale", "offset"):
-            if part in parts and not array_ops(parts[part]).all_finite(parts[part]):
+            ops = array_ops(parts[part]) if part in parts else None  # traced jax values cannot be read
+            if ops is not None and ops.readable(parts[part]) and not ops.all_finite(parts[part]):
                 raise ScaleOverflowError(
                     f"{name}: a block {_WORDS[part][:-1]} does not fit {grid.scale_dtype}, which grid={grid.name!r} "
                     f"stores it in (the weights reach {float(abs(x).max()):.6g}): the weights are too large for this "

@@ -45,6 +45,7 @@ from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
 from mixle.exports.compressed_experts import check_experts, check_one_scheme, unfuse_experts
+from mixle.exports.flax_twin import is_flax, quantized_twin
 from mixle.torch_backend.transforms.convert import check_torch_model, convert
 from mixle.torch_backend.transforms.apply import qat_layers
 from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -179,7 +180,8 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
 
     Args:
         model: a transformers ``PreTrainedModel`` with mixle quantized layers (from ``convert``
-            or ``quantize_model``), or with QAT layers (converted here on a copy). Not modified.
+            or ``quantize_model``), or with QAT layers (converted here on a copy); or a QAT-wrapped
+            or converted Flax causal LM (as its twin: ``mixle.exports.flax_twin``). Not modified.
         directory: the checkpoint directory to create. It is written to a temporary sibling and
             renamed into place, so a failure leaves nothing behind; with ``overwrite`` the previous
             directory is kept exactly as it was until the new one is in place
@@ -207,12 +209,11 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     ('pack-quantized', 'group', ['lm_head'])
     """
     transformers = _require_hf("save_pretrained_compressed")
+    model = quantized_twin(model, "save_pretrained_compressed") if is_flax(model) else model
     if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(
-            f"save_pretrained_compressed takes a transformers PreTrainedModel (it writes its config.json and "
-            f"from_pretrained rebuilds it), got {type(model).__name__}: save other torch models with "
-            f"save_quantized(model, path)"
-        )
+        raise TypeError(f"save_pretrained_compressed takes a transformers PreTrainedModel (it writes its config.json "
+                        f"and from_pretrained rebuilds it), got {type(model).__name__}: save other torch models with "
+                        f"save_quantized(model, path)")
     check_torch_model(model, "save_pretrained_compressed")
     experts = check_experts(model)
     target = _checked_target(directory, overwrite)

@@ -37,7 +37,7 @@ from flax import nnx
 from flax.typing import MISSING
 
 from mixle.core.layer_weights import quantize_linear_weight
-from mixle.core.numerics import QuantizedArray, dequantize_array
+from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
@@ -87,16 +87,25 @@ class QuantizedValue:
         out_count: how many of the permuted axes are outputs.
     """
 
-    def __init__(self, codes, scale, spec, shape, perm, out_count):
+    def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None):
         self.codes, self.scale = codes, scale
         self.spec, self.shape, self.perm, self.out_count = spec, tuple(shape), tuple(perm), int(out_count)
+        self.parts = dict(parts or {})  # a grid's offsets and sub-block scales (QuantizedArray's)
 
     def tree_flatten(self):
-        return (self.codes, self.scale), (self.spec, self.shape, self.perm, self.out_count)
+        names = tuple(sorted(self.parts))
+        return (self.codes, self.scale, *(self.parts[n] for n in names)), (self.spec, self.shape, self.perm,
+                                                                            self.out_count, names)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        *static, names = aux
+        return cls(children[0], children[1], *static, dict(zip(names, children[2:])))
+
+    @property
+    def planar(self):
+        """Whether the codes are packed by ``pack_int4_planar`` (signed 4-bit codes); else int8."""
+        return self.spec.bits == 4 and self.spec.code_min < 0
 
     @property
     def matrix_shape(self):
@@ -114,7 +123,7 @@ class QuantizedValue:
 
     def codes_matrix(self):
         """The int8 codes as the ``(out, in)`` matrix (int4 codes unpacked)."""
-        if self.spec.bits == 4:
+        if self.planar:
             return unpack_int4_planar(self.codes, self.matrix_shape[1])
         return self.codes
 
@@ -124,9 +133,13 @@ class QuantizedValue:
             return pack_int4(np.asarray(self.codes_matrix()))
         return np.asarray(self.codes)
 
+    def quantized_array(self):
+        """The ``QuantizedArray`` of the ``(out, in)`` matrix."""
+        return QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1, **self.parts)
+
     def dequantize(self):
         """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``)."""
-        matrix = dequantize_array(QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1))
+        matrix = dequantize_array(self.quantized_array())
         return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
 
     def __jax_array__(self):
@@ -136,7 +149,7 @@ class QuantizedValue:
         return self.dequantize()[index]
 
     def __repr__(self):
-        packing = "int4, 2 per byte" if self.spec.bits == 4 else "int8"
+        packing = "int4, 2 per byte" if self.planar else "int8"
         return f"QuantizedValue(shape={self.shape}, {self.spec.short()}, {packing})"
 
 
@@ -155,7 +168,7 @@ class QuantizedKernel(nnx.Variable):
                         "and convert it again")
 
 
-def quantize_kernel(kernel, input_axes, spec):
+def quantize_kernel(kernel, input_axes, spec, importance=None):
     """A ``QuantizedValue`` of ``kernel`` contracted over ``input_axes``, with mixle's numerics.
 
     >>> from mixle.core.spec import QuantSpec
@@ -164,9 +177,18 @@ def quantize_kernel(kernel, input_axes, spec):
     ([[7, 0], [4, 7]], [0.0, 0.20000000298023224])
     """
     perm, out_count = weight_layout(kernel.ndim, input_axes)
-    q = quantize_linear_weight(as_matrix(jnp.asarray(kernel), perm, out_count), spec)
-    codes = jnp.asarray(pack_int4_planar(np.asarray(q.codes))) if spec.bits == 4 else q.codes
-    return QuantizedValue(codes, q.scale, spec, kernel.shape, perm, out_count)
+    matrix = as_matrix(jnp.asarray(kernel), perm, out_count)
+    if spec.grid_record.numerics is not None or importance is not None:  # numpy's: jax's codes, no compile
+        q = quantize_array(np.asarray(matrix), spec, importance=importance)
+        q = type(q)(*(jnp.asarray(v) for v in (q.codes, q.scale)), spec, q.batch_ndim, q.out_ndim,
+                    **{n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")})
+    else:
+        q = quantize_linear_weight(matrix, spec)
+    value = QuantizedValue(q.codes, q.scale, spec, kernel.shape, perm, out_count,
+                           {n: v for n, v in q.parts().items() if n not in ("codes", "scale")})
+    if value.planar:
+        value.codes = jnp.asarray(pack_int4_planar(np.asarray(q.codes)))
+    return value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +280,7 @@ def convert(model):
     for owner, name, spec, layout in kernels:
         module = modules[owner]
         variable = vars(module)[name]
-        value = quantize_kernel(variable.get_raw_value(), layout, spec)
+        value = quantize_kernel(variable.get_raw_value(), layout, spec, state.provider.importance.get(owner))
         setattr(module, name, QuantizedKernel(value))
     return new
 

@@ -4,9 +4,10 @@ import functools
 import math
 
 import jax
+import numpy as np
 
 from mixle.core.checks import check_array
-from mixle.core.numerics import block_shape, fake_quant_blocks, fake_quant_forward
+from mixle.core.numerics import block_shape, fake_quant_blocks, fake_quant_forward, quantize_array
 
 
 def _refuse_qwix_only(spec):
@@ -86,7 +87,7 @@ def from_matrix(matrix, shape, perm):
     return jax.numpy.transpose(matrix.reshape(transposed_shape), inverse)
 
 
-def fake_quantize_weight(w, input_axes, spec, name="kernel"):
+def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None):
     """Fake-quantize a kernel contracted over ``input_axes`` with mixle's own numerics.
 
     The kernel is quantized as its ``(out, in)`` matrix would be (see ``weight_layout``) by
@@ -99,12 +100,67 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel"):
     rounded once to its dtype. Eagerly, a kernel that would dequantize to infinity raises a
     ScaleOverflowError calling it ``name`` (under ``jit`` values cannot be read: no check).
 
+    llama.cpp's grids with block numerics (``q4_1`` ... ``q6_k``), and any grid given an
+    ``importance`` (one non-negative weight per input, numpy: ggml's weighted search, as
+    ``llama-quantize --imatrix``), quantize the kernel's ``(out, in)`` rows as ggml quantizes a
+    torch weight's rows (``kernel_rows``): the blocks run along the input axes, and the codes
+    are llama-quantize's for the same weights.
+
     >>> import jax.numpy as jnp
     >>> from mixle.core.spec import QuantSpec
     >>> fake_quantize_weight(jnp.array([[0.7, 0.1], [0.04, 0.2]]), (0,), QuantSpec(bits=4)).tolist()
     [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
     """
-    return _fake_quant_kernel(w, tuple(sorted(int(a) for a in input_axes)), spec, name)
+    axes = tuple(sorted(int(a) for a in input_axes))
+    if spec.grid_record.numerics is not None or importance is not None:
+        return _fake_quant_rows(w, axes, spec, name, None if importance is None else _Fixed(importance))
+    return _fake_quant_kernel(w, axes, spec, name)
+
+
+class _Fixed:
+    """A numpy array passed as a static argument (hashed by identity): an importance is fixed data."""
+
+    def __init__(self, value):
+        self.value = np.asarray(value, np.float32)
+
+
+def kernel_rows(w, input_axes, spec, importance=None, name="kernel"):
+    """The ``QuantizedArray`` of a kernel's ``(out, in)`` matrix (``weight_layout``): its rows
+    quantized as llama.cpp quantizes a torch weight's rows, blocks along the inputs (``importance``:
+    ggml's weighted search). Runs under ``jit``; the record holds arrays of w's library.
+
+    >>> import jax.numpy as jnp
+    >>> from mixle.core.spec import QuantSpec
+    >>> kernel_rows(jnp.ones((32, 2)), (0,), QuantSpec(grid="q5_0")).codes.shape
+    (2, 32)
+    """
+    perm, out_count = weight_layout(w.ndim, input_axes)
+    matrix = as_matrix(w, perm, out_count)
+    return quantize_array(matrix, spec, name=name, importance=importance)
+
+
+def _rows_forward(w, input_axes, spec, name, importance):
+    perm, _ = weight_layout(w.ndim, input_axes)
+    value = None if importance is None else importance.value
+    q = kernel_rows(w, input_axes, spec, value, name)
+    deq = q.dequantize().astype(w.dtype)
+    return jax.lax.optimization_barrier(from_matrix(deq, w.shape, perm))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _fake_quant_rows(w, input_axes, spec, name, importance):
+    return _rows_forward(w, input_axes, spec, name, importance)
+
+
+def _fake_quant_rows_fwd(w, input_axes, spec, name, importance):
+    return _rows_forward(w, input_axes, spec, name, importance), None
+
+
+def _fake_quant_rows_bwd(input_axes, spec, name, importance, residual, grad):
+    return (grad,)
+
+
+_fake_quant_rows.defvjp(_fake_quant_rows_fwd, _fake_quant_rows_bwd)
 
 
 def kernel_blocks(shape, input_axes, spec):

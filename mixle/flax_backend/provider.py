@@ -149,6 +149,7 @@ class QATProvider(qwix_seam.QtProviderBase):
         self.notes = {}  # (module path, param name) -> set of remarks for the report
         self.layouts = {}  # (module path, param name) -> the weight's input (contracting) axes
         self.conv_modules = set()  # module paths whose kernels are convolved
+        self.importance = {}  # module path -> ggml's importance (numpy, one per input) its kernel is searched with
         self._root = None
         self._params_by_id = None
 
@@ -290,7 +291,8 @@ class QATProvider(qwix_seam.QtProviderBase):
                 # float32 master weight is fake-quantized, and its values cast once, so training
                 # sees the lattice convert stores.
                 master = _cast_master(module, name, w)
-                w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}").astype(w.dtype)
+                w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}",
+                                         importance=self.importance.get(path)).astype(w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
                 # Nothing else is quantized: the plain product (its backward is the textbook STE).

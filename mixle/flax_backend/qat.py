@@ -36,6 +36,7 @@ from flax import nnx
 
 from mixle.flax_backend import qwix_seam
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
+from mixle.core.grids import importance_grid
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
@@ -112,6 +113,12 @@ def _check_grids(specs):
             spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
         except ValueError as err:
             raise ValueError(f"module {path or '<root>'!r}: {err}") from None
+        options = spec.qwix_only_options()
+        if spec.grid_record.ggml_type is not None and options:
+            raise ValueError(
+                f"module {path or '<root>'!r}: {spec.short()} is llama.cpp's {spec.grid_record.ggml_type}, which Flax "
+                f"trains through mixle's block numerics (the blocks llama-quantize writes), but {options} would "
+                f"run Qwix's own quantizer: drop them (act_bits on llama.cpp's grids is torch only for now)")
 
 
 def _check_integer_products(specs, provider):
@@ -188,6 +195,20 @@ def _decisions(plan, provider, previous):
         decisions.append(LayerDecision(path=full, kind=kind, action=action, reason=plan.reasons[owner],
                                        spec=spec, note=note))
     return decisions
+
+
+def _checked_importance(importance, specs):
+    """``{module path: float32 numpy}`` of the entries whose grids search with an importance (those on
+    grids ggml ignores it on dropped); the values are checked against each kernel when it is traced."""
+    kept = {}
+    for path, values in importance.items():
+        spec = specs.get(path)
+        if spec is None:
+            raise ValueError(f"importance has an entry for module {path!r}, which apply_qat does not fake-quantize: "
+                             f"drop it, or select the module")
+        if importance_grid(spec.grid, f"module {path!r}") == "weighted":
+            kept[path] = np.asarray(values, np.float32)
+    return kept
 
 
 def _check_reapply(state, plan, reconfigure):
@@ -324,7 +345,7 @@ def _probe_nnx(model, inputs):
     jax.eval_shape(probe, state)
 
 
-def _apply_nnx(model, selector, reconfigure, inputs):
+def _apply_nnx(model, selector, reconfigure, inputs, importance=None):
     state = qat_state(model)
     if state is None and qwix_seam.quantized_by_qwix(type(model)):
         raise ValueError(
@@ -343,6 +364,7 @@ def _apply_nnx(model, selector, reconfigure, inputs):
 
     rules = _rules(plan.specs, "/")
     provider = QATProvider(rules)
+    provider.importance = _checked_importance(importance or {}, plan.specs)
     enabled = state is None or type(model) is state.qat_class
     saved_classes = {path: type(m) for path, m in modules.items()}
     saved = {path: {k: m.__dict__[k] for k in qwix_seam.MODULE_ATTRIBUTES if k in m.__dict__}
@@ -511,8 +533,12 @@ def _switching_apply(qat_apply, float_class, qat_class):
 # Public entry points (called through mixle.backends)
 
 
-def apply(model, selector, reconfigure, example_inputs=None):
-    """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``)."""
+def apply(model, selector, reconfigure, example_inputs=None, importance=None):
+    """Flax half of ``apply_qat`` (see ``mixle.api.apply_qat``); ``importance``: ``{module path: values}``
+    (NNX), each selected kernel's ggml importance-weighted search."""
+    if importance and not isinstance(model, nnx.Module):
+        raise TypeError("apply_qat(importance=...) takes NNX models on the Flax backend: a Linen module's kernels "
+                        "live outside it")
     if selector.opt_in:
         raise ValueError(f"opt_in={selector.opt_in!r} is for torch models: the Flax backend quantizes the kernels "
                          f"Qwix's rules select; drop opt_in")
@@ -521,7 +547,7 @@ def apply(model, selector, reconfigure, example_inputs=None):
         raise TypeError(f"expected a flax.nnx.Module or flax.linen.Module, got {type(model).__name__}")
     try:
         if isinstance(model, nnx.Module):
-            return _apply_nnx(model, selector, reconfigure, inputs)
+            return _apply_nnx(model, selector, reconfigure, inputs, importance or {})
         return _apply_linen(model, selector, reconfigure, inputs)
     except TypeError as err:  # JAX's own errors of tracing the model on inputs it does not take
         raise TypeError(

@@ -27,7 +27,7 @@ __all__ = ["LLAMA_CPP_GRIDS", "Q8_K"]
 def _block_grid(name, codes, divisor, **fields):
     """A grid whose numerics are ``BLOCK_TYPES[name]`` (blocks, ggml type and packing from there)."""
     block_type = BLOCK_TYPES[name]
-    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type", backends=("torch",))
+    common = dict(scale_dtype="float16", zero_scale=None, packing="block_type")
     return Grid(name=name, codes=codes, divisor=divisor, block=block_type.block, ggml_type=block_type.ggml_type,
                 block_type=block_type, **{**common, **fields})
 
@@ -38,9 +38,9 @@ def _block_grid(name, codes, divisor, **fields):
 _K4 = (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128))
 
 
-# llama.cpp's other block types: their numerics are mixle.gguf.ggml_quants' (numpy and torch; the
-# torch layers train on them through their block numerics; Flax refuses them: the block search is
-# written for numpy and torch only).
+# llama.cpp's other block types: their numerics are mixle.gguf.ggml_quants' (numpy, torch and jax;
+# both backends train on them through their block numerics, except MXFP4, whose exponent needs a
+# log2 jax has no exact form of here).
 _BLOCK_GRIDS = (
     _block_grid("q4_1", {4: (0, 15)}, {4: 15.0}, scale_rule="min_max", rounding="half_up", offset="min",
                 activation_grid="q8_0",
@@ -81,7 +81,7 @@ _BLOCK_GRIDS = (
                         "codes -32..31, w = d * sc * code"),
     _block_grid("mxfp4", {4: (0, 15)}, {4: 8.0}, scale_rule="power_of_two", rounding="table_nearest",
                 scale_dtype="e8m0", zero_scale=2.0 ** -128, table=tuple(float(v) for v in KVALUES_MXFP4),
-                activation_grid="q8_0",
+                activation_grid="q8_0", backends=("torch",),
                 ignores_importance=True, ggml_type_id=39, ggml_fields=(("e", 1), ("qs", 16)),
                 file_type="MOSTLY_MXFP4_MOE", file_type_rank=8,
                 kernel=KernelKind(8, 32),  # code = the E2M1 value doubled, a = 2**(e - 128)
@@ -93,13 +93,13 @@ _BLOCK_GRIDS = (
 _PLAIN_GRIDS = (
     Grid(name="q4_0", codes={4: (-8, 7)}, divisor={4: -8.0}, scale_rule="signed_max",
          rounding="offset_trunc", scale_dtype="float16", zero_scale=None, block=32, packing="ggml_q4_0",
-         ggml_type="Q4_0", activation_grid="q8_0", backends=("torch",), weighted=Q4_0_WEIGHTED,
+         ggml_type="Q4_0", activation_grid="q8_0", weighted=Q4_0_WEIGHTED,
          ggml_type_id=2, ggml_fields=(("d", 2), ("qs", 16)), file_type="MOSTLY_Q4_0", file_type_rank=0,
          kernel=KernelKind(0, 32),
          summary="llama.cpp's Q4_0: blocks of 32, scale = signed max / -8 stored as float16"),
     Grid(name="q8_0", codes={8: (-127, 127)}, divisor={8: 127.0}, rounding="half_away",
          scale_dtype="float16", zero_scale=None, block=32, packing="bytes", ggml_type="Q8_0",
-         activation_grid="q8_0", backends=("torch",), ignores_importance=True, ggml_type_id=8,
+         activation_grid="q8_0", ignores_importance=True, ggml_type_id=8,
          ggml_fields=(("d", 2), ("qs", 32)), file_type="MOSTLY_Q8_0", file_type_rank=7, kernel=KernelKind(1, 32),
          summary="llama.cpp's Q8_0: blocks of 32, scale = absmax / 127 stored as float16"),
 )

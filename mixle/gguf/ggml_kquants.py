@@ -21,6 +21,7 @@ import numpy as np
 from mixle.core.c_arith import (
     as_numpy,
     block_rows,
+    JaxC,
     c_ops,
     first_absmax,
     flat_rows,
@@ -55,6 +56,9 @@ QK_K = 256
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: below this a group's max counts as zero
 
 
+# ---------------------------------------------------------------- the K-quants' scale searches
+
+
 def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     """ggml's ``make_qkx2_quants`` (use_mad false) on groups ``x`` with weights ``w``, (S, n).
 
@@ -63,57 +67,74 @@ def make_qkx2_quants(o, x, w, nmax, rmin, rdelta, nstep):
     later trials' scales and codes are computed from.
 
     >>> x = np.linspace(-1, 2, 32, dtype=np.float32)[None]
-    >>> scale, the_min, L = make_qkx2_quants(c_ops(np.zeros(1, np.float32)), x, np.ones_like(x), 15, -1.0, 0.1, 20)
+    >>> scale, the_min, L = make_qkx2_quants(c_ops(np.zeros(0, np.float32)), x, np.ones_like(x), 15, -1.0, 0.1, 20)
     >>> float(scale[0]), float(the_min[0]), L[0, [0, -1]].tolist()
     (0.19354838132858276, 0.9516129493713379, [0, 15])
     """
     x, w = o.leading(x), o.leading(w)  # element-major (n, S): C's running sums read contiguous rows
-    mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
-    for i in range(1, x.shape[0]):
-        mn = o.where(x[i] < mn, x[i], mn)
-        mx = o.where(x[i] > mx, x[i], mx)
-        sum_w = sum_w + w[i]
-        sum_x = sum_x + w[i] * x[i]
+    if isinstance(o, JaxC):  # the same values (sum_w's first term plus 0: no -0.0 in a sum of weights)
+        (mn, mx), sum_w, sum_x = o.min_max(x, axis=0), o.ordered_sum(w, 0), o.ordered_sum(w * x, 0)
+    else:
+        mn, mx, sum_w, sum_x = x[0], x[0], w[0], w[0] * x[0]
+        for i in range(1, x.shape[0]):
+            mn = o.where(x[i] < mn, x[i], mn)
+            mx = o.where(x[i] > mx, x[i], mx)
+            sum_w = sum_w + w[i]
+            sum_x = sum_x + w[i] * x[i]
     zero = o.zeros(mn)
     mn = o.where(mn > 0, zero, mn)
     flat, flat_min = mx == mn, mn  # C returns early here: L = 0, scale 0
-    iscale = o.c(float(nmax)) / (mx - mn)
-    scale = o.c(1.0) / iscale
+    iscale = o.divide(o.c(float(nmax)), mx - mn)
+    scale = o.divide(o.c(1.0), iscale)
     levels = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     best_error = _weighted_error(o, w, x, scale, mn, levels)
-    for s in range(nstep + 1):
-        step = (o.c(rmin) + o.c(rdelta) * o.c(float(s))) + o.c(float(nmax))
+
+    def step_trial(step, carry):
+        best_error, scale, mn, levels = carry
         trial, this_scale, this_min, cur_error, valid = _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x)
         take = valid & (cur_error < best_error)
-        best_error = o.where(take, cur_error, best_error)
-        scale = o.where(take, this_scale, scale)
-        mn = o.where(take, this_min, mn)
-        levels = o.where(take, trial, levels)
+        return (o.where(take, cur_error, best_error), o.where(take, this_scale, scale), o.where(take, this_min, mn),
+                o.where(take, trial, levels))
+
+    steps = [(o.c(rmin) + o.c(rdelta) * o.c(float(s))) + o.c(float(nmax)) for s in range(nstep + 1)]
+    _, scale, mn, levels = _trials(o, steps, step_trial, (best_error, scale, mn, levels))
     levels = o.where(flat, o.zeros(levels, "int32"), levels)
     return o.where(flat, zero, scale), -o.where(flat, flat_min, mn), o.trailing(levels)
+
+
+def _trials(o, values, body, carry):
+    """``carry = body(value, carry)`` for each of ``values`` in order: the scale searches' trials (jax:
+    one ``fori_loop`` over them, so XLA compiles one trial instead of one per value)."""
+    if isinstance(o, JaxC):
+        table = o.xp.stack([o.xp.asarray(v, o.xp.float32) for v in values])
+        return o.jax.lax.fori_loop(0, len(values), lambda i, c: body(table[i], c), carry)
+    for value in values:
+        carry = body(value, carry)
+    return carry
 
 
 def _qkx2_trial(o, x, w, mn, mx, step, nmax, sum_w, sum_x):
     """One trial of ``make_qkx2_quants`` on element-major ``x``, ``w`` (n, S): iscale = step / (max -
     min), then the weighted least squares scale and min of its codes. Returns ``(Laux, scale, min,
     error, D > 0)``."""
-    iscale = step / (mx - mn)
+    iscale = o.divide(step, mx - mn)
     trial = o.clip(nearest_int(o, iscale * (x - mn)), 0, nmax)
     lt = o.to_named(trial, "float32")
     wl = w * lt
     sum_l, sum_l2, sum_xl = _lead_sum(o, wl), _lead_sum(o, wl * lt), _lead_sum(o, wl * x)
-    big_d = sum_w * sum_l2 - sum_l * sum_l
-    this_scale = (sum_w * sum_xl - sum_x * sum_l) / big_d
-    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / big_d
+    r = o.rounded
+    big_d = r(sum_w * sum_l2) - r(sum_l * sum_l)
+    this_scale = o.divide(r(sum_w * sum_xl) - r(sum_x * sum_l), big_d)
+    this_min = o.divide(r(sum_l2 * sum_x) - r(sum_l * sum_xl), big_d)
     positive = this_min > 0
     this_min = o.where(positive, o.zeros(this_min), this_min)
-    this_scale = o.where(positive, sum_xl / sum_l2, this_scale)
+    this_scale = o.where(positive, o.divide(sum_xl, sum_l2), this_scale)
     return trial, this_scale, this_min, _weighted_error(o, w, x, this_scale, this_min, trial), big_d > 0
 
 
 def _weighted_error(o, w, x, scale, mn, levels):
     """``sum w * diff * diff`` with ``diff = scale * L + min - x``, summed in order (element-major)."""
-    diff = (scale * o.to_named(levels, "float32") + mn) - x
+    diff = (o.rounded(scale * o.to_named(levels, "float32")) + mn) - x
     return _lead_sum(o, w * (diff * diff))
 
 
@@ -125,7 +146,7 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     scales (is = 0, then -9..9 without 0) run in C's order, on the groups laid out element-major
     (``(n, S)``: each of C's running sums is then one pass over contiguous memory).
 
-    >>> scale, L = make_qx_quants_rmse1(c_ops(np.zeros(1, np.float32)), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
+    >>> scale, L = make_qx_quants_rmse1(c_ops(np.zeros(0, np.float32)), np.linspace(-1, 1, 16, dtype=np.float32)[None], 32)
     >>> float(scale[0]), L[0, [0, -1]].tolist()
     (0.032094523310661316, [1, 63])
     """
@@ -133,23 +154,23 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     xl = o.leading(x)
     wl = xl * xl if qw is None else o.leading(qw)
     wx = wl * xl
-    scale = best = chosen = None
-    for s in [0] + [s for s in range(-9, 10) if s]:
-        if s == 0:
-            iscale = o.c(float(-nmax)) / vmax
-        else:
-            iscale = -(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) / vmax
-        levels = o.clip(nearest_int(o, iscale * xl), -nmax, nmax - 1)
+
+    def sums(numerator):
+        levels = o.clip(nearest_int(o, o.divide(numerator, vmax) * xl), -nmax, nmax - 1)
         lf = o.to_named(levels, "float32")
-        sumlx, suml2 = _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
-        if s == 0:
-            scale = o.where(suml2 != 0, sumlx / suml2, o.zeros(sumlx))
-            best, chosen = scale * sumlx, levels
-            continue
+        return levels, _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
+
+    def trial(numerator, carry):
+        scale, best, chosen = carry
+        levels, sumlx, suml2 = sums(numerator)
         take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        chosen = o.where(take, levels, chosen)
-        scale = o.where(take, sumlx / suml2, scale)
-        best = o.where(take, scale * sumlx, best)
+        scale = o.where(take, o.divide(sumlx, suml2), scale)
+        return scale, o.where(take, scale * sumlx, best), o.where(take, levels, chosen)
+
+    chosen, sumlx, suml2 = sums(o.c(float(-nmax)))  # is = 0
+    scale = o.where(suml2 != 0, o.divide(sumlx, suml2), o.zeros(sumlx))
+    numerators = [-(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) for s in range(-9, 10) if s]
+    scale, _, chosen = _trials(o, numerators, trial, (scale, scale * sumlx, chosen))
     zero = amax < o.c(GROUP_MAX_EPS)
     chosen = o.where(zero, o.zeros(chosen, "int32") - nmax, chosen)
     return o.where(zero, o.zeros(scale), scale), o.trailing(chosen) + nmax
@@ -157,6 +178,9 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
 
 def _lead_sum(o, terms):
     """``seq_sum`` over the first axis (element-major groups)."""
+    if isinstance(o, JaxC):
+        return o.ordered_sum(terms, 0)
+    terms = o.rounded(terms)
     acc = o.c(0.0) + terms[0]
     for i in range(1, terms.shape[0]):
         acc = acc + terms[i]
@@ -190,17 +214,17 @@ def _quantize_k(x, nmax, rmin, nstep):
     """``quantize_row_q4_K_ref`` / ``quantize_row_q5_K_ref``: the shared K-quant recipe."""
     o, xb = float_blocks(x, QK_K)
     xs = xb.reshape(tuple(xb.shape[:-1]) + (8, 32))
-    av_x = o.sqrt(seq_sum(o, xs * xs) / o.c(32.0))
+    av_x = o.sqrt(o.divide(seq_sum(o, xs * xs), o.c(32.0)))
     w = av_x[..., None] + abs(xs)
     scales, mins, levels = make_qkx2_quants(o, xs, w, nmax, rmin, 0.1, nstep)
     max_scale, max_min = running_max(o, scales), running_max(o, mins)
     zero = o.zeros(max_scale)
-    inv_scale = o.where(max_scale > 0, o.c(63.0) / max_scale, zero)
-    inv_min = o.where(max_min > 0, o.c(63.0) / max_min, zero)
+    inv_scale = o.where(max_scale > 0, o.divide(o.c(63.0), max_scale), zero)
+    inv_min = o.where(max_min > 0, o.divide(o.c(63.0), max_min), zero)
     ls = o.clip(nearest_int(o, inv_scale[..., None] * scales) & 0xFF, 0, 63)  # uint8_t, then MIN(63, .)
     lm = o.clip(nearest_int(o, inv_min[..., None] * mins) & 0xFF, 0, 63)
-    d = to_half(o, max_scale / o.c(63.0))
-    dmin = to_half(o, max_min / o.c(63.0))
+    d = to_half(o, o.divide(max_scale, o.c(63.0)))
+    dmin = to_half(o, o.divide(max_min, o.c(63.0)))
     return k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax)
 
 
@@ -210,7 +234,7 @@ def k_fields(o, xb, xs, levels, ls, lm, d, dmin, nmax):
     is zero keeps the search's ``levels``), as KFields."""
     sub_d = o.to_named(d, "float32")[..., None] * o.to_named(ls, "float32")
     sub_m = o.to_named(dmin, "float32")[..., None] * o.to_named(lm, "float32")
-    requant = o.clip(nearest_int(o, (xs + sub_m[..., None]) / sub_d[..., None]), 0, nmax)
+    requant = o.clip(nearest_int(o, o.divide(xs + o.rounded(sub_m)[..., None], sub_d[..., None])), 0, nmax)
     levels = o.where((sub_d == 0)[..., None], levels, requant)  # `if (!d) continue;` keeps L
     codes = o.to_named(levels.reshape(tuple(xb.shape)), "uint8")
     return KFields(codes, o.to_named(ls, "uint8"), o.to_named(lm, "uint8"), d, dmin)
@@ -224,7 +248,7 @@ def _dequantize_k(f):
     sub_m = o.to_named(f.dmin, "float32")[..., None] * o.to_named(f.mins, "float32")
     q = o.to_named(f.codes, "float32").reshape(tuple(f.codes.shape[:-1]) + (8, 32))
     # an infinite d stored by a huge block
-    y = sub_d[..., None] * q - sub_m[..., None]
+    y = o.rounded(sub_d[..., None] * q) - o.rounded(sub_m)[..., None]
     return y.reshape(tuple(f.codes.shape[:-2]) + (f.codes.shape[-2] * QK_K,))
 
 
@@ -404,12 +428,12 @@ def q6_k_fields(o, xb, xs, scales, levels):
     shared by the reference and the importance-weighted quantizers."""
     max_abs, max_scale = first_absmax(o, scales)
     zero = max_abs < o.c(GROUP_MAX_EPS)  # the whole block is stored as zero bytes
-    iscale = o.c(-128.0) / max_scale
-    d = to_half(o, o.where(zero, o.zeros(iscale), o.c(1.0) / iscale))
+    iscale = o.divide(o.c(-128.0), max_scale)
+    d = to_half(o, o.where(zero, o.zeros(iscale), o.divide(o.c(1.0), iscale)))
     q_scales = o.clip(nearest_int(o, iscale[..., None] * scales), -(2**31), 127)
     q_scales = o.where(zero[..., None], o.zeros(q_scales, "int32"), ((q_scales + 128) & 0xFF) - 128)
     sub_d = o.to_named(d, "float32")[..., None] * o.to_named(q_scales, "float32")
-    requant = o.clip(nearest_int(o, xs / sub_d[..., None]), -32, 31) + 32
+    requant = o.clip(nearest_int(o, o.divide(xs, sub_d[..., None])), -32, 31) + 32
     levels = o.where((sub_d == 0)[..., None], levels, requant)  # `if (!d) continue;` keeps L
     levels = o.where(zero[..., None, None], o.zeros(levels, "int32"), levels)
     codes = o.to_named(levels.reshape(tuple(xb.shape)), "uint8")

@@ -99,6 +99,8 @@ class MxFields(NamedTuple):
 
 def _min_max(o, x):
     """C's ``min = FLT_MAX, max = -FLT_MAX; if (v < min) min = v; if (v > max) max = v;``."""
+    if hasattr(o, "min_max"):  # jax: one reduction each, the same values
+        return o.min_max(x)
     big = o.zeros(x[..., 0]) + o.c(3.4028234663852886e38)
     mn, mx = big, -big
     for i in range(x.shape[-1]):
@@ -114,9 +116,9 @@ def _quantize_affine(x, bits):
     o, xb = float_blocks(x, QK)
     mn, mx = _min_max(o, xb)
     top = (1 << bits) - 1
-    d = (mx - mn) / o.c(float(top))
+    d = o.divide(mx - mn, o.c(float(top)))
     x0 = (xb - mn[..., None]) * reciprocal(o, d)[..., None]
-    q = c_int(o, x0 + o.c(0.5))
+    q = c_int(o, o.rounded(x0) + o.c(0.5))
     if bits == 4:  # MIN(15, (int8_t)(x0 + 0.5f)), stored as uint8_t
         q = o.clip(((q + 128) & 0xFF) - 128, -128, top) & 0xFF
     else:  # (uint8_t)(x0 + 0.5f); the block keeps 5 bits
@@ -129,7 +131,7 @@ def _dequantize_affine(f):
     """``x0*d + m`` (``dequantize_row_q4_1`` / ``_q5_1``): a product, then a sum."""
     o = c_ops(f.codes)
     # an infinite d stored by a huge block
-    y = o.to_named(f.codes, "float32") * o.to_named(f.d, "float32")[..., None] + o.to_named(f.m, "float32")[..., None]
+    y = o.rounded(o.to_named(f.codes, "float32") * o.to_named(f.d, "float32")[..., None]) + o.to_named(f.m, "float32")[..., None]
     return y.reshape(tuple(f.codes.shape[:-2]) + (f.codes.shape[-2] * f.codes.shape[-1],))
 
 
@@ -198,8 +200,8 @@ def quantize_q5_0(x):
     """
     o, xb = float_blocks(x, QK)
     _, vmax = first_absmax(o, xb)
-    d = vmax / o.c(-16.0)
-    q = c_int(o, xb * reciprocal(o, d)[..., None] + o.c(16.5))
+    d = o.divide(vmax, o.c(-16.0))
+    q = c_int(o, o.rounded(xb * reciprocal(o, d)[..., None]) + o.c(16.5))
     q = o.clip(((q + 128) & 0xFF) - 128, -128, 31) & 0x1F  # MIN(31, (int8_t)...); 5 bits stored
     return ScaleFields(o.to_named(q, "uint8"), to_half(o, d))
 

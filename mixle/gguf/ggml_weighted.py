@@ -48,12 +48,12 @@ __all__ = ["make_qp_quants"] + [f"{name}_WEIGHTED" for name in ("Q4_0", "Q5_0", 
 def _row_sigma2(o, xb):
     """``sum_x2 / n_per_row`` over each whole row of the blocks ``xb`` (..., n_blocks, 32), in order."""
     rows = xb.reshape(tuple(xb.shape[:-2]) + (xb.shape[-2] * xb.shape[-1],))
-    return seq_sum(o, rows * rows) / o.c(float(rows.shape[-1]))
+    return o.divide(seq_sum(o, rows * rows), o.c(float(rows.shape[-1])))
 
 
 def _block_weights(o, xb, qw, sigma2):
     """``qw * sqrtf(sigma2 + x*x)`` per element of the blocks ``xb``."""
-    return qw * o.sqrt(sigma2[..., None] + xb * xb)
+    return qw * o.sqrt(sigma2[..., None] + o.rounded(xb * xb))
 
 
 @ieee
@@ -93,12 +93,13 @@ def make_qp_quants(o, x, qw, nmax):
     """
     mx = running_max(o, x)
     zero = mx < o.c(GROUP_MAX_EPS)
-    iscale = o.c(float(nmax)) / mx
+    iscale = o.divide(o.c(float(nmax)), mx)
     levels = nearest_int(o, iscale[..., None] * x) & 0xFF  # stored to uint8_t
-    best = _qp_error(o, x, qw, o.c(1.0) / iscale, levels)
+    best = _qp_error(o, x, qw, o.divide(o.c(1.0), iscale), levels)
     for step in (-4, -3, -2, -1, 1, 2, 3, 4):
-        trial = (o.c(0.1) * o.c(float(step)) + o.c(float(nmax))) / mx
-        cur = _qp_error(o, x, qw, o.c(1.0) / trial, o.clip(nearest_int(o, trial[..., None] * x), -(2**31), nmax))
+        trial = o.divide(o.c(0.1) * o.c(float(step)) + o.c(float(nmax)), mx)
+        cur = _qp_error(o, x, qw, o.divide(o.c(1.0), trial),
+                        o.clip(nearest_int(o, trial[..., None] * x), -(2**31), nmax))
         take = cur < best
         best = o.where(take, cur, best)
         iscale = o.where(take, trial, iscale)
@@ -110,22 +111,22 @@ def make_qp_quants(o, x, qw, nmax):
     for _ in range(5):
         for i in range(x.shape[-1]):
             w, old = qw[..., i], o.to_named(levels[..., i], "float32")
-            slx, sl2 = sumlx - wx[..., i] * old, suml2 - (w * old) * old
-            new = o.clip(nearest_int(o, (x[..., i] * sl2) / slx), -(2**31), nmax)
+            slx, sl2 = sumlx - o.rounded(wx[..., i] * old), suml2 - o.rounded((w * old) * old)
+            new = o.clip(nearest_int(o, o.divide(x[..., i] * sl2, slx)), -(2**31), nmax)
             nf = o.to_named(new, "float32")
-            slx_new, sl2_new = slx + wx[..., i] * nf, sl2 + (w * nf) * nf
+            slx_new, sl2_new = slx + o.rounded(wx[..., i] * nf), sl2 + o.rounded((w * nf) * nf)
             take = (slx > 0) & (sl2 > 0) & (new != levels[..., i])
             take = take & ((slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new)
-            levels[..., i] = o.where(take, new & 0xFF, levels[..., i])
+            levels = o.assign(levels, i, o.where(take, new & 0xFF, levels[..., i]))
             sumlx = o.where(take, slx_new, sumlx)
             suml2 = o.where(take, sl2_new, suml2)
-    scale = o.where(suml2 > 0, sumlx / suml2, o.zeros(sumlx))
+    scale = o.where(suml2 > 0, o.divide(sumlx, suml2), o.zeros(sumlx))
     return o.where(zero, o.zeros(scale), scale), o.where(zero[..., None], o.zeros(levels, "int32"), levels)
 
 
 def _qp_error(o, x, qw, scale, levels):
     """``sum w * diff * diff`` with ``diff = x - scale * l``, summed in order."""
-    diff = x - scale[..., None] * o.to_named(levels, "float32")
+    diff = x - o.rounded(scale[..., None] * o.to_named(levels, "float32"))
     return seq_sum(o, (qw * diff) * diff)
 
 
@@ -134,9 +135,9 @@ def _k_weighted(x, qw, nmax):
     """``quantize_row_q4_K_impl`` (nmax 15) / ``_q5_K_impl`` (nmax 31): KFields."""
     o, xb = float_blocks(x, QK_K)
     xs = xb.reshape(tuple(xb.shape[:-1]) + (8, 32))
-    sigma2 = (o.c(2.0) * seq_sum(o, xb * xb)) / o.c(float(QK_K))
+    sigma2 = o.divide(o.c(2.0) * seq_sum(o, xb * xb), o.c(float(QK_K)))
     qs = _blocked(o, qw, xb).reshape(tuple(qw.shape[:-1]) + tuple(xs.shape[-3:]))
-    w = qs * o.sqrt(sigma2[..., None, None] + xs * xs)
+    w = qs * o.sqrt(sigma2[..., None, None] + o.rounded(xs * xs))
     sw = seq_sum(o, w)
     scales, mins, levels = make_qkx2_quants(o, xs, w, nmax, -0.9, 0.05, 36)
     d_block, ls = make_qp_quants(o, scales, sw, 63)

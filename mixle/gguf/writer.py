@@ -57,6 +57,7 @@ from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray
+from mixle.exports.flax_twin import is_flax, torch_twin
 from mixle.gguf.blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_array
 from mixle.gguf.imatrix_file import importance_by_tensor, require_entry
 from mixle.gguf.mixes import grid_of_type, mix_named
@@ -262,7 +263,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
 
     Args:
         model: mixle's ``build_causal_lm``, or a transformers causal LM of ``mixle.gguf.architectures.DECODERS``
-            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ...): float, after ``apply_qat`` or ``convert``.
+            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ...): float, after ``apply_qat`` or ``convert``;
+            or a Flax causal LM (``mixle.lm.flax_causal_lm``), written as its transformers twin.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
@@ -298,6 +300,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     >>> types["token_embd.weight"], types["blk.0.attn_qkv.weight"], types["blk.0.attn_qkv.bias"]
     ('Q4_0', 'Q4_0', 'F32')
     """
+    model, quantized = _torch_model(model, quantized)
     plan = plan_of(model, "save_gguf")
     gguf = plan.gguf
     mix, float_matrices, quantized = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
@@ -319,6 +322,16 @@ def _checked_path(path):
     if not path.parent.is_dir():
         raise ValueError(f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
     return path
+
+
+def _torch_model(model, quantized):
+    """``(model, quantized)`` to write: a Flax causal LM (float, QAT-wrapped or converted) as its
+    transformers twin holding its weights, and the blocks of its quantized kernels added to
+    ``quantized`` (``mixle.exports.flax_twin``): the file equals the torch model's, byte for byte."""
+    if not is_flax(model):
+        return model, quantized
+    twin, given = torch_twin(model, "save_gguf")
+    return twin, {**given, **(quantized or {})}
 
 
 def _file_tokenizer(model, layout, vocab, tokenizer, source_gguf, tokenizer_pre):
