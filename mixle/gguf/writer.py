@@ -262,9 +262,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     file is created, written to a temporary file and renamed into place: a failed call leaves none.
 
     Args:
-        model: mixle's ``build_causal_lm``, or a transformers causal LM of ``mixle.gguf.architectures.DECODERS``
-            (``LlamaForCausalLM``, ``Gemma3ForCausalLM``, ...): float, after ``apply_qat`` or ``convert``;
-            or a Flax causal LM (``mixle.lm.flax_causal_lm``), written as its transformers twin.
+        model: mixle's ``build_causal_lm``, a transformers causal LM of ``architectures.DECODERS`` or a
+            Flax one (``mixle.lm.flax_causal_lm``): float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
             id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
@@ -301,8 +300,7 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
     ('Q4_0', 'Q4_0', 'F32')
     """
     model, quantized = _torch_model(model, quantized)
-    plan = plan_of(model, "save_gguf")
-    gguf = plan.gguf
+    gguf = (plan := plan_of(model, "save_gguf")).gguf
     mix, float_matrices, quantized = _check_save_arguments(plan, float_matrices, gguf_mix, quantized,
                                                            allow_activation_mismatch, importance)
     layout = _checked_layout(plan, allow_activation_mismatch)
