@@ -204,8 +204,11 @@ def float_blocks(x, block):
     o = c_ops(x)
     if isinstance(o, TorchOps):
         x = x.detach()  # codes have no gradient
-    elif not isinstance(o, JaxOps):
+    elif not isinstance(o, JaxOps) or not isinstance(x, o.jax.core.Tracer):
+        # a concrete jax array runs numpy's own operations (every grid, and numpy's values at
+        # float32's limits, where the corrected quotients of the traced path overflow)
         x = np.asarray(x)
+        o = c_ops(x)
     x = o.to_named(x, "float32")
     if x.ndim == 0 or x.shape[-1] % block:
         raise ValueError(f"the last axis ({tuple(x.shape)}) must be a multiple of the block, {block}")
