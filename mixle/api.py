@@ -121,7 +121,7 @@ def _llama_cpp_choices(model, gguf_mix, importance, spec, spec_fields, patterns,
     if importance is not None:
         source = _torch_plan(model)
         values = importance_by_layer(source, importance)
-        if flax:  # keyed by the twin's paths (mixle.exports.flax_twin), as an imatrix of the torch model is
+        if flax:  # keyed by the twin's paths (mixle.gguf.flax_twin), as an imatrix of the torch model is
             from mixle.flax_backend.gguf_tensors import flax_path, torch_path
 
             values = {torch_path(flax_path(path)): v for path, v in values.items()}
@@ -144,8 +144,8 @@ def _torch_plan(model):
                         f"got a {type(model).__name__}: drop importance= for this model")
     from mixle.gguf.plan import plan_of
 
-    if record.name == "flax":  # the plan of its transformers twin (mixle.exports.flax_twin)
-        from mixle.exports.flax_twin import torch_twin
+    if record.name == "flax":  # the plan of its transformers twin (mixle.gguf.flax_twin)
+        from mixle.gguf.flax_twin import torch_twin
 
         model = torch_twin(model, "apply_qat(importance=...)")[0]
     return plan_of(model, "apply_qat(importance=...)")

@@ -45,7 +45,7 @@ from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
 from mixle.core.spec import QuantSpec
 from mixle.exports.compressed_experts import check_experts, check_one_scheme, unfuse_experts
-from mixle.exports.flax_twin import is_flax, quantized_twin
+from mixle.gguf.flax_twin import is_flax, quantized_twin
 from mixle.torch_backend.transforms.convert import check_torch_model, convert
 from mixle.torch_backend.transforms.apply import qat_layers
 from mixle.torch_backend.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -181,7 +181,7 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     Args:
         model: a transformers ``PreTrainedModel`` with mixle quantized layers (from ``convert``
             or ``quantize_model``), or with QAT layers (converted here on a copy); or a QAT-wrapped
-            or converted Flax causal LM (as its twin: ``mixle.exports.flax_twin``). Not modified.
+            or converted Flax causal LM (as its twin: ``mixle.gguf.flax_twin``). Not modified.
         directory: the checkpoint directory to create. It is written to a temporary sibling and
             renamed into place, so a failure leaves nothing behind; with ``overwrite`` the previous
             directory is kept exactly as it was until the new one is in place

@@ -30,12 +30,12 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
         raise ValueError(f"gguf_mix={gguf_mix!r} decides every layer's grid (the block type llama.cpp's quantizer "
                          f"gives it), so it cannot be combined with {given}: pass gguf_mix alone, or drop it and "
                          f"give patterns=[(path, QuantSpec(grid=...)), ...] yourself")
-    from mixle.exports.flax_twin import flax_specs, is_flax, torch_twin
+    from mixle.gguf.flax_twin import flax_specs, is_flax, torch_twin
     from mixle.gguf.plan import plan_of  # torch and gguf, only when a mix is asked for
     from mixle.gguf.writer import gguf_mix_specs
 
     flax_model = model if is_flax(model) else None
-    if flax_model is not None:  # its transformers twin's types (mixle.exports.flax_twin), by Flax path
+    if flax_model is not None:  # its transformers twin's types (mixle.gguf.flax_twin), by Flax path
         model = torch_twin(flax_model, "apply_qat(gguf_mix=...)")[0]
     plan = plan_of(model, "apply_qat(gguf_mix=...)")
     model = plan.model

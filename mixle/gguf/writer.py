@@ -57,7 +57,7 @@ from mixle.core.grids import GRIDS
 from mixle.core.numerics import quantize_array
 from mixle.core.spec import QuantSpec
 from mixle.core.stored import QuantizedArray
-from mixle.exports.flax_twin import is_flax, torch_twin
+from mixle.gguf.flax_twin import is_flax, torch_twin
 from mixle.gguf.blocks import BLOCK, GGML_BLOCKS, GGML_TYPE_OF_GRID, pack_array
 from mixle.gguf.imatrix_file import importance_by_tensor, require_entry
 from mixle.gguf.mixes import grid_of_type, mix_named
@@ -325,7 +325,7 @@ def _checked_path(path):
 def _torch_model(model, quantized):
     """``(model, quantized)`` to write: a Flax causal LM (float, QAT-wrapped or converted) as its
     transformers twin holding its weights, and the blocks of its quantized kernels added to
-    ``quantized`` (``mixle.exports.flax_twin``): the file equals the torch model's, byte for byte."""
+    ``quantized`` (``mixle.gguf.flax_twin``): the file equals the torch model's, byte for byte."""
     if not is_flax(model):
         return model, quantized
     twin, given = torch_twin(model, "save_gguf")
