@@ -54,7 +54,7 @@ def numerics_probe():
     from flax import nnx
 
     from mixle.core.array_ops import array_ops
-    from mixle.core.numerics import block_shape, quantize_blocks
+    from mixle.core.numerics import block_shape, quantize_blocks, quantize_dequantize_array
     from mixle.core.spec import QuantSpec
     from mixle.flax_backend.fake_quant import fake_quantize_weight
     from mixle.models.qat import apply_qat
@@ -97,6 +97,25 @@ def numerics_probe():
         print(f"  {label:14s} codes {diff['codes']:>7,} / {diff['weights']:,}  scales {diff['scales']:>7,} / "
               f"{diff['blocks']:,}  eager {diff['values eager']:,}  grad {diff['values grad']:,}")
 
+    # llama.cpp's other block types (offsets, sub-scales, searches): the round trip of each kernel
+    blocks = {}
+    for grid in ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
+        spec = QuantSpec(grid=grid)
+        jitted = jax.jit(lambda m, spec=spec: quantize_dequantize_array(m, spec))
+        grad_fq = jax.jit(jax.grad(lambda k, spec=spec: (lambda v: (v.sum(), v))(fake_quantize_weight(k, (0,), spec)),
+                                   has_aux=True))
+        diff = {"jit": 0, "eager": 0, "grad": 0, "weights": 0}
+        for kernel in kernels.values():
+            matrix = np.ascontiguousarray(kernel.T)
+            want = quantize_dequantize_array(matrix, spec)
+            diff["jit"] += int((np.asarray(jitted(jnp.asarray(matrix))) != want).sum())
+            diff["eager"] += int((np.asarray(fake_quantize_weight(jnp.asarray(kernel), (0,), spec)) != want.T).sum())
+            diff["grad"] += int((np.asarray(grad_fq(jnp.asarray(kernel))[1]) != want.T).sum())
+            diff["weights"] += kernel.size
+        blocks[grid] = diff
+        print(f"  {grid:14s} values jit {diff['jit']:,} eager {diff['eager']:,} grad {diff['grad']:,} of {diff['weights']:,}",
+              flush=True)
+
     # bfloat16 compute, float32 master weights: the product sees numpy's fake-quant of the float32
     # kernel rounded once to bfloat16 (model(eye) is the kernel the product used).
     lattice = {}
@@ -119,7 +138,7 @@ def numerics_probe():
         lattice[label] = int((used != stored).sum())
         print(f"  bf16 compute {label:14s}: {lattice[label]:,} of {w.size:,} trained values differ from "
               f"the float32 master's lattice")
-    return {"grids": rows, "bf16_lattice": lattice}
+    return {"grids": rows, "llama_cpp_blocks": blocks, "bf16_lattice": lattice}
 
 
 def _mkdir(path):
@@ -149,8 +168,6 @@ def main(argv=None):
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
           f"python {platform.python_version()}")
     results.update(device=device.device_kind, jax=jax.__version__)
-    if not args.skip_numerics:
-        results["numerics"] = numerics_probe()
     if args.speed:
         from tpu_speed import SIZES, print_serving, print_training, time_serving, time_training
 
@@ -158,10 +175,13 @@ def main(argv=None):
             results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants,
                                                           hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None)
             print_training(size, results[f"training {size}"])
+            (args.out / "results.json").write_text(json.dumps(results, indent=1))
             if not size.endswith("-b4") and not args.no_serving:
                 results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)
                 print_serving(size, results[f"serving {size}"])
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if not args.skip_numerics:  # after the timings: its compiles of every grid take a while
+        results["numerics"] = numerics_probe()
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 
 
