@@ -329,7 +329,7 @@ def test_knobs_llama_cpp_does_not_implement_are_refused_before_writing(case, cha
 
 
 @pytest.mark.parametrize("case", ["gemma2", "gemma3"])
-def test_gemma_scaled_embedding_keeps_its_scale_through_qat_and_convert(case, tmp_path):
+def test_gemma_scaled_embedding_keeps_its_scale_through_qat_and_convert(case, tmp_path, exact_converted_layers):
     """Gemma multiplies token embeddings by sqrt(hidden): the QAT layer (tied to the head) and the
     converted one keep that, so the fake-quant toggle is exact and convert equals QAT."""
     model = model_of(case)
