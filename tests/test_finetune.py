@@ -127,7 +127,7 @@ def test_llama_directory_to_q4_0_gguf_with_numbers_checked(assets, tmp_path, cap
                       str(assets["other"]), "--out", str(out), "--steps", "12", "--float-matrices", "f32", *FAST,
                       "--batch-size", "4")
     assert status == 0, capsys.readouterr().err
-    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "model.gguf", "results.json", "table.txt"]
+    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "hf", "model.gguf", "results.json", "table.txt"]
     results = results_of(out)
     rows = {row["method"]: row for row in results["rows"]}
     windows, other = held_out(assets), held_out(assets, "other")
@@ -182,7 +182,7 @@ def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys
                       "--max-minutes", "0.004", *FAST)
     assert status == 0, capsys.readouterr().err
     results = results_of(out)
-    assert results["files"] == {"compressed_tensors": "compressed-tensors"} and not (out / "model.gguf").exists()
+    assert results["files"] == {"compressed_tensors": "compressed-tensors", "hf": "hf"} and not (out / "model.gguf").exists()
     assert results["training"]["stopped_by"] == "max_minutes" and 1 <= results["training"]["steps_done"] < 50
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "compressed-tensors")
     qat = next(row for row in results["rows"] if row["method"] == "QAT")
@@ -244,7 +244,7 @@ def test_llama_to_the_q4_k_m_mix_against_llama_quantize(assets, tmp_path, capsys
     assert status == 0, capsys.readouterr().err
     results = results_of(out)
     rows = {row["method"]: row for row in results["rows"]}
-    assert results["files"] == {"gguf": "model.gguf"} and rows["QAT"]["spec"] == rows["PTQ"]["spec"] == "Q4_K_M"
+    assert results["files"] == {"gguf": "model.gguf", "hf": "hf"} and rows["QAT"]["spec"] == rows["PTQ"]["spec"] == "Q4_K_M"
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert {name: kind for name, kind in types.items() if kind != "F32"} == Q4_K_M_TYPES
     float_model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama256"])

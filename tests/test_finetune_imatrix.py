@@ -165,7 +165,8 @@ def test_ptq_imatrix_is_quantize_model_with_importance_of_the_training_windows(a
     increase = against["PTQ imatrix"]["perplexity_increase_percent"]
     assert f"held-out: PTQ imatrix {increase:+.2f}%, QAT imatrix " in table and "Importance matrix: calibrated on 5 " \
         "windows (80 tokens) of the training split" in (out / "README.md").read_text()
-    assert results["files"] == {"gguf": "model.gguf", "ptq_imatrix": "ptq-imatrix.gguf", "imatrix": "imatrix.gguf"}
+    assert results["files"] == {"gguf": "model.gguf", "ptq_imatrix": "ptq-imatrix.gguf", "imatrix": "imatrix.gguf",
+                                "hf": "hf"}
 
 
 def test_qat_imatrix_file_holds_the_trained_weighted_codes(assets, q4_0_run):
