@@ -13,9 +13,9 @@ import mixle  # noqa: E402
 from mixle.exports.hf_checkpoint import save_pretrained_float  # noqa: E402
 
 
-def tiny_llama(tied=True, seed=0):
+def tiny_llama(tied=True, seed=0, vocab=48):
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
     return transformers.LlamaForCausalLM(config)
 
@@ -98,3 +98,29 @@ def test_a_failed_write_leaves_no_directory_and_a_full_one_is_kept(tmp_path, mon
     assert os.listdir(tmp_path / "hf") == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["hf"]
     save_pretrained_float(model, tmp_path / "hf", overwrite=True)
     assert "mine.txt" not in os.listdir(tmp_path / "hf") and "model.safetensors" in os.listdir(tmp_path / "hf")
+
+
+def test_a_model_read_from_a_gguf_file_is_written_as_the_float_model_it_was_dequantized_to(tmp_path):
+    """transformers' GGUF loader marks the model quantized (save_pretrained refuses it), though its weights are
+    float: they are written as a plain checkpoint, and the marks are put back."""
+    import json
+    import types
+
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from mixle.lm.data import default_text
+    from tests.test_finetune import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer(default_text()[:4000])
+    mixle.save_gguf(tiny_llama(vocab=len(tokenizer)), tmp_path / "m.gguf", tokenizer=tokenizer, float_matrices="f32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf")
+    quantizer = model.hf_quantizer
+    save_pretrained_float(model, tmp_path / "hf")
+    assert model.hf_quantizer is quantizer and model.config.quantization_config is not None
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    for name, array in stored(tmp_path / "hf").items():
+        assert np.array_equal(array, model.state_dict()[name].numpy()), name
+    model.hf_quantizer = types.SimpleNamespace(quantization_config=types.SimpleNamespace(quant_method="bitsandbytes"))
+    with pytest.raises(ValueError, match=r"loaded quantized by transformers \(bitsandbytes\): its weights are not"):
+        save_pretrained_float(model, tmp_path / "other")
+    assert not (tmp_path / "other").exists()

@@ -15,6 +15,7 @@ additions (a learned scale) are left out and listed in the result, since a float
 place for them.
 """
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.core.fileformat import replace_directory_atomically
 
-__all__ = ["save_pretrained_float"]
+__all__ = ["save_pretrained_float", "check_savable"]
 
 
 def _checked_directory(directory, overwrite):
@@ -56,9 +57,79 @@ def _refuse_layers(model):
 
 def _architecture_keys(model, torch):
     """The state_dict keys of the model's class built from its config, without memory (meta device)."""
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)
     with torch.device("meta"):
-        skeleton = type(model)(copy.deepcopy(model.config))
+        skeleton = type(model)(config)
     return list(skeleton.state_dict())
+
+
+def _loader_quantization(model):
+    """The quantization method transformers loaded ``model`` with (``"gguf"``: dequantized to float
+    weights, written as such), or None; ValueError for one whose weights are not float."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return None
+    method = quantizer.quantization_config.quant_method
+    method = getattr(method, "value", method)
+    if method != "gguf":
+        raise ValueError(f"the model was loaded quantized by transformers ({method}): its weights are not float, so "
+                         f"there is no float checkpoint to write; load the float model (or a GGUF file, which "
+                         f"transformers dequantizes)")
+    return method
+
+
+def check_savable(model):
+    """The state_dict keys ``save_pretrained_float`` writes for ``model``; raises what it would raise first.
+
+    The finetune job calls it on the float model before training, so a model it cannot write is
+    refused before any work.
+
+    Raises:
+        TypeError: ``model`` is not a transformers PreTrainedModel.
+        ValueError: a converted layer, unmerged LoRA adapters, weights transformers loaded
+            quantized (other than GGUF's, dequantized to float), or a weight of the architecture
+            missing from the model.
+
+    >>> check_savable(object())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: save_pretrained_float takes a transformers PreTrainedModel ..., got object
+    """
+    torch = require("torch", extra="torch", purpose="save_pretrained_float")
+    transformers = require("transformers", extra="hf", purpose="save_pretrained_float")
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"save_pretrained_float takes a transformers PreTrainedModel (it writes its config.json and "
+                        f"from_pretrained rebuilds it), got {type(model).__name__}")
+    _refuse_layers(model)
+    _loader_quantization(model)
+    found = model.state_dict()
+    keys = _architecture_keys(model, torch)
+    missing = [key for key in keys if key not in found]
+    if missing:
+        raise ValueError(f"the model has no {missing[0]!r}, a weight of {type(model).__name__} (of {len(missing)} "
+                         f"missing): save a model of the class its config builds")
+    return keys
+
+
+@contextlib.contextmanager
+def _as_float_model(model):
+    """``model`` without the marks of transformers' GGUF loader (its quantizer, the config's
+    ``quantization_config``), which make ``save_pretrained`` refuse; put back afterwards."""
+    if _loader_quantization(model) is None:
+        yield
+        return
+    marks = {name: model.__dict__[name] for name in ("hf_quantizer", "is_quantized") if name in model.__dict__}
+    config = model.config.__dict__.pop("quantization_config", None)
+    try:
+        model.__dict__.update(hf_quantizer=None, is_quantized=False)
+        yield
+    finally:
+        for name in ("hf_quantizer", "is_quantized"):
+            model.__dict__.pop(name, None)
+        model.__dict__.update(marks)
+        if config is not None:
+            model.config.quantization_config = config
 
 
 def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
@@ -84,7 +155,8 @@ def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
 
     Raises:
         TypeError: ``model`` is not a transformers PreTrainedModel, or a bad argument type.
-        ValueError: a converted layer or unmerged LoRA adapters (no float weights to write), or a
+        ValueError: a converted layer or unmerged LoRA adapters (no float weights to write), weights
+            transformers loaded quantized (a GGUF file's, dequantized to float, are written), or a
             weight of the architecture missing from the model.
         FileExistsError: ``directory`` is a file, or is not empty and ``overwrite`` is False.
 
@@ -97,22 +169,12 @@ def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
     >>> written["dtypes"], written["left_out"]
     (['float32'], [])
     """
-    torch = require("torch", extra="torch", purpose="save_pretrained_float")
-    transformers = require("transformers", extra="hf", purpose="save_pretrained_float")
-    if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(f"save_pretrained_float takes a transformers PreTrainedModel (it writes its config.json and "
-                        f"from_pretrained rebuilds it), got {type(model).__name__}")
+    keys = check_savable(model)
     target = _checked_directory(directory, overwrite)
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer must have a save_pretrained method (a transformers tokenizer), got "
                         f"{type(tokenizer).__name__}")
-    _refuse_layers(model)
     found = model.state_dict()
-    keys = _architecture_keys(model, torch)
-    missing = [key for key in keys if key not in found]
-    if missing:
-        raise ValueError(f"the model has no {missing[0]!r}, a weight of {type(model).__name__} (of {len(missing)} "
-                         f"missing): save a model of the class its config builds")
     state = {key: found[key].detach() for key in keys}
     left_out = sorted(key for key in found if key not in state)
     stored = {(t.data_ptr(), t.dtype, tuple(t.shape)): t for t in state.values()}.values()  # a tied weight once
@@ -121,7 +183,8 @@ def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
             "left_out": left_out}
 
     def write(tmp):
-        model.save_pretrained(tmp, state_dict=state)
+        with _as_float_model(model):
+            model.save_pretrained(tmp, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         return info

@@ -54,7 +54,7 @@ from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpo
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
-from mixle.lm.finetune_hf import write_hf_checkpoint
+from mixle.lm.finetune_hf import check_hf_checkpoint, write_hf_checkpoint
 from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      summarize, write_outputs)
@@ -471,6 +471,7 @@ class _Run:
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
+        check_hf_checkpoint(self.model, config)
         gguf_words = check_vocabulary(self.loaded, gguf=self.outputs["gguf"], tokenizer_pre=config.tokenizer_pre)
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))

@@ -22,7 +22,7 @@ import os
 
 from mixle.lm.finetune_baselines import IMATRIX_FILE
 
-__all__ = ["HF_DIR", "PURE_FILE_TYPES", "llama_cpp_recipe", "write_hf_checkpoint"]
+__all__ = ["HF_DIR", "PURE_FILE_TYPES", "llama_cpp_recipe", "check_hf_checkpoint", "write_hf_checkpoint"]
 
 HF_DIR = "hf"
 F32_FILE = "model-f32.gguf"
@@ -69,6 +69,22 @@ def llama_cpp_recipe(config):
     convert = ["python", "convert_hf_to_gguf.py", HF_DIR, "--outtype", "f32", "--outfile", F32_FILE]
     quantize = ["llama-quantize", *flags, *_imatrix_args(config), F32_FILE, f"model-{file_type}.gguf", file_type]
     return {"convert": convert, "quantize": quantize, "file_type": file_type}
+
+
+def check_hf_checkpoint(model, config):
+    """Before training: refuse a float model ``save_pretrained_float`` could not write (unless the run
+    skips the checkpoint), so the run cannot fail at its end.
+
+    >>> check_hf_checkpoint  # doctest: +ELLIPSIS
+    <function check_hf_checkpoint at ...>
+    """
+    if config.hf_checkpoint:
+        from mixle.exports.hf_checkpoint import check_savable
+
+        try:
+            check_savable(model)
+        except ValueError as err:
+            raise ValueError(f"{err} (or pass --no-hf-checkpoint to skip the transformers checkpoint)") from None
 
 
 def write_hf_checkpoint(student, config, tokenizer, out):
