@@ -88,7 +88,7 @@ def mixle_blocks(model):
     scales as ``convert`` gives them, packed into ggml blocks, named as gguf-py maps the path."""
     from mixle.gguf.blocks import pack_array
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.STABLELM, CONFIG["num_hidden_layers"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.STABLELM, model.config.num_hidden_layers)
     found = {}
     for path, module in mixle.convert(model).named_modules():
         if hasattr(module, "quantized_array"):
@@ -112,7 +112,7 @@ def checkpoint(model, directory):
 
     save_pretrained_float(model, directory)
     with open(os.path.join(directory, "tokenizer.json"), "w") as handle:
-        json.dump({"model": {"type": "BPE", "vocab": {f"<{i}>": i for i in range(CONFIG["vocab_size"])},
+        json.dump({"model": {"type": "BPE", "vocab": {f"<{i}>": i for i in range(model.config.vocab_size)},
                              "merges": []}, "added_tokens": []}, handle)
 
 
@@ -171,3 +171,21 @@ def test_live_llama_cpp_tools_make_the_trained_blocks(file_type, tmp_path):
     model = trained(file_type)
     path = llama_cpp_file(model, file_type, str(tmp_path), llama_cpp_source(), build_dir())
     assert quantized_tensors(path) == mixle_blocks(model)
+
+
+@pytest.mark.skipif(llama_cpp_source() is None or build_dir() is None,
+                    reason="no llama.cpp source (convert_hf_to_gguf.py) or build (llama-quantize)")
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_live_every_file_type_the_finetune_recipe_names_keeps_the_qat_blocks(ggml_type, tmp_path):
+    """The other grids of ``mixle.lm.finetune_hf.PURE_FILE_TYPES`` (rows of 256 for the K-quants): llama-quantize
+    --pure with the file type the recipe names puts every matrix on the QAT grid's blocks, mixle's bit for bit."""
+    from mixle.gguf.mixes import grid_of_type
+    from mixle.lm.finetune_hf import PURE_FILE_TYPES
+
+    config = {**CONFIG, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 1}
+    grid = grid_of_type(ggml_type)
+    model = seeded(transformers.StableLmForCausalLM(transformers.StableLmConfig(**config)), SEED)
+    qat = mixle.apply_qat(model, grid=grid, bits=int(grid[1]), opt_in=("embedding",))
+    path = llama_cpp_file(qat, PURE_FILE_TYPES[ggml_type], str(tmp_path), llama_cpp_source(), build_dir())
+    found = quantized_tensors(path)
+    assert {kind for kind, _, _ in found.values()} == {ggml_type} and found == mixle_blocks(qat)
