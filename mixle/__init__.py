@@ -45,6 +45,7 @@ _FACE = {
     "write_imatrix": ("mixle.gguf.imatrix_file", None),
     "save_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
     "load_pretrained_compressed": ("mixle.exports.compressed_tensors", "torch"),
+    "save_pretrained_float": ("mixle.exports.hf_checkpoint", "torch"),
     "build_causal_lm": ("mixle.lm.transformer", "torch"),
     "GradLeaf": ("mixle.lm.grad_leaf", "torch"),
     "SelfDistillation": ("mixle.lm.distill", "torch"),

@@ -25,6 +25,8 @@ OTHER_FLAGS = {
     "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint",  # torchrun
     "--keep-going",  # sphinx
     "--pure", "--process-output", "--output-format",  # llama-quantize, llama-imatrix
+    "--token-embedding-type", "--output-tensor-type",  # llama-quantize
+    "--outtype", "--outfile",  # convert_hf_to_gguf.py
     "--xla_force_host_platform_device_count",  # XLA_FLAGS
 }
 

@@ -12,6 +12,8 @@ import math
 import os
 import signal
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -118,6 +120,33 @@ def results_of(out):
     return json.loads((out / "results.json").read_text())
 
 
+def hf_rebuilds_the_file(out, quantize, tmp_path):
+    """The run's ``hf/`` checkpoint, quantized without training, is ``model.gguf``, every tensor: by mixle's
+    quantizer (``quantize(float_model, path)``, llama-quantize's bit for bit) and, where llama.cpp's tools are
+    here, by results.json's two commands (convert_hf_to_gguf.py, with a stand-in vocabulary, and llama-quantize).
+    So the checkpoint holds the master weights whose blocks QAT trained."""
+    from tests.test_gguf_architectures import _CONVERT, llama_cpp_source, summary
+    from tests.test_imatrix import build_dir
+
+    trained = summary(out / "model.gguf")["tensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert loaded.dtype == torch.float32 and transformers.AutoTokenizer.from_pretrained(out / "hf") is not None
+    quantize(loaded, tmp_path / "requantized.gguf")
+    assert summary(tmp_path / "requantized.gguf")["tensors"] == trained
+    recipe = results_of(out)["hf"]["llama_cpp"]
+    if llama_cpp_source() is None or build_dir() is None:
+        return recipe
+    assert recipe["convert"][2:] == ["hf", "--outtype", "f32", "--outfile", "model-f32.gguf"]
+    f32, quantized = tmp_path / "model-f32.gguf", tmp_path / "model-q.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERT, llama_cpp_source(), str(out / "hf"), str(f32)], check=True,
+                   capture_output=True, cwd=llama_cpp_source())
+    flags = [str(out / arg) if arg.endswith(".gguf") else arg for arg in recipe["quantize"][1:-3]]  # an imatrix file
+    subprocess.run([os.path.join(build_dir(), "bin", "llama-quantize"), *flags, str(f32), str(quantized),
+                    recipe["file_type"]], check=True, capture_output=True)
+    assert summary(quantized)["tensors"] == trained
+    return recipe
+
+
 # ------------------------------------------------------------------------------------ end to end
 
 
@@ -127,7 +156,7 @@ def test_llama_directory_to_q4_0_gguf_with_numbers_checked(assets, tmp_path, cap
                       str(assets["other"]), "--out", str(out), "--steps", "12", "--float-matrices", "f32", *FAST,
                       "--batch-size", "4")
     assert status == 0, capsys.readouterr().err
-    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "model.gguf", "results.json", "table.txt"]
+    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "hf", "model.gguf", "results.json", "table.txt"]
     results = results_of(out)
     rows = {row["method"]: row for row in results["rows"]}
     windows, other = held_out(assets), held_out(assets, "other")
@@ -170,7 +199,13 @@ def test_llama_directory_to_q4_0_gguf_with_numbers_checked(assets, tmp_path, cap
     table = (out / "table.txt").read_text()
     assert "QAT" in table and f"{rows['PTQ']['perplexity']:.4f}" in table
     assert "q4_0" in (out / "README.md").read_text() and (out / "finetune.png").read_bytes()[:4] == b"\x89PNG"
-    assert "wrote model.gguf" in capsys.readouterr().out
+    assert "wrote hf, model.gguf" in capsys.readouterr().out
+    recipe = hf_rebuilds_the_file(out, lambda model, path: save_gguf(
+        quantize_model(model, grid="q4_0", exclude=("lm_head",)), path, tokenizer=assets["tokenizer"],
+        float_matrices="f32"), tmp_path)
+    assert " ".join(recipe["quantize"]) == ("llama-quantize --pure --token-embedding-type f32 --output-tensor-type f32 "
+                                            "model-f32.gguf model-Q4_0.gguf Q4_0")
+    assert "llama-quantize --pure" in (out / "README.md").read_text()
 
 
 def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys):
@@ -182,12 +217,15 @@ def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys
                       "--max-minutes", "0.004", *FAST)
     assert status == 0, capsys.readouterr().err
     results = results_of(out)
-    assert results["files"] == {"compressed_tensors": "compressed-tensors"} and not (out / "model.gguf").exists()
+    assert results["files"] == {"compressed_tensors": "compressed-tensors", "hf": "hf"} and not (out / "model.gguf").exists()
     assert results["training"]["stopped_by"] == "max_minutes" and 1 <= results["training"]["steps_done"] < 50
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "compressed-tensors")
     qat = next(row for row in results["rows"] if row["method"] == "QAT")
     assert qat["loss"] == pytest.approx(cross_entropy(loaded, held_out(assets, model="qwen2")), rel=1e-5)
     assert qat["spec"] == "int4/group32/symmetric/learned" and results["model"]["teacher"] is None
+    hf = results["hf"]  # the trained float weights, written; no llama.cpp type rebuilds an int4 lattice
+    assert hf["llama_cpp"]["why"].startswith("target 'int4/group32' has no llama.cpp block type")
+    assert len(hf["left_out"]) == 14 and all(key.endswith("weight_log2_scale") for key in hf["left_out"])
 
 
 def test_max_minutes_schedule_is_fitted_to_the_pace_after_the_first_step():
@@ -224,6 +262,9 @@ def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):
     assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.ffn_down.weight"] == "Q8_0"
     # Every tokenizer.* key of the source file, verbatim: llama.cpp tokenizes text with model.gguf as with it.
     assert list(tokenizer_fields(out / "model.gguf").items()) == list(tokenizer_fields(source).items())
+    # hf/ holds the merged master weights: their Q8_0 blocks are the requantized ones of model.gguf.
+    hf_rebuilds_the_file(out, lambda model, path: save_gguf(quantize_model(model, grid="q8_0", exclude=("lm_head",)),
+                                                            path, tokenizer=assets["tokenizer"]), tmp_path)
 
 
 # The block type llama.cpp's Q4_K_M gives each matrix of the 2-layer Llama of hidden 64 and ffn 256: rows of 64
@@ -244,7 +285,7 @@ def test_llama_to_the_q4_k_m_mix_against_llama_quantize(assets, tmp_path, capsys
     assert status == 0, capsys.readouterr().err
     results = results_of(out)
     rows = {row["method"]: row for row in results["rows"]}
-    assert results["files"] == {"gguf": "model.gguf"} and rows["QAT"]["spec"] == rows["PTQ"]["spec"] == "Q4_K_M"
+    assert results["files"] == {"gguf": "model.gguf", "hf": "hf"} and rows["QAT"]["spec"] == rows["PTQ"]["spec"] == "Q4_K_M"
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert {name: kind for name, kind in types.items() if kind != "F32"} == Q4_K_M_TYPES
     float_model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama256"])
@@ -262,6 +303,9 @@ def test_llama_to_the_q4_k_m_mix_against_llama_quantize(assets, tmp_path, capsys
     from_file = load_gguf_weights(float_model, out / "model.gguf")
     assert rows["QAT"]["loss"] == pytest.approx(cross_entropy(from_file, windows), rel=1e-5)
     assert kl_to(float_model, from_file, windows) < kl_to(float_model, load_gguf_weights(float_model, theirs), windows)
+    recipe = hf_rebuilds_the_file(out, lambda model, path: save_gguf(model, path, tokenizer=assets["tokenizer"],
+                                                                      gguf_mix="Q4_K_M"), tmp_path)
+    assert " ".join(recipe["quantize"]) == "llama-quantize model-f32.gguf model-Q4_K_M.gguf Q4_K_M"
     if llama_cpp_module() is not None:  # the issue's parity: llama.cpp's perplexity of each file within 1% of mixle's
         for method in ("float", "PTQ", "QAT"):
             assert abs(math.expm1(rows[method]["llama_cpp_loss"] - rows[method]["loss"])) < 0.01, method
@@ -272,13 +316,15 @@ def test_act_bits_8_on_a_mix_evaluates_as_llama_cpp_computes(assets, tmp_path, c
     K-quant products, Q8_0 before the others), which moves mixle's losses onto llama.cpp's of the same files;
     the files hold the same blocks as without it."""
     runs = {}
-    for name, extra in (("act", ["--act-bits", "8"]), ("weights", [])):
+    for name, extra in (("act", ["--act-bits", "8"]), ("weights", ["--no-hf-checkpoint"])):
         out = tmp_path / name
         status = finetune("--model", str(assets["llama256"]), "--data", str(assets["data"]), "--out", str(out),
                           "--target", "Q4_K_M", "--steps", "2", *FAST, "--batch-size", "4", *extra)
         assert status == 0, capsys.readouterr().err
         runs[name] = {row["method"]: row for row in results_of(out)["rows"]}
     assert results_of(tmp_path / "act")["config"]["act_bits"] == 8
+    skipped = results_of(tmp_path / "weights")  # --no-hf-checkpoint: no float checkpoint
+    assert skipped["hf"] is None and "hf" not in skipped["files"] and not (tmp_path / "weights" / "hf").exists()
     ptq = {name: rows["PTQ"] for name, rows in runs.items()}
     assert ptq["act"]["loss"] != ptq["weights"]["loss"]  # the rounding is in the evaluation
     if llama_cpp_module() is not None:  # the same PTQ file; llama.cpp's loss of it is mixle's with --act-bits

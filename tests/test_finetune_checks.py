@@ -151,7 +151,7 @@ def test_a_checkpoint_in_out_says_resume_and_overwrite_starts_over(assets, tmp_p
     assert snapshot(out) == before
     (out / "notes.txt").write_text("mine")
     assert finetune(*flags, "--overwrite") == 0, capsys.readouterr().err
-    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "model.gguf", "notes.txt", "results.json",
+    assert sorted(os.listdir(out)) == ["README.md", "finetune.png", "hf", "model.gguf", "notes.txt", "results.json",
                                        "table.txt"]
     assert (out / "notes.txt").read_text() == "mine"
     assert results_of(out)["training"]["steps_done"] == 2

@@ -165,7 +165,8 @@ def test_ptq_imatrix_is_quantize_model_with_importance_of_the_training_windows(a
     increase = against["PTQ imatrix"]["perplexity_increase_percent"]
     assert f"held-out: PTQ imatrix {increase:+.2f}%, QAT imatrix " in table and "Importance matrix: calibrated on 5 " \
         "windows (80 tokens) of the training split" in (out / "README.md").read_text()
-    assert results["files"] == {"gguf": "model.gguf", "ptq_imatrix": "ptq-imatrix.gguf", "imatrix": "imatrix.gguf"}
+    assert results["files"] == {"gguf": "model.gguf", "ptq_imatrix": "ptq-imatrix.gguf", "imatrix": "imatrix.gguf",
+                                "hf": "hf"}
 
 
 def test_qat_imatrix_file_holds_the_trained_weighted_codes(assets, q4_0_run):
@@ -183,6 +184,22 @@ def test_qat_imatrix_file_holds_the_trained_weighted_codes(assets, q4_0_run):
         from_file.model.embed_tokens.weight.copy_(float_model(assets).model.embed_tokens.weight)
     qat = next(r for r in q4_0_run["results"]["rows"] if r["method"] == "QAT imatrix")
     assert qat["loss"] == pytest.approx(cross_entropy(from_file, eval_windows(assets, 4)), rel=1e-5)
+
+
+def test_the_hf_checkpoint_rebuilds_the_weighted_blocks_with_llama_quantize_imatrix(assets, q4_0_run, tmp_path):
+    """QAT trained with the importance matrix: the hf/ checkpoint quantized with the run's imatrix.gguf (mixle's
+    quantize_model, and llama-quantize --imatrix where present) is model.gguf, every tensor."""
+    from tests.test_finetune import hf_rebuilds_the_file
+
+    out = q4_0_run["out"]
+
+    def quantize(model, path):
+        importance = mixle.load_imatrix(out / "imatrix.gguf", model)
+        ptq = mixle.quantize_model(model, grid="q4_0", exclude=("lm_head",), importance=importance)
+        mixle.save_gguf(ptq, path, tokenizer=assets["tokenizer"])
+
+    recipe = hf_rebuilds_the_file(out, quantize, tmp_path)
+    assert recipe["quantize"][-5:] == ["--imatrix", "imatrix.gguf", "model-f32.gguf", "model-Q4_0.gguf", "Q4_0"]
 
 
 def test_q4_0_mix_with_imatrix_is_llama_quantizes_file_and_trains_its_types(assets, tmp_path, capsys):

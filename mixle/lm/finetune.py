@@ -18,9 +18,11 @@ The job (``run_finetune``):
    (``mixle.lm.finetune_baselines``: calibrated on windows of the training split only), and QAT
    then fake-quantizes with the importance matrix (the row "QAT imatrix");
 4. evaluates the QAT model converted to its integer codes, writes the GGUF (the trained blocks
-   as they are) and, for an integer grid, a compressed-tensors directory, runs the GGUF in
-   llama.cpp, and writes ``results.json``, ``table.txt``, ``finetune.png`` and ``README.md``
-   (``mixle.lm.finetune_report``).
+   as they are), for an integer grid a compressed-tensors directory and, unless
+   ``--no-hf-checkpoint``, the QAT model's float32 master weights as a transformers checkpoint
+   (``hf/``, ``mixle.lm.finetune_hf``: llama.cpp's converter and quantizer make the trained
+   blocks from it), runs the GGUF in llama.cpp, and writes ``results.json``, ``table.txt``,
+   ``finetune.png`` and ``README.md`` (``mixle.lm.finetune_report``).
 
 Memory: the teacher is a copy of the float model that shares every tensor the student does not
 train (the embedding and tied head, the norms; with LoRA all of the base) instead of copying it.
@@ -52,6 +54,7 @@ from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpo
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
+from mixle.lm.finetune_hf import check_hf_checkpoint, write_hf_checkpoint
 from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      summarize, write_outputs)
@@ -146,7 +149,8 @@ def _needed_bytes(model, outputs, config):
     quantized = params  # one byte per weight covers Q4_0 / Q8_0 / int codes and the float embedding
     files = (4 * params + 2 * quantized if outputs["gguf"] else 0) + (quantized if outputs["compressed_tensors"] else 0)
     kept = quantized * ((config.imatrix != "off") + (config.gptq != "off"))  # ptq-imatrix.gguf, the GPTQ file
-    return int(1.1 * (checkpoint + files + kept)) + 2**20
+    hf = 4 * params if config.hf_checkpoint else 0  # the float32 transformers checkpoint
+    return int(1.1 * (checkpoint + files + kept + hf)) + 2**20
 
 
 def _model_digest(model):
@@ -366,7 +370,8 @@ def _sharing(student, teacher):
 
 def _evaluate_after(student, config, outputs, evaluator, out, importance=None):
     """The QAT row ("QAT imatrix" when trained with the ``importance``): the trained model converted to
-    its codes; writes the GGUF / compressed-tensors files."""
+    its codes; writes the GGUF / compressed-tensors files and the float checkpoint. Returns ``(row,
+    {kind: file}, results.json's "hf" entry or None)``."""
     from mixle.api import convert, merge_lora
 
     if config.lora:
@@ -376,7 +381,7 @@ def _evaluate_after(student, config, outputs, evaluator, out, importance=None):
     spec = config.mix() or config.spec().short()
     method = QAT if importance is None else QAT_IMATRIX
     row = evaluator.mixle(converted, {"method": method, "spec": spec, "fake_quant_loss": fake})
-    files = {}
+    files, hf = {}, None
     if outputs["gguf"]:  # the converted codes are the trained blocks: written without quantizing again
         mixed = importance.values if importance is not None and config.mix() else None  # the mix's imatrix types
         evaluator.gguf(converted, os.path.join(out, GGUF_FILE), config.float_storage(), row, mix=config.mix(),
@@ -389,7 +394,10 @@ def _evaluate_after(student, config, outputs, evaluator, out, importance=None):
         save_pretrained_compressed(student, os.path.join(out, COMPRESSED_DIR), tokenizer=evaluator.tokenizer,
                                    overwrite=True)
         files["compressed_tensors"] = COMPRESSED_DIR
-    return row, files
+    if config.hf_checkpoint:  # the master weights whose lattice QAT trained: llama-quantize's blocks of them
+        hf = write_hf_checkpoint(student, config, evaluator.tokenizer, out)
+        files["hf"] = hf["directory"]
+    return row, files, hf
 
 
 @contextlib.contextmanager
@@ -463,6 +471,7 @@ class _Run:
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
+        check_hf_checkpoint(self.model, config)
         gguf_words = check_vocabulary(self.loaded, gguf=self.outputs["gguf"], tokenizer_pre=config.tokenizer_pre)
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
@@ -610,7 +619,7 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         student, state, model_info = run.train(rows, callback)
         if student is None:  # not rank 0 under torchrun: rank 0 evaluates the gathered model and writes
             return None
-        row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
+        row, files, hf = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
         run.peaks.end("QAT evaluation and files")
     imatrix, kept = run.baseline_info(rows)
     results = {
@@ -623,6 +632,7 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         "curve": state.curve,
         "files": {**files, **kept},
         "imatrix": imatrix,
+        "hf": hf,
         "llama_cpp": run.evaluator.llama_cpp_info,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
                         "device": config.device, "platform": platform.platform(),

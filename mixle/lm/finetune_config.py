@@ -31,7 +31,7 @@ GPTQ_MODES = ("off", "one-pass", "sequential")
 IMATRIX_MODES = ("off", "calibrate")
 # The fields that may differ between an interrupted run and its ``--resume``: they change how long
 # or where it runs and what it shows, not what a step computes.
-RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp", "overwrite")
+RESUMABLE_CHANGES = ("max_minutes", "checkpoint_every", "llama_cpp", "overwrite", "hf_checkpoint")
 # Every other field decides the result: a resumed run must be given the same values.
 RESULT_FIELDS = None  # filled below from the dataclass
 
@@ -165,6 +165,9 @@ class FinetuneConfig:
         gptq: ``"off"``, ``"one-pass"`` or ``"sequential"`` (``GPTQ_MODES``): also report the row
             "GPTQ" (``mixle.gptq_quantize`` calibrated on the same training windows), for targets it
             rounds onto (int4 / int8 grids, q4_0, q8_0).
+        hf_checkpoint: also write the QAT model's float32 master weights as a transformers
+            checkpoint (``hf/``, about 4 bytes a parameter; ``mixle.lm.finetune_hf``): llama.cpp's
+            ``convert_hf_to_gguf.py`` and ``llama-quantize`` make the trained blocks from it.
 
     >>> FinetuneConfig(model="m", out="o").replace(target="int4/g32").spec().short()
     'int4/group32/symmetric'
@@ -235,6 +238,9 @@ class FinetuneConfig:
     gptq: str = option("off", "also report GPTQ calibrated on the training windows: one-pass (every Hessian from one "
                               "pass), sequential (GPTQ's layer-by-layer mode: a pass per matrix, slow on large "
                               "models) or off (default); for int4 / int8 targets, q4_0 and q8_0", choices=GPTQ_MODES)
+    hf_checkpoint: bool = option(True, "skip the transformers checkpoint of the QAT model's float32 weights (hf/, "
+                                       "about 4 bytes a parameter), from which llama.cpp's convert_hf_to_gguf.py and "
+                                       "llama-quantize rebuild the trained blocks")
 
     def __post_init__(self):
         for name in ("model", "out"):
@@ -285,7 +291,7 @@ class FinetuneConfig:
             raise ValueError(f"objective={self.objective!r} is unknown: use one of {OBJECTIVES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown: use one of {DTYPES}")
-        for name in ("learned_scales", "llama_cpp", "qat_imatrix", "overwrite"):
+        for name in ("learned_scales", "llama_cpp", "qat_imatrix", "overwrite", "hf_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.tokenizer_pre is not None and not (isinstance(self.tokenizer_pre, str) and self.tokenizer_pre.strip()):

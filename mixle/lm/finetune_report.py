@@ -216,8 +216,11 @@ def model_card(results):
                  "compressed_tensors": f"transformers / vLLM: `AutoModelForCausalLM.from_pretrained('{name}')`",
                  "imatrix": f"the importance matrix (llama.cpp's format: `llama-quantize --imatrix {name}`)",
                  "ptq_imatrix": "the PTQ imatrix baseline (llama-quantize --imatrix of the float model)",
-                 "gptq": "the GPTQ baseline"}
+                 "gptq": "the GPTQ baseline",
+                 "hf": f"the QAT model's float32 weights, a transformers checkpoint: "
+                       f"`AutoModelForCausalLM.from_pretrained('{name}')`"}
         lines.append(f"- `{name}`: {usage.get(kind, kind)}")
+    lines += _llama_cpp_recipe_lines(results.get("hf"))
     imatrix = results.get("imatrix")
     if imatrix:
         source = (f"calibrated on {imatrix['windows']} windows ({imatrix['tokens']:,} tokens) of the training split, "
@@ -227,6 +230,17 @@ def model_card(results):
                      "on the reference quantizer (--no-qat-imatrix).")]
     lines += ["", "## Held-out perplexity", "", "```", format_table(results), "```", ""]
     return "\n".join(lines)
+
+
+def _llama_cpp_recipe_lines(hf):
+    """The model card's paragraph on rebuilding the trained blocks from ``hf/`` with llama.cpp's own tools."""
+    recipe = (hf or {}).get("llama_cpp") or {}
+    if "convert" not in recipe:
+        return [] if not recipe else ["", f"`{hf['directory']}` and llama.cpp: {recipe['why']}."]
+    return ["", f"llama.cpp's own tools make the trained blocks from `{hf['directory']}` (convert_hf_to_gguf.py "
+                f"from llama.cpp's source tree; F32 keeps every trained value, and llama-quantize's blocks of them "
+                f"are the ones QAT trained):", "", "```", " ".join(recipe["convert"]), " ".join(recipe["quantize"]),
+            "```"]
 
 
 def write_outputs(results, out_dir):
