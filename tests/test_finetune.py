@@ -112,6 +112,17 @@ def kl_to(reference, model, windows):
     return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
+def greedy(model, tokenizer, prompt, tokens):
+    """transformers' greedy ``generate`` of ``prompt`` (no chat template): the answer's text."""
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+    new = new.tolist()
+    new = new[:new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
 def finetune(*flags):
     return cli.main(["finetune", *flags])
 
@@ -214,10 +225,19 @@ def test_qwen2_to_int4_groups_writes_compressed_tensors(assets, tmp_path, capsys
     out = tmp_path / "run"
     status = finetune("--model", str(assets["qwen2"]), "--data", str(assets["data"]), "--out", str(out),
                       "--target", "int4/group32", "--learned-scales", "--objective", "ce", "--steps", "50",
-                      "--max-minutes", "0.004", *FAST)
+                      "--max-minutes", "0.004", "--prompts", "The capital of", "Python is", "--answer-tokens", "4",
+                      *FAST)
     assert status == 0, capsys.readouterr().err
     results = results_of(out)
     assert results["files"] == {"compressed_tensors": "compressed-tensors", "hf": "hf"} and not (out / "model.gguf").exists()
+    # The chat answers: transformers' own greedy generate (with its cache) of the float model and of the QAT file.
+    rows = {row["method"]: row for row in results["rows"]}
+    original = transformers.AutoModelForCausalLM.from_pretrained(assets["qwen2"])
+    for method, model in (("float", original), ("QAT", transformers.AutoModelForCausalLM.from_pretrained(
+            out / "compressed-tensors"))):
+        assert [a["answer"] for a in rows[method]["answers"]] == [greedy(model, assets["tokenizer"], p, 4)
+                                                                  for p in ("The capital of", "Python is")]
+    assert "**Python is**" in (out / "README.md").read_text() and "- QAT: " in (out / "README.md").read_text()
     assert results["training"]["stopped_by"] == "max_minutes" and 1 <= results["training"]["steps_done"] < 50
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "compressed-tensors")
     qat = next(row for row in results["rows"] if row["method"] == "QAT")

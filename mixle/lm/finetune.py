@@ -52,6 +52,7 @@ from mixle.lm.family import TRANSFORMERS
 from mixle.lm import finetune_baselines as baselines
 from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
+from mixle.lm.finetune_chat import chat_answers
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_hf import check_hf_checkpoint, write_hf_checkpoint
@@ -257,6 +258,8 @@ class _Evaluator:
         if self.data.extra_windows is not None:
             row["eval_data_loss"] = held_out_loss(model, self.data.extra_windows, batch=batch, family=TRANSFORMERS)
             row["eval_data_perplexity"] = math.exp(row["eval_data_loss"])
+        if self.config.prompts:  # what the model says, beside how well it predicts (mixle.lm.finetune_chat)
+            row["answers"] = chat_answers(model, self.tokenizer, self.config.prompts, self.config.answer_tokens)
         return row
 
     def from_file(self, path, row):

@@ -60,7 +60,11 @@ def calibration_windows(data, config):
     """
     ids = data.train_ids
     ids = ids.numpy() if hasattr(ids, "numpy") else ids
-    return held_out_windows(ids, config.block, config.calibration_windows)[:, :-1]
+    windows = held_out_windows(ids, config.block, config.calibration_windows)[:, :-1]
+    if getattr(data, "bos", None) is not None:  # as the model sees every window: from its BOS
+        windows = windows.copy()
+        windows[:, 0] = data.bos
+    return windows
 
 
 def calibration_batches(data, config, device="cpu"):

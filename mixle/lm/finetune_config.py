@@ -40,7 +40,7 @@ _TARGET = re.compile(r"int(?P<bits>4|8)(?:/(?P<gran>channel|tensor|group(?P<grou
 # What a llama.cpp ftype name looks like (Q4_K_M, Q3_K_S, IQ4_XS, Q2_K, ...): told apart from a typo'd grid.
 _MIX_LIKE = re.compile(r"(?i)i?q\d(_\d)?_(k|xs|xxs|s|m|l|nl)(_(s|m|l|xl))?")
 _POSITIVE = ("steps", "batch_size", "block", "accumulate", "eval_windows", "curve_windows", "checkpoint_every",
-             "calibration_windows")
+             "calibration_windows", "answer_tokens")
 _RATES = ("lr", "temperature")
 
 
@@ -168,6 +168,9 @@ class FinetuneConfig:
         hf_checkpoint: also write the QAT model's float32 master weights as a transformers
             checkpoint (``hf/``, about 4 bytes a parameter; ``mixle.lm.finetune_hf``): llama.cpp's
             ``convert_hf_to_gguf.py`` and ``llama-quantize`` make the trained blocks from it.
+        prompts, answer_tokens: chat prompts (one user turn each, in the tokenizer's chat template) that
+            the float model, the baselines and the trained model answer greedily, with at most
+            ``answer_tokens`` tokens each (``mixle.lm.finetune_chat``): in ``results.json`` and the model card.
 
     >>> FinetuneConfig(model="m", out="o").replace(target="int4/g32").spec().short()
     'int4/group32/symmetric'
@@ -241,6 +244,10 @@ class FinetuneConfig:
     hf_checkpoint: bool = option(True, "skip the transformers checkpoint of the QAT model's float32 weights (hf/, "
                                        "about 4 bytes a parameter), from which llama.cpp's convert_hf_to_gguf.py and "
                                        "llama-quantize rebuild the trained blocks")
+    prompts: tuple[str, ...] | None = option(None, "chat prompts (one user turn each) that the float model, PTQ and "
+                                                   "QAT answer greedily before and after training, shown in "
+                                                   "results.json and the model card")
+    answer_tokens: int = option(48, "at most this many tokens per chat answer (default: 48)", type=positive_int)
 
     def __post_init__(self):
         for name in ("model", "out"):
@@ -255,6 +262,12 @@ class FinetuneConfig:
                 raise ValueError(f"{name}={value!r} must be a list of paths or None")
             elif value is not None:
                 object.__setattr__(self, name, tuple(str(v) for v in value))
+        if self.prompts is not None:
+            prompts = (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+            if not isinstance(prompts, tuple | list) or not prompts or not all(
+                    isinstance(p, str) and p.strip() for p in prompts):
+                raise ValueError(f"prompts={self.prompts!r} must be a list of non-empty strings (chat prompts) or None")
+            object.__setattr__(self, "prompts", tuple(prompts))
         self._check_numbers()
         self._check_choices()
         self._check_target()

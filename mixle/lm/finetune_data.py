@@ -5,6 +5,9 @@ without special tokens and joined with the tokenizer's end-of-text token when it
 last ``held_out_fraction`` of tokens is held out: never trained on, cut into non-overlapping
 windows of ``block + 1`` tokens for the reported perplexities (at most ``eval_windows``, evenly
 spread) and the training curve. ``--eval-data`` is a second held-out text, all of it evaluated.
+When the tokenizer starts every text with a BOS token (Gemma's does; ``bos_of``), every window,
+training, calibration and held-out alike, starts with it in place of its first token, as
+llama.cpp's ``llama-perplexity`` does: such a model predicts badly from a context without it.
 
 The training order (``window_order``): each epoch a seeded offset in ``[0, block)`` and a seeded
 permutation of the non-overlapping windows from that offset, so the data position of a run is
@@ -22,7 +25,7 @@ from mixle.lm.family import TransformersTokenizer
 from mixle.lm.finetune_load import load_texts, tokens_needed
 from mixle.lm.windows import held_out_windows
 
-__all__ = ["FinetuneData", "prepare_finetune_data", "window_order", "tokenize_texts"]
+__all__ = ["FinetuneData", "prepare_finetune_data", "window_order", "tokenize_texts", "bos_of"]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class FinetuneData:
         extra_windows: the ``--eval-data`` windows, or None.
         info: JSON-ready description (sources, token counts, windows).
         digest: sha256 of the training and held-out tokens (a resumed run must see the same).
+        bos: the id every window starts with (``bos_of``), or None.
     """
 
     train_ids: object
@@ -44,6 +48,29 @@ class FinetuneData:
     extra_windows: np.ndarray | None
     info: dict
     digest: str
+    bos: int | None = None
+
+
+def bos_of(tokenizer):
+    """The BOS id ``tokenizer`` starts a text with, or None when its encoding adds none.
+
+    >>> from tokenizers import Tokenizer as Backend, models
+    >>> from transformers import PreTrainedTokenizerFast
+    >>> bos_of(PreTrainedTokenizerFast(tokenizer_object=Backend(models.WordLevel({"a": 0}, unk_token="a"))))
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer.encode("a")
+    return int(bos) if len(ids) and int(ids[0]) == int(bos) else None
+
+
+def _from_bos(windows, bos):
+    if bos is None or windows is None:
+        return windows
+    windows = windows.copy()
+    windows[:, 0] = bos
+    return windows
 
 
 def tokenize_texts(texts, tokenizer):
@@ -83,7 +110,7 @@ def _extra_windows(config, tokenizer):
     if len(ids) < config.block + 1:
         raise ValueError(f"eval_data {name!r} has {len(ids)} tokens with the model's tokenizer, fewer than one window of "
                          f"block + 1 = {config.block + 1}: use a longer text or a smaller --block")
-    windows = held_out_windows(ids, config.block, config.eval_windows)
+    windows = _from_bos(held_out_windows(ids, config.block, config.eval_windows), bos_of(tokenizer))
     return windows, {"source": name, "tokens": int(len(ids)), "windows": int(len(windows))}
 
 
@@ -116,15 +143,18 @@ def prepare_finetune_data(config, tokenizer, context):
                          f"use a longer text or a smaller --block")
     held_count = max(config.block + 1, round(config.held_out_fraction * len(ids)))
     train, held = ids[:-held_count], ids[-held_count:]
-    eval_windows = held_out_windows(held, config.block, config.eval_windows)
+    bos = bos_of(tokenizer)
+    eval_windows = _from_bos(held_out_windows(held, config.block, config.eval_windows), bos)
     extra, extra_info = _extra_windows(config, tokenizer)
-    digest = hashlib.sha256(train.tobytes() + b"|" + held.tobytes()).hexdigest()
+    digest = hashlib.sha256(train.tobytes() + b"|" + held.tobytes() + (b"" if bos is None else b"|bos%d" % bos))
+    digest = digest.hexdigest()
     info = {"source": name, "files": len(texts), "tokens": int(len(ids)), "train_tokens": int(len(train)),
             "held_out_tokens": int(len(held)), "held_out_windows": int(len(eval_windows)),
             "predicted_tokens": int(eval_windows.shape[0] * config.block), "vocab": len(tokenizer),
-            "eval_data": extra_info}
-    return FinetuneData(torch.as_tensor(train), eval_windows, held_out_windows(held, config.block, config.curve_windows),
-                        extra, info, digest)
+            "eval_data": extra_info, "windows_start_with_bos": bos is not None}
+    return FinetuneData(torch.as_tensor(train), eval_windows,
+                        _from_bos(held_out_windows(held, config.block, config.curve_windows), bos), extra, info, digest,
+                        bos)
 
 
 def window_order(length, block, seed, epoch):

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from mixle._optional import require
+from mixle.lm.finetune_chat import answers_markdown
 from mixle.lm.report import MIN_DEGRADATION, plot_training_curve
 
 __all__ = ["FLOAT", "PTQ", "PTQ_IMATRIX", "GPTQ", "QAT", "QAT_IMATRIX", "BASELINES", "TRAINED", "GGUF_FILE",
@@ -229,7 +230,8 @@ def model_card(results):
                   + ("with it (the weighted search, as llama-quantize --imatrix)." if imatrix["qat"] else
                      "on the reference quantizer (--no-qat-imatrix).")]
     lines += ["", "## Held-out perplexity", "", "```", format_table(results), "```", ""]
-    return "\n".join(lines)
+    answers = answers_markdown(results["rows"])
+    return "\n".join(lines + ([answers] if answers else []))
 
 
 def _llama_cpp_recipe_lines(hf):

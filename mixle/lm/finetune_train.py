@@ -128,8 +128,10 @@ class FinetuneTrainer(Trainer):
         self.student, self.teacher, self.finetune_config = student, teacher, config
         device = next(student.parameters()).device
         self.ids = data.train_ids.to(device)
-        self.student_windows = window_density(student, self.ids, config.block, family)
-        self.teacher_windows = None if teacher is None else window_density(teacher, self.ids, config.block, family)
+        bos = getattr(data, "bos", None)  # every window starts with the BOS a tokenizer that adds one gives a text
+        self.student_windows = window_density(student, self.ids, config.block, family, first=bos)
+        self.teacher_windows = (None if teacher is None else
+                                window_density(teacher, self.ids, config.block, family, first=bos))
         trainable = _named_trainable(student)
         optimizer = torch.optim.AdamW(self._groups(student, trainable, config), lr=config.lr,
                                       weight_decay=config.weight_decay)

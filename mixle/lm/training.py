@@ -39,7 +39,7 @@ def warmup_cosine(warmup, floor=0.0):
     return schedule
 
 
-def window_density(model, ids, block=None, family=None):
+def window_density(model, ids, block=None, family=None, first=None):
     """The module GradLeaf trains: ``log_density(starts)``, the log-prob of the windows at ``starts``.
 
     Args:
@@ -47,6 +47,8 @@ def window_density(model, ids, block=None, family=None):
         ids: the training text's token ids, an int64 tensor.
         block: windows hold ``block + 1`` tokens (default: the model's context length).
         family: the model's ``ModelFamily`` (default: ``family_of(model)``).
+        first: a token id every window starts with in place of its first token (the BOS of a
+            tokenizer that adds one, as llama.cpp's perplexity does), or None.
 
     Returns:
         A ``torch.nn.Module`` with ``log_density(starts)`` (shape ``(rows,)``) and, for
@@ -69,11 +71,18 @@ def window_density(model, ids, block=None, family=None):
             self.offsets = torch.arange(length)
             self.ids = ids
 
+        def windows(self, starts):
+            tokens = self.ids[starts[:, None] + self.offsets]
+            if first is not None:
+                tokens = tokens.clone()
+                tokens[:, 0] = first
+            return tokens
+
         def log_density(self, starts):
-            return family.sequence_log_prob(self.lm, self.ids[starts[:, None] + self.offsets])
+            return family.sequence_log_prob(self.lm, self.windows(starts))
 
         def logits(self, starts):  # for distillation: next-token logits of the windows and their targets
-            tokens = self.ids[starts[:, None] + self.offsets]
+            tokens = self.windows(starts)
             return family.logits(self.lm, tokens[:, :-1]), tokens[:, 1:]
 
     return WindowDensity()
