@@ -12,6 +12,7 @@ _EXTRA_OF = {
     "tqdm": "bench",
     "transformers": "hf",
     "peft": "hf",
+    "sentencepiece": "hf",
     "gguf": "gguf",
 }
 

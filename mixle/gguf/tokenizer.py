@@ -36,6 +36,11 @@ llama-server and Ollama format conversations with. ``gguf_tokenizer`` gives all 
     written under a name llama.cpp would split text differently with (its ``"default"`` is
     what a file without the key gets): the message names the fixes.
 
+* a transformers tokenizer of SentencePiece origin (Gemma 2 and 3, Llama 2, Mistral: a Unigram or
+  byte-fallback BPE ``tokenizer.json`` model), loaded from a directory with its ``tokenizer.model``:
+  llama.cpp's ``llama`` tokenizer model with per-token scores and types, as the converter writes it
+  for the ``llama``, ``gemma2`` and ``gemma3`` architectures (``mixle.gguf.sentencepiece_vocab``);
+  any other SentencePiece case is refused with the reason.
 * ``vocab``, a mixle ``CharTokenizer`` / ``ByteTokenizer`` or nothing: mixle's own vocabulary
   (``mixle.gguf.vocab.vocabulary``: model, tokens, types, merges); such a file runs on token ids.
 """
@@ -46,6 +51,7 @@ import tempfile
 from dataclasses import dataclass
 
 from mixle._optional import require
+from mixle.gguf.sentencepiece_vocab import add_sentencepiece_vocab, is_sentencepiece, looks_special
 from mixle.gguf.vocab import check_token_ids, split_merges, vocabulary
 
 __all__ = ["GGUFTokenizer", "gguf_tokenizer", "pre_tokenizer_name", "split_as_llama_cpp", "PRE_TOKENIZERS"]
@@ -117,8 +123,8 @@ def gguf_tokenizer(n_vocab, *, vocab=None, tokenizer=None, source_gguf=None, tok
     Args:
         n_vocab: the rows of the model's token embedding (one token each).
         vocab: the token of each id (str or bytes); mixle's vocabulary.
-        tokenizer: a transformers fast byte-level BPE tokenizer (derived as llama.cpp's converter
-            does), a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a ``GGUFTokenizer`` (used as is).
+        tokenizer: a transformers fast tokenizer, byte-level BPE or of SentencePiece origin (derived as
+            llama.cpp's converter does), a mixle ``CharTokenizer`` / ``ByteTokenizer``, or a ``GGUFTokenizer`` (used as is).
         source_gguf: instead, the path of the GGUF file the model was read from: its ``tokenizer.*``
             keys are copied verbatim.
         tokenizer_pre: with a transformers tokenizer, llama.cpp's pre-tokenizer name to write
@@ -307,13 +313,6 @@ def pre_tokenizer_name(tokenizer):
                      f"than this tokenizer: {fix}")
 
 
-def _looks_special(text):
-    """An added token llama.cpp's converter types CONTROL even when the tokenizer does not call it special."""
-    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or any(text.startswith(head) and text.endswith(tail) for head, tail in (("<|", "|>"), ("<｜", "｜>"),
-                                                                                   ("<unused", ">"))))
-
-
 def _tokens_and_types(tokenizer, ids, n_vocab):
     tokens, types = [f"[PAD{i}]" for i in range(n_vocab)], [UNUSED] * n_vocab
     for token, index in ids.items():
@@ -322,7 +321,7 @@ def _tokens_and_types(tokenizer, ids, n_vocab):
         text = added.content
         if not added.normalized:  # llama.cpp expects added tokens as the tokenizer spells them after normalizing
             text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
-        if added.special or _looks_special(text):
+        if added.special or looks_special(text):
             types[index] = CONTROL
         else:
             text, types[index] = text.replace("\u2581", " "), USER_DEFINED
@@ -338,6 +337,8 @@ def _from_transformers(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf):
     """The keys llama.cpp's converter writes for a byte-level BPE tokenizer (the module docstring)."""
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     model = state.get("model") or {}
+    if is_sentencepiece(tokenizer):
+        return _from_sentencepiece(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf)
     if model.get("type") != "BPE" or '"ByteLevel"' not in json.dumps(state.get("pre_tokenizer")):
         raise ValueError(
             f"tokenizer={type(tokenizer).__name__} has a {model.get('type')} model without GPT-2's byte-level "
@@ -367,3 +368,19 @@ def _from_transformers(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf):
     special.add_to_gguf(writer, quiet=True)
     how = "given" if tokenizer_pre is not None else "derived from its pre-tokenizer"
     return GGUFTokenizer(_entries(writer), f"the transformers tokenizer (pre-tokenizer {pre!r}, {how})")
+
+
+def _from_sentencepiece(tokenizer, n_vocab, tokenizer_pre, arch, config, gguf):
+    """The keys llama.cpp's converter writes for a SentencePiece tokenizer (``mixle.gguf.sentencepiece_vocab``)."""
+    if tokenizer_pre is not None:
+        raise ValueError(f"tokenizer_pre={tokenizer_pre!r} names the pre-tokenizer of a byte-level BPE tokenizer, but "
+                         f"tokenizer={type(tokenizer).__name__} is a SentencePiece one, for which llama.cpp's converter "
+                         f"always writes 'default': leave tokenizer_pre (--tokenizer-pre) out")
+    check_token_ids(tokenizer, n_vocab)
+    writer = gguf.GGUFWriter(None, arch or "llama")
+    try:
+        origin = add_sentencepiece_vocab(writer, tokenizer, n_vocab, arch, config, gguf)
+    except ValueError:
+        writer.close()
+        raise
+    return GGUFTokenizer(_entries(writer), f"the transformers tokenizer's {origin}")

@@ -266,8 +266,8 @@ def save_gguf(model, path, *, vocab=None, tokenizer=None, float_matrices=None, g
             Flax one (``mixle.lm.flax_causal_lm``): float, after ``apply_qat`` or ``convert``.
         path: the ``.gguf`` file to write (replaced if it exists).
         vocab, tokenizer, source_gguf, tokenizer_pre: the tokenizer, as ``gguf_tokenizer`` takes them: each
-            id's token; a Hugging Face byte-level BPE tokenizer (as llama.cpp's converter writes it; ``tokenizer_pre``:
-            its pre-tokenizer name), a mixle Char/ByteTokenizer; or the GGUF the model was read from (copied verbatim).
+            id's token; a Hugging Face byte-level BPE or SentencePiece tokenizer (as llama.cpp's converter writes it;
+            ``tokenizer_pre``: a byte-level BPE's pre-tokenizer name), a mixle Char/ByteTokenizer; or the GGUF the model was read from (copied verbatim).
         float_matrices: how float weight matrices are stored: ``"q8_0"`` (default), ``"f16"``, ``"f32"``.
         gguf_mix: instead, a llama.cpp ftype (``"Q4_K_M"``, ...: ``mixle.gguf.mixes.GGUF_MIXES``):
             float matrices become what llama.cpp's quantizer makes of them, QAT layers must be on
