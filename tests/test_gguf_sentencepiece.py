@@ -227,3 +227,19 @@ def test_another_tokenizers_sentencepiece_file_an_architecture_and_a_pre_tokeniz
     with pytest.raises(ValueError, match=r"the SentencePiece file '.*swapped/tokenizer.model' is not this tokenizer's "
                                          r"\(id \d+ is"):
         gguf_tokenizer(n_vocab, tokenizer=loaded, arch="gemma3")
+
+
+def test_the_float_checkpoint_keeps_the_tokenizer_model_and_writes_the_same_keys(gemma, tmp_path):
+    """transformers does not save tokenizer.model again: save_pretrained_float copies it, so the
+    checkpoint it writes (finetune's hf/) gives the same GGUF tokenizer as the directory it came from."""
+    import mixle
+
+    directory, _, tokenizer, model, path = gemma
+    mixle.save_pretrained_float(model, tmp_path / "hf", tokenizer=tokenizer)
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (directory / "tokenizer.model").read_bytes()
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    save_gguf(model, tmp_path / "again.gguf", tokenizer=again, float_matrices="f32")
+    # save_pretrained writes the class's default <mask> into tokenizer_config.json, so the directory
+    # now names it (llama.cpp's converter then writes its id as well): the one key that differs
+    mask = {"tokenizer.ggml.mask_token_id": [["UINT32"], again.convert_tokens_to_ids("<mask>")]}
+    assert jsonable(tokenizer_fields(tmp_path / "again.gguf")) == {**jsonable(tokenizer_fields(path)), **mask}

@@ -18,10 +18,12 @@ place for them.
 import contextlib
 import copy
 import os
+import shutil
 from pathlib import Path
 
 from mixle._optional import require
 from mixle.core.fileformat import replace_directory_atomically
+from mixle.gguf.sentencepiece_vocab import sentencepiece_file
 
 __all__ = ["save_pretrained_float", "check_savable"]
 
@@ -186,7 +188,16 @@ def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
         with _as_float_model(model):
             model.save_pretrained(tmp, state_dict=state)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            _save_tokenizer(tokenizer, tmp)
         return info
 
     return replace_directory_atomically(target, write, overwrite)
+
+
+def _save_tokenizer(tokenizer, directory):
+    """``tokenizer.save_pretrained(directory)``, with the SentencePiece ``tokenizer.model`` it was loaded
+    from (transformers does not save it again, and a GGUF's token scores come from it)."""
+    tokenizer.save_pretrained(directory)
+    model_file = sentencepiece_file(tokenizer)
+    if model_file is not None and not os.path.exists(os.path.join(directory, "tokenizer.model")):
+        shutil.copyfile(model_file, os.path.join(directory, "tokenizer.model"))
