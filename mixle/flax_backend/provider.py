@@ -38,8 +38,22 @@ from flax import nnx
 from mixle.core.checks import check_array
 from mixle.core.numerics import block_shape, clip_threshold
 from mixle.flax_backend import int_matmul, qwix_seam
-from mixle.flax_backend.fake_quant import fake_quantize_weight
+from mixle.flax_backend.fake_quant import fake_quantize_weight as _fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
+
+
+def fake_quantize_weight(*args, **kwargs):
+    """``fake_quant.fake_quantize_weight`` with jit enabled inside the intercepted call.
+
+    Qwix runs the intercepted module with jit disabled (see ``QATProvider``), which would
+    inline every ``jax.numpy`` helper of mixle's quantizer: traced op by op, the block searches
+    of llama.cpp's grids (K-quants, importance-weighted) took tens of seconds per kernel to
+    trace (``apply_qat``'s probe, every ``jit``) and compiled into a graph ten times the size.
+    The quantizer calls no intercepted op (no product, einsum or convolution), so no patched
+    op is baked into those helpers' trace caches; the values are the same.
+    """
+    with jax.disable_jit(False):
+        return _fake_quantize_weight(*args, **kwargs)
 
 
 def uses_mixle_numerics(spec):
