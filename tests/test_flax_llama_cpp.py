@@ -189,7 +189,10 @@ def test_importance_weighted_qat_from_flax_writes_the_torch_file(tmp_path):
 
     torch_model, flax_model = _twins(_checkpoint(tmp_path, tied=False))
     rng = np.random.default_rng(4)
-    paths = [name for name, module in torch_model.named_modules() if isinstance(module, torch.nn.Linear)]
+    # Weighted: an attention and an MLP kernel (rows of 256 and of 512) and the head (outside
+    # "model."); the other kernels keep the plain search, so each importance must reach its own path.
+    paths = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    assert all(isinstance(torch_model.get_submodule(path), torch.nn.Linear) for path in paths)
     importance = {path: np.abs(rng.standard_normal(torch_model.get_submodule(path).in_features)).astype(np.float32)
                   for path in paths}
     apply_qat(torch_model, grid="q4_k", importance=importance)

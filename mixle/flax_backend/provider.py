@@ -42,6 +42,20 @@ from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
 
 
+def _fake_quantize_jitted(*args, **kwargs):
+    """``fake_quantize_weight`` with jit enabled inside the intercepted call.
+
+    Qwix runs the intercepted module with jit disabled (see ``QATProvider``), which would
+    inline every ``jax.numpy`` helper of mixle's quantizer: traced op by op, the block searches
+    of llama.cpp's grids (K-quants, importance-weighted) took tens of seconds per kernel to
+    trace (``apply_qat``'s probe, every ``jit``) and compiled into a graph ten times the size.
+    The quantizer calls no intercepted op (no product, einsum or convolution), so no patched
+    op is baked into those helpers' trace caches; the values are the same.
+    """
+    with jax.disable_jit(False):
+        return fake_quantize_weight(*args, **kwargs)
+
+
 def uses_mixle_numerics(spec):
     """True when the weight is fake-quantized by mixle's own numerics (``fake_quantize_weight``):
     integer weights with mixle's calibration, no activation and no gradient quantization.
@@ -291,8 +305,8 @@ class QATProvider(qwix_seam.QtProviderBase):
                 # float32 master weight is fake-quantized, and its values cast once, so training
                 # sees the lattice convert stores.
                 master = _cast_master(module, name, w)
-                w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}",
-                                         importance=self.importance.get(path)).astype(w.dtype)
+                w = _fake_quantize_jitted(master, contracting, spec, f"module {path!r}, weight {name!r}",
+                                          importance=self.importance.get(path)).astype(w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
                 # Nothing else is quantized: the plain product (its backward is the textbook STE).
@@ -388,7 +402,7 @@ class QATProvider(qwix_seam.QtProviderBase):
         _check_conv_dtypes(spec, path, name)
         weight_qtype = rule.weight_qtype
         if uses_mixle_numerics(spec):
-            rhs, weight_qtype = fake_quantize_weight(rhs, inputs, spec, f"module {path!r}, weight {name!r}"), None
+            rhs, weight_qtype = _fake_quantize_jitted(rhs, inputs, spec, f"module {path!r}, weight {name!r}"), None
             if rule.bwd_qtype is None:
                 return plain(rhs)
         elif spec.clip_percentile is not None and spec.clip_percentile < 100:
@@ -462,7 +476,7 @@ class QATProvider(qwix_seam.QtProviderBase):
             self._record(path, "embedding", QUANTIZED, layout=(1,))
             self.tied.add(path)
             # flax's own attend computation on the fake-quantized table: what the converted model runs.
-            return _dot_transposed(query, fake_quantize_weight(table, (1,), rule.spec, f"module {path!r}, embedding"),
+            return _dot_transposed(query, _fake_quantize_jitted(table, (1,), rule.spec, f"module {path!r}, embedding"),
                                    **kwargs)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
@@ -488,7 +502,7 @@ class QATProvider(qwix_seam.QtProviderBase):
         check_array(table, f"module {path!r}, embedding")
         spec = rule.spec
         if uses_mixle_numerics(spec):
-            return jnp.take(fake_quantize_weight(table, (1,), spec, f"module {path!r}, embedding"), inputs, axis=0)
+            return jnp.take(_fake_quantize_jitted(table, (1,), spec, f"module {path!r}, embedding"), inputs, axis=0)
         if spec.clip_percentile is not None and spec.clip_percentile < 100:
             table = clip_live(table, (1,), spec)
         if spec.granularity == "group":
