@@ -48,7 +48,7 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.lm.family import TRANSFORMERS
 from mixle.lm import finetune_baselines as baselines
-from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpoint, write_checkpoint
+from mixle.lm.finetune_checkpoint import CHECKPOINT, check_backend, check_new_out, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
@@ -60,7 +60,8 @@ from mixle.lm.llama_cpp_eval import (llama_cpp_loss, llama_cpp_module, llama_cpp
                                      window_texts)
 from mixle.lm.training import held_out_loss
 
-__all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory"]
+__all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory", "Evaluator",
+           "needed_bytes", "model_digest", "finish_run", "FinetuneRun"]
 
 # What the llama_cpp_text_* numbers are (results.json's llama_cpp.text).
 TEXT_EVALUATION = ("each window's text (as the model's tokenizer decodes it) tokenized by llama.cpp with the file's "
@@ -139,8 +140,14 @@ def check_output_room(out, needed_bytes):
                          f"space or choose another --out")
 
 
-def _needed_bytes(model, outputs, config):
-    """About the most bytes the run has on disk at once (a generous estimate)."""
+def needed_bytes(model, outputs, config):
+    """About the most bytes the run has on disk at once (a generous estimate).
+
+    >>> import torch
+    >>> needed_bytes(torch.nn.Linear(4, 4), {"gguf": True, "compressed_tensors": False}, FinetuneConfig(model="m",
+    ...              out="o")) > 2**20
+    True
+    """
     params = sum(p.numel() for p in model.parameters())
     checkpoint = 4 * params * (1 if config.lora else 3)  # trained tensors + AdamW's two moments
     quantized = params  # one byte per weight covers Q4_0 / Q8_0 / int codes and the float embedding
@@ -149,7 +156,13 @@ def _needed_bytes(model, outputs, config):
     return int(1.1 * (checkpoint + files + kept)) + 2**20
 
 
-def _model_digest(model):
+def model_digest(model):
+    """The sha256 of a torch model's state dict (names and bytes): what a resumed run must load again.
+
+    >>> import torch
+    >>> len(model_digest(torch.nn.Linear(2, 2)))
+    64
+    """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
@@ -236,11 +249,20 @@ def store_matmul_weights(model, dtype, keep=()):
                     module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
 
 
-class _Evaluator:
-    """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's."""
+class Evaluator:
+    """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's.
 
-    def __init__(self, config, data, tokenizer, gguf_tokenizer=None):
+    ``loss(model, windows, batch)`` is the held-out loss of a model (default: the torch job's
+    ``held_out_loss`` of a transformers model; the jax job passes its own).
+
+    >>> Evaluator.__name__
+    'Evaluator'
+    """
+
+    def __init__(self, config, data, tokenizer, gguf_tokenizer=None, loss=None):
         self.config, self.data, self.tokenizer = config, data, tokenizer
+        self.loss = loss or (lambda model, windows, batch: held_out_loss(model, windows, batch=batch,
+                                                                         family=TRANSFORMERS))
         self.gguf_tokenizer = gguf_tokenizer  # checked before training (check_vocabulary), written into every GGUF
         self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
         self.llama_cpp_info = llama_cpp_skipped() if config.llama_cpp else None
@@ -248,10 +270,10 @@ class _Evaluator:
 
     def mixle(self, model, row):
         batch = self.config.batch_size
-        row["loss"] = held_out_loss(model, self.data.eval_windows, batch=batch, family=TRANSFORMERS)
+        row["loss"] = self.loss(model, self.data.eval_windows, batch)
         row["perplexity"] = math.exp(row["loss"])
         if self.data.extra_windows is not None:
-            row["eval_data_loss"] = held_out_loss(model, self.data.extra_windows, batch=batch, family=TRANSFORMERS)
+            row["eval_data_loss"] = self.loss(model, self.data.extra_windows, batch)
             row["eval_data_perplexity"] = math.exp(row["eval_data_loss"])
         return row
 
@@ -448,8 +470,15 @@ def _vm_hwm():
     return None
 
 
-class _Run:
-    """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase."""
+class FinetuneRun:
+    """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase.
+
+    The jax job's run (``mixle.lm.finetune_jax``) is one too, with its own source check, evaluator,
+    evaluations and training.
+
+    >>> FinetuneRun.__name__
+    'FinetuneRun'
+    """
 
     def __init__(self, config, resume, progress, ranks):
         self.config, self.resume, self.progress, self.ranks = config, resume, progress, ranks
@@ -458,25 +487,35 @@ class _Run:
         self.out = Path(config.out)
         self.checkpoint_path = self.out / CHECKPOINT
         self.payload = read_checkpoint(self.checkpoint_path) if resume else None
-        if not resume:
+        if resume:
+            check_backend(self.payload, config, self.checkpoint_path)
+        else:
             check_new_out(self.out, config)
+        self.check_source()
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
         gguf_words = check_vocabulary(self.loaded, gguf=self.outputs["gguf"], tokenizer_pre=config.tokenizer_pre)
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
-        check_output_room(self.out, _needed_bytes(self.model, self.outputs, config))
-        self.inputs_digest = {"data": self.data.digest, "model": _model_digest(self.model)}
+        check_output_room(self.out, needed_bytes(self.model, self.outputs, config))
+        self.inputs_digest = {"data": self.data.digest, "model": model_digest(self.model)}
         digests = self.digests()
         if self.payload is not None and self.payload.get("digests") != digests:
             which = [k for k in digests if self.payload.get("digests", {}).get(k) != digests[k]]
             raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
                              f"({str(self.checkpoint_path)!r}): resume with the same --model, --data and --imatrix "
                              f"file")
-        self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer, gguf_words)
+        self.evaluator = self.make_evaluator(gguf_words)
         if not resume and config.overwrite:  # every input is checked: a checkpoint left there is another run's
             ranks.on_main(lambda: self.checkpoint_path.unlink(missing_ok=True))
+
+    def check_source(self):
+        """Refuse, before loading it, a ``--model`` this run cannot load (the torch job loads every kind)."""
+
+    def make_evaluator(self, gguf_words):
+        """The run's ``Evaluator`` (writing ``gguf_words`` into every GGUF)."""
+        return Evaluator(self.config, self.data, self.loaded.tokenizer, gguf_words)
 
     def digests(self):
         """What a resumed run must have in common with this one: the data's, the model's and the
@@ -593,7 +632,8 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         NonFiniteLossError: training diverged; the last checkpoint is kept.
 
     Under ``torchrun`` (``mixle.lm.finetune_distributed``) every process trains its shards of the
-    model; rank 0 writes the files and returns the results, the other processes return None.
+    model; rank 0 writes the files and returns the results, the other processes return None. With
+    ``config.backend == "jax"`` the run is ``mixle.lm.finetune_jax.run_finetune_jax``'s.
 
     >>> run_finetune(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -602,16 +642,37 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
     """
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    if config.backend == "jax":
+        from mixle.lm.finetune_jax import run_finetune_jax
+
+        return run_finetune_jax(config, resume=resume, progress=progress, callback=callback)
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
     with _threads(torch, config.threads) as threads, processes(config) as ranks:
-        run = _Run(config, resume, progress, ranks)
+        run = FinetuneRun(config, resume, progress, ranks)
         rows = run.before()
         student, state, model_info = run.train(rows, callback)
         if student is None:  # not rank 0 under torchrun: rank 0 evaluates the gathered model and writes
             return None
         row, files = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
         run.peaks.end("QAT evaluation and files")
+    environment = {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
+                   "device": config.device, "platform": platform.platform()}
+    return finish_run(config, run, rows, row, files, state, model_info, environment, began)
+
+
+def finish_run(config, run, rows, row, files, state, model_info, environment, began):
+    """Write the results of a finished run (``write_outputs``), remove its checkpoint; returns the results.
+
+    Args:
+        config: the run's ``FinetuneConfig``; run: its ``FinetuneRun``.
+        rows: the rows before training; row: the QAT row; files: ``{kind: file}`` written.
+        state: the loop's ``TrainState``; model_info: the model's entries of ``results["model"]``.
+        environment: the run's ``results["environment"]`` so far; began: ``time.perf_counter()`` at its start.
+
+    >>> finish_run  # doctest: +ELLIPSIS
+    <function finish_run at ...>
+    """
     imatrix, kept = run.baseline_info(rows)
     results = {
         "config": dataclasses.asdict(config),
@@ -624,9 +685,7 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         "files": {**files, **kept},
         "imatrix": imatrix,
         "llama_cpp": run.evaluator.llama_cpp_info,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
-                        "device": config.device, "platform": platform.platform(),
-                        "total_seconds": round(time.perf_counter() - began, 2),
+        "environment": {**environment, "total_seconds": round(time.perf_counter() - began, 2),
                         "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
     }
     write_outputs(results, run.out)

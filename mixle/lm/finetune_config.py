@@ -19,10 +19,12 @@ from mixle.core.spec import QuantSpec
 from mixle.lm.flags import option, positive_int
 
 __all__ = ["FinetuneConfig", "parse_target", "parse_mix", "OBJECTIVES", "DTYPES", "GPTQ_MODES", "IMATRIX_MODES",
-           "RESULT_FIELDS"]
+           "FRAMEWORKS", "RESULT_FIELDS"]
 
 OBJECTIVES = ("kl", "ce", "mix")
 DTYPES = ("float32", "bfloat16")
+# --backend: where the model is trained and evaluated (torch + transformers, or JAX on mixle's Flax causal LM).
+FRAMEWORKS = ("torch", "jax")
 # --gptq: off, one calibration pass for every matrix's Hessian, or GPTQ's sequential mode (a pass per matrix,
 # each through the earlier matrices already quantized: about as many forward passes of the calibration windows
 # as the model has matrices).
@@ -162,6 +164,10 @@ class FinetuneConfig:
             are calibrated on (evenly spread over the training split).
         qat_imatrix: with ``imatrix``, fake-quantize QAT with the importance (True) or with the
             reference quantizer (False; needed with ``lora``).
+        backend: ``"torch"`` (transformers' model) or ``"jax"`` (mixle's Flax causal LM,
+            ``mixle.lm.finetune_jax``: trained data-parallel over ``jax.devices()``); the jax backend
+            refuses the options it cannot honour (``--lora``, ``--learned-scales``, ``--gptq``,
+            ``--act-bits``, ``--dtype bfloat16``, a ``--device`` other than cpu).
         gptq: ``"off"``, ``"one-pass"`` or ``"sequential"`` (``GPTQ_MODES``): also report the row
             "GPTQ" (``mixle.gptq_quantize`` calibrated on the same training windows), for targets it
             rounds onto (int4 / int8 grids, q4_0, q8_0).
@@ -235,6 +241,10 @@ class FinetuneConfig:
     gptq: str = option("off", "also report GPTQ calibrated on the training windows: one-pass (every Hessian from one "
                               "pass), sequential (GPTQ's layer-by-layer mode: a pass per matrix, slow on large "
                               "models) or off (default); for int4 / int8 targets, q4_0 and q8_0", choices=GPTQ_MODES)
+    backend: str = option("torch", "torch (default: the transformers model) or jax (mixle's Flax causal LM of a "
+                                   "transformers Llama / Qwen2 / Mistral directory, trained data-parallel over "
+                                   "jax.devices(); without --lora, --learned-scales, --gptq, --act-bits, --dtype "
+                                   "bfloat16, --device)", choices=FRAMEWORKS)
 
     def __post_init__(self):
         for name in ("model", "out"):
@@ -254,6 +264,7 @@ class FinetuneConfig:
         self._check_target()
         self._check_act_bits()
         self._check_baselines()
+        self._check_backend()
 
     def _check_numbers(self):
         for name in _POSITIVE:
@@ -365,6 +376,24 @@ class FinetuneConfig:
             raise ValueError("--lora with --imatrix: LoRA adapts only layers without an importance matrix (the merged "
                              "weights are requantized by the reference quantizer); add --no-qat-imatrix (the PTQ "
                              "imatrix row stays) or leave --lora out")
+
+    def _check_backend(self):
+        """``backend`` is known; the jax backend is given no option it cannot honour (the reason otherwise)."""
+        if self.backend not in FRAMEWORKS:
+            raise ValueError(f"backend={self.backend!r} is unknown: use one of {FRAMEWORKS}")
+        if self.backend != "jax":
+            return
+        refused = [(flag, why) for flag, given, why in (
+            ("--lora", self.lora is not None, "it trains the quantized kernels themselves (no adapters)"),
+            ("--learned-scales", self.learned_scales, "its kernels fake-quantize with the grid's own scales"),
+            ("--gptq", self.gptq != "off", "GPTQ runs on the torch model only"),
+            ("--act-bits", self.act_bits is not None, "the Flax backend does not round llama.cpp's product inputs"),
+            ("--dtype bfloat16", self.dtype != "float32", "it trains and evaluates in float32"),
+            (f"--device {self.device}", self.device != "cpu", "it runs on jax.devices(), not on a torch device"))
+            if given]
+        if refused:
+            flag, why = refused[0]
+            raise ValueError(f"{flag} with --backend jax: {why}; leave {flag.split()[0]} out, or use --backend torch")
 
     def importance_mode(self):
         """``"off"``, ``"calibrate"`` or ``"file"`` (``imatrix`` is a llama-imatrix file's path).
