@@ -68,13 +68,13 @@ def _qat_arguments(model, config, importance=None):
     return arguments
 
 
-def _quantized(model, config, importance=None):
-    """PTQ of the Flax float ``model``: ``convert(apply_qat(copy, ...))`` (with the importance if given)."""
-    from mixle.api import apply_qat, convert
+def _fake_quantized(model, config, importance=None):
+    """A copy of the Flax float ``model`` fake-quantized for the target (with the importance if given)."""
+    from mixle.api import apply_qat
 
     copy = nnx.clone(model)
     apply_qat(copy, example_inputs=_EXAMPLE, **_qat_arguments(model, config, importance))
-    return convert(copy)
+    return copy
 
 
 def _recorder(found, path):
@@ -185,51 +185,65 @@ class JaxRun(FinetuneRun):
                          loss=lambda model, windows, batch: held_out_loss(model, windows, batch, self.mesh))
 
     def before(self):
-        """The float and PTQ rows, the importance matrix and "PTQ imatrix" (from the checkpoint when resuming)."""
+        """The float and PTQ rows, the importance matrix and "PTQ imatrix" (from the checkpoint when resuming).
+
+        A PTQ row is the fake-quantized float model, whose kernels' values are those ``convert``
+        stores (the same held-out loss, and ``save_gguf`` writes the same file from either): the
+        student before its first step is one of them, so its compiled forward serves both.
+        """
         if self.payload is not None:
             self.evaluator.llama_cpp_info = self.payload.get("llama_cpp")
             return self.payload["rows"]
+        config, evaluator, mix = self.config, self.evaluator, self.config.mix()
+        spec = mix or config.spec().short()
+        rows = [evaluator.mixle(self.flax_model, {"method": FLOAT})]
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
-            rows = self._float_and_ptq(scratch)
-        if self.config.importance_mode() == "calibrate":  # on the float model, from training windows only
-            self.importance = _calibrate(self.flax_model, self.model, self.data, self.config, self.out)
+            if self.outputs["gguf"] and evaluator.llama_cpp:
+                evaluator.gguf(self.flax_model, os.path.join(scratch, "float.gguf"), "f32", rows[0])
+            if config.importance_mode() == "calibrate":  # on the float model, from training windows only
+                self.importance = _calibrate(self.flax_model, self.model, self.data, config, self.out)
+            student = self._student()
+            ptq = student if self.qat_importance() is None else _fake_quantized(self.flax_model, config)
+            rows.append(self._row(ptq, {"method": PTQ, "spec": spec}))
+            if self.outputs["gguf"] and evaluator.llama_cpp:
+                evaluator.gguf(ptq, os.path.join(scratch, "ptq.gguf"), config.float_storage(), rows[-1], mix=mix)
         if self.importance is not None:
-            rows.append(self._ptq_imatrix())
+            weighted = student if self.qat_importance() is not None else _fake_quantized(self.flax_model, config,
+                                                                                          self.importance)
+            rows.append(self._row(weighted, {"method": PTQ_IMATRIX, "spec": spec, "file": baselines.PTQ_IMATRIX_FILE}))
+            values = baselines.target_importance(self.importance, config, ("lm_head",)) if mix else None
+            evaluator.gguf(weighted, os.path.join(self.out, baselines.PTQ_IMATRIX_FILE), config.float_storage(),
+                           rows[-1], mix=mix, importance=values)
         return rows
 
-    def _float_and_ptq(self, scratch):
-        config, evaluator, mix = self.config, self.evaluator, self.config.mix()
-        float_row = evaluator.mixle(self.flax_model, {"method": FLOAT})
-        if self.outputs["gguf"] and evaluator.llama_cpp:
-            evaluator.gguf(self.flax_model, os.path.join(scratch, "float.gguf"), "f32", float_row)
-        ptq = _quantized(self.flax_model, config)
-        ptq_row = evaluator.mixle(ptq, {"method": PTQ, "spec": mix or config.spec().short()})
-        if self.outputs["gguf"] and evaluator.llama_cpp:
-            evaluator.gguf(ptq, os.path.join(scratch, "ptq.gguf"), config.float_storage(), ptq_row, mix=mix)
-        return [float_row, ptq_row]
+    def _student(self):
+        """The trainer of the QAT-wrapped Flax model (made once; the teacher a copy of the float model)."""
+        if getattr(self, "trainer", None) is None:
+            from mixle.api import apply_qat, get_qat_report
 
-    def _ptq_imatrix(self):
-        config, mix = self.config, self.config.mix()
-        ptq = _quantized(self.flax_model, config, self.importance)
-        row = self.evaluator.mixle(ptq, {"method": PTQ_IMATRIX, "spec": mix or config.spec().short(),
-                                         "file": baselines.PTQ_IMATRIX_FILE})
-        values = baselines.target_importance(self.importance, config, ("lm_head",)) if mix else None
-        self.evaluator.gguf(ptq, os.path.join(self.out, baselines.PTQ_IMATRIX_FILE), config.float_storage(), row,
-                            mix=mix, importance=values)
-        return row
+            student = self.flax_model
+            teacher = None if self.config.distill_weight() == 0.0 else nnx.clone(student)
+            apply_qat(student, example_inputs=_EXAMPLE, **_qat_arguments(student, self.config, self.qat_importance()))
+            self.trainer = JaxTrainer(student, teacher, self.data, self.config, get_qat_report(student).wrapped,
+                                      self.mesh)
+        return self.trainer.model
+
+    def _row(self, model, row):
+        """``row`` with the held-out losses of ``model`` (the trainer's compiled forward for the student)."""
+        if model is self.flax_model and getattr(self, "trainer", None) is not None:
+            trainer = self.trainer
+            loss = lambda _, windows, batch: held_out_loss(  # noqa: E731
+                None, windows, batch, self.mesh, states=(trainer.graphdef, trainer.params, trainer.frozen))
+            return Evaluator(self.config, self.data, None, loss=loss).mixle(None, row)
+        return self.evaluator.mixle(model, row)
 
     def train(self, rows, callback):
-        """Wrap the Flax model for QAT, continue from the checkpoint if any, and train."""
-        from mixle.api import apply_qat, get_qat_report
-
+        """Continue from the checkpoint if any, and train the student."""
+        self._student()
         self.model = self.loaded.model = None  # the transformers twin's checks are done: its memory goes
         self.peaks.end("loading and float / PTQ evaluation")
         return_free_memory()
-        student = self.flax_model
-        teacher = None if self.config.distill_weight() == 0.0 else nnx.clone(student)
-        apply_qat(student, example_inputs=_EXAMPLE, **_qat_arguments(student, self.config, self.qat_importance()))
-        trained = get_qat_report(student).wrapped
-        trainer = JaxTrainer(student, teacher, self.data, self.config, trained, self.mesh)
+        trainer = self.trainer
         if self.payload is not None:
             trainer.load_state_dict(self.payload, self.checkpoint_path)
             self.payload = None
@@ -237,6 +251,7 @@ class JaxRun(FinetuneRun):
             self.save(trainer, rows)  # before the first step: a full disk shows here, not at the end
         state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
         count = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(trainer.params))
+        teacher = trainer.teacher
         student = trainer.finish()
         self.peaks.end("training")
         info = {"backend": "jax", "trained_parameters": count, "trained_kernels": len(trainer.names),
@@ -245,19 +260,17 @@ class JaxRun(FinetuneRun):
         return student, state, info
 
     def after(self, student):
-        """The QAT row of the converted model; the GGUF and compressed-tensors files."""
-        from mixle.api import convert
-
+        """The QAT row (the trained fake-quantized model: the values ``convert`` stores); the GGUF and
+        compressed-tensors files, written from it as from its converted copy."""
         config, evaluator = self.config, self.evaluator
         importance = self.qat_importance()
-        fake = held_out_loss(student, self.data.eval_windows, config.batch_size, self.mesh)
-        converted = convert(student)
-        row = evaluator.mixle(converted, {"method": QAT if importance is None else QAT_IMATRIX,
-                                          "spec": config.mix() or config.spec().short(), "fake_quant_loss": fake})
+        row = self._row(student, {"method": QAT if importance is None else QAT_IMATRIX,
+                                  "spec": config.mix() or config.spec().short()})
+        row = {**row, "fake_quant_loss": row["loss"]}
         files = {}
         if self.outputs["gguf"]:
             mixed = importance.values if importance is not None and config.mix() else None
-            evaluator.gguf(converted, os.path.join(self.out, GGUF_FILE), config.float_storage(), row,
+            evaluator.gguf(student, os.path.join(self.out, GGUF_FILE), config.float_storage(), row,
                            mix=config.mix(), importance=mixed)
             files["gguf"] = GGUF_FILE
         if self.outputs["compressed_tensors"]:

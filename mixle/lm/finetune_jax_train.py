@@ -90,6 +90,16 @@ def _micro_step(params, frozen, teacher_state, windows, *, graphdef, teacher, te
 
 
 @jax.jit
+def _zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+@jax.jit
+def _finite(tree):
+    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]))
+
+
+@jax.jit
 def _add(total, grads):
     return jax.tree.map(jnp.add, total, grads)
 
@@ -186,8 +196,7 @@ class JaxTrainer(Trainer):
         self.params, self.frozen = _replicated(mesh, params), _replicated(mesh, frozen)
         self.teacher, self.teacher_state = (None, None) if teacher is None else nnx.split(teacher)
         self.teacher_state = None if teacher is None else _replicated(mesh, self.teacher_state)
-        zeros = jax.tree.map(jnp.zeros_like, self.params)
-        self.exp_avg, self.exp_avg_sq = zeros, zeros
+        self.exp_avg, self.exp_avg_sq = _zeros(self.params), _zeros(self.params)
         self.ids = np.asarray(data.train_ids.numpy() if hasattr(data.train_ids, "numpy") else data.train_ids)
         self._order, self._order_epoch = None, None
 
@@ -221,7 +230,7 @@ class JaxTrainer(Trainer):
 
     def weights_finite(self):
         """Whether every trained tensor is finite."""
-        return all(bool(jnp.isfinite(v).all()) for v in jax.tree.leaves(self.params))
+        return bool(_finite(self.params))
 
     # ------------------------------------------------------------------ one step
 
@@ -240,17 +249,25 @@ class JaxTrainer(Trainer):
                 state.epoch, state.position = state.epoch + 1, 0
         return np.concatenate(taken)
 
+    def micro_step(self, starts):
+        """``(loss, gradient)`` of the micro-batch of windows at ``starts``: its share of a step's loss.
+
+        >>> JaxTrainer.micro_step  # doctest: +ELLIPSIS
+        <function JaxTrainer.micro_step at ...>
+        """
+        config = self.finetune_config
+        windows = self.ids[np.asarray(starts)[:, None] + np.arange(config.block + 1)].astype(np.int32)
+        return _micro_step(self.params, self.frozen, self.teacher_state, _sharded(self.mesh, windows),
+                           graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
+                           weight=config.distill_weight(), scale=1.0 / (config.batch_size * config.block *
+                                                                        config.accumulate))
+
     def step(self):
         """One optimizer step; returns its loss (the micro-batches' values summed)."""
         config = self.finetune_config
-        scale = 1.0 / (config.batch_size * config.block * config.accumulate)
-        offsets = np.arange(config.block + 1)
         value, total = 0.0, None
         for _ in range(config.accumulate):
-            windows = self.ids[self._next_starts(config.batch_size)[:, None] + offsets].astype(np.int32)
-            loss, grads = _micro_step(self.params, self.frozen, self.teacher_state, _sharded(self.mesh, windows),
-                                      graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
-                                      weight=config.distill_weight(), scale=scale)
+            loss, grads = self.micro_step(self._next_starts(config.batch_size))
             loss = float(loss)
             if not math.isfinite(loss):
                 raise self.diverged(f"the training loss became {loss}")
