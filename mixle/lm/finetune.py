@@ -67,6 +67,8 @@ __all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teache
 TEXT_EVALUATION = ("each window's text (as the model's tokenizer decodes it) tokenized by llama.cpp with the file's "
                    "tokenizer, as a user's prompt is (special tokens parsed, no BOS); llama_cpp_text_same_tokens: "
                    "windows llama.cpp split into exactly the ids the model's tokenizer makes of that text")
+# --backend values run by another module (built on this one's run): name -> (module, function).
+OTHER_BACKENDS = {"jax": ("mixle.lm.finetune_jax", "run_finetune_jax")}
 EXCLUDE = ("lm_head",)  # the head (tied to the embedding or not) stays float, as PTQ leaves it
 
 
@@ -642,10 +644,12 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
     """
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
-    if config.backend == "jax":
-        from mixle.lm.finetune_jax import run_finetune_jax
+    if config.backend in OTHER_BACKENDS:  # found by name, as mixle.backends finds a backend's module
+        import importlib
 
-        return run_finetune_jax(config, resume=resume, progress=progress, callback=callback)
+        module, function = OTHER_BACKENDS[config.backend]
+        return getattr(importlib.import_module(module), function)(config, resume=resume, progress=progress,
+                                                                  callback=callback)
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
     with _threads(torch, config.threads) as threads, processes(config) as ranks:
