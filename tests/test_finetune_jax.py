@@ -24,7 +24,7 @@ gguf = pytest.importorskip("gguf")
 import jax.numpy as jnp  # noqa: E402
 
 from mixle.lm.data import default_text  # noqa: E402
-from mixle.lm.finetune import run_finetune  # noqa: E402
+from mixle.lm.finetune_run import run_finetune  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_data import window_order  # noqa: E402

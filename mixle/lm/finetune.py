@@ -1,6 +1,6 @@
 """``mixle finetune``: from a pretrained checkpoint to a better quantized file, in one run.
 
-The job (``run_finetune``):
+The torch job (``run_finetune_torch``; ``mixle.lm.finetune_run.run_finetune`` runs each backend's):
 
 1. checks the output directory (new or empty unless ``--overwrite``; writable, room for the files
    and the checkpoint), loads the model and its tokenizer (``mixle.lm.finetune_load``) and checks
@@ -54,21 +54,19 @@ from mixle.lm.finetune_data import prepare_finetune_data
 from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
-                                     summarize, write_outputs)
+                                     finish_run)
 from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
 from mixle.lm.llama_cpp_eval import (llama_cpp_loss, llama_cpp_module, llama_cpp_skipped, llama_cpp_text_loss,
                                      window_texts)
 from mixle.lm.training import held_out_loss
 
-__all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory", "Evaluator",
-           "needed_bytes", "model_digest", "finish_run", "FinetuneRun"]
+__all__ = ["run_finetune_torch", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory", "Evaluator",
+           "needed_bytes", "model_digest", "FinetuneRun"]
 
 # What the llama_cpp_text_* numbers are (results.json's llama_cpp.text).
 TEXT_EVALUATION = ("each window's text (as the model's tokenizer decodes it) tokenized by llama.cpp with the file's "
                    "tokenizer, as a user's prompt is (special tokens parsed, no BOS); llama_cpp_text_same_tokens: "
                    "windows llama.cpp split into exactly the ids the model's tokenizer makes of that text")
-# --backend values run by another module (built on this one's run): name -> (module, function).
-OTHER_BACKENDS = {"jax": ("mixle.lm.finetune_jax", "run_finetune_jax")}
 EXCLUDE = ("lm_head",)  # the head (tied to the embedding or not) stays float, as PTQ leaves it
 
 
@@ -611,16 +609,8 @@ class FinetuneRun:
         return student, state, {"trained_parameters": trained, **sharing, **sharded}
 
 
-def _training_info(state, config):
-    tokens_per_step = config.batch_size * config.block * config.accumulate
-    return {"steps_done": state.step, "steps_planned": state.horizon, "stopped_by": state.stopped_by,
-            "seconds": round(state.seconds, 2), "tokens": state.tokens,
-            "seconds_per_step": state.seconds / max(1, state.step),
-            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds)}
-
-
-def run_finetune(config, *, resume=False, progress=True, callback=None):
-    """Run the finetune job of ``config`` (see the module docstring); returns the results dict.
+def run_finetune_torch(config, *, resume=False, progress=True, callback=None):
+    """Run the torch finetune job of ``config`` (see the module docstring); returns the results dict.
 
     Args:
         config: a ``FinetuneConfig``.
@@ -634,22 +624,19 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
         NonFiniteLossError: training diverged; the last checkpoint is kept.
 
     Under ``torchrun`` (``mixle.lm.finetune_distributed``) every process trains its shards of the
-    model; rank 0 writes the files and returns the results, the other processes return None. With
-    ``config.backend == "jax"`` the run is ``mixle.lm.finetune_jax.run_finetune_jax``'s.
+    model; rank 0 writes the files and returns the results, the other processes return None.
+    ``mixle.lm.finetune_run.run_finetune`` runs this for ``backend="torch"``.
 
-    >>> run_finetune(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
+    >>> run_finetune_torch(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     FileNotFoundError: model='/no/such/model' does not exist: ...
     """
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
-    if config.backend in OTHER_BACKENDS:  # found by name, as mixle.backends finds a backend's module
-        import importlib
-
-        module, function = OTHER_BACKENDS[config.backend]
-        return getattr(importlib.import_module(module), function)(config, resume=resume, progress=progress,
-                                                                  callback=callback)
+    if config.backend != "torch":
+        raise ValueError(f"backend={config.backend!r}: run_finetune_torch runs the torch job; "
+                         f"call mixle.lm.finetune_run.run_finetune, which runs each backend's")
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
     with _threads(torch, config.threads) as threads, processes(config) as ranks:
@@ -663,36 +650,3 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
     environment = {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
                    "device": config.device, "platform": platform.platform()}
     return finish_run(config, run, rows, row, files, state, model_info, environment, began)
-
-
-def finish_run(config, run, rows, row, files, state, model_info, environment, began):
-    """Write the results of a finished run (``write_outputs``), remove its checkpoint; returns the results.
-
-    Args:
-        config: the run's ``FinetuneConfig``; run: its ``FinetuneRun``.
-        rows: the rows before training; row: the QAT row; files: ``{kind: file}`` written.
-        state: the loop's ``TrainState``; model_info: the model's entries of ``results["model"]``.
-        environment: the run's ``results["environment"]`` so far; began: ``time.perf_counter()`` at its start.
-
-    >>> finish_run  # doctest: +ELLIPSIS
-    <function finish_run at ...>
-    """
-    imatrix, kept = run.baseline_info(rows)
-    results = {
-        "config": dataclasses.asdict(config),
-        "model": {**run.loaded.info, **model_info},
-        "data": run.data.info,
-        "rows": [*rows, row],
-        "summary": summarize([*rows, row]),
-        "training": _training_info(state, config),
-        "curve": state.curve,
-        "files": {**files, **kept},
-        "imatrix": imatrix,
-        "llama_cpp": run.evaluator.llama_cpp_info,
-        "environment": {**environment, "total_seconds": round(time.perf_counter() - began, 2),
-                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
-    }
-    write_outputs(results, run.out)
-    if run.checkpoint_path.exists():
-        os.remove(run.checkpoint_path)
-    return results

@@ -34,11 +34,12 @@ import numpy as np
 from flax import nnx
 
 from mixle.lm import finetune_baselines as baselines
-from mixle.lm.finetune import Evaluator, FinetuneRun, finish_run
+from mixle.lm.finetune import Evaluator, FinetuneRun
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_jax_train import JaxTrainer, data_mesh, held_out_loss
 from mixle.lm.finetune_load import model_kind
-from mixle.lm.finetune_report import COMPRESSED_DIR, FLOAT, GGUF_FILE, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX
+from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
+                                     finish_run)
 from mixle.lm.finetune_train import return_free_memory
 
 __all__ = ["run_finetune_jax", "JaxRun", "collect_importance", "flax_exclude"]
@@ -284,7 +285,7 @@ class JaxRun(FinetuneRun):
 
 
 def run_finetune_jax(config, *, resume=False, progress=True, callback=None, devices=None):
-    """``run_finetune`` of a ``FinetuneConfig`` with ``backend="jax"`` (see the module docstring).
+    """``mixle.lm.finetune_run.run_finetune`` of a ``FinetuneConfig`` with ``backend="jax"`` (see the module docstring).
 
     Args:
         config: the ``FinetuneConfig``.
