@@ -67,6 +67,7 @@ def whole(llama, tmp_path_factory):
 
     def keep(trainer):
         final.update(_trained(trainer))
+        final["graphdef"] = trainer.graphdef
         if trainer.state.step == STEPS:  # the trained weights' loss on the first step's windows
             first = window_order(len(trainer.ids), 16, seed=0, epoch=0).numpy()[:2]
             final["first windows"] = float(trainer.micro_step(first)[0])
@@ -139,9 +140,10 @@ def test_resume_after_sigint_gives_the_uninterrupted_runs_weights_and_refuses_an
     assert "--backend 'torch' differs from the interrupted run's 'jax'" in capsys.readouterr().err
     final = {}
     results = run_finetune(_config(llama, out), resume=True, progress=False,
-                           callback=lambda t: final.update(_trained(t)))
+                           callback=lambda t: final.update(_trained(t), graphdef=t.graphdef))
+    assert final["graphdef"] is whole[2]["graphdef"]  # the same configuration: the compiled steps are reused
     for name, value in whole[2].items():
-        if name == "first windows":
+        if name in ("first windows", "graphdef"):
             continue
         np.testing.assert_array_equal(final[name], value, err_msg=name)
     assert results["rows"] == whole[1]["rows"] and results["curve"] == whole[1]["curve"]

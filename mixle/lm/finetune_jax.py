@@ -69,6 +69,24 @@ def _qat_arguments(model, config, importance=None):
     return arguments
 
 
+def _made(model, arguments):
+    """How ``apply_qat(model, **arguments)`` makes a student, hashable: the float model's graphdef and the
+    arguments (the importance by its bytes' digest), for ``JaxTrainer``'s reuse of compiled steps."""
+    import hashlib
+
+    described = []
+    for name, value in sorted(arguments.items()):
+        if name == "importance":
+            digest = hashlib.sha256()
+            for path in sorted(value):
+                array = np.ascontiguousarray(value[path])
+                digest.update(f"{path}:{array.dtype}:{array.shape};".encode())
+                digest.update(array.tobytes())
+            value = digest.hexdigest()
+        described.append((name, value))
+    return nnx.graphdef(model), tuple(described)
+
+
 def _fake_quantized(model, config, importance=None):
     """A copy of the Flax float ``model`` fake-quantized for the target (with the importance if given)."""
     from mixle.api import apply_qat
@@ -224,9 +242,11 @@ class JaxRun(FinetuneRun):
 
             student = self.flax_model
             teacher = None if self.config.distill_weight() == 0.0 else nnx.clone(student)
-            apply_qat(student, example_inputs=_EXAMPLE, **_qat_arguments(student, self.config, self.qat_importance()))
+            arguments = _qat_arguments(student, self.config, self.qat_importance())
+            made = _made(student, arguments)
+            apply_qat(student, example_inputs=_EXAMPLE, **arguments)
             self.trainer = JaxTrainer(student, teacher, self.data, self.config, get_qat_report(student).wrapped,
-                                      self.mesh)
+                                      self.mesh, made=made)
         return self.trainer.model
 
     def _row(self, model, row):

@@ -12,8 +12,15 @@ the steps (curve, checkpoints, Ctrl-C / SIGTERM, ``--max-minutes``) is ``mixle.l
 Data parallelism: the windows of a micro-batch are sharded over the mesh's ``data`` axis, every
 parameter, the teacher and AdamW's moments are replicated; XLA sums the gradient over the devices.
 The mesh takes the most devices of ``jax.devices()`` that divide ``batch_size``.
+
+Compiled steps are reused: the jitted functions take the model's graphdef as a static argument, and
+a QAT-wrapped model's graphdef never equals another's (``apply_qat`` makes its module classes per
+call). A trainer given ``made`` (how its student was made from the float model) takes the graphdef
+of an earlier student made the same way, with the same state shapes (``reused_graphdef``): a
+second run of the same configuration in one process, or a resumed one, compiles nothing again.
 """
 
+import collections
 import functools
 import math
 from dataclasses import asdict
@@ -30,10 +37,37 @@ from mixle.lm.finetune_train import loop_config
 from mixle.lm.loop import Trainer, TrainState
 from mixle.lm.training import warmup_cosine
 
-__all__ = ["data_mesh", "token_loss", "held_out_loss", "JaxTrainer", "BETAS", "EPS"]
+__all__ = ["data_mesh", "token_loss", "held_out_loss", "JaxTrainer", "BETAS", "EPS", "reused_graphdef"]
 
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults
 _AXIS = "data"
+_GRAPHDEFS = collections.OrderedDict()  # (how made, structure, state shapes) -> the first such graphdef; newest last
+_KEPT = 4  # the structures whose graphdefs (and so compiled steps) stay reusable
+
+
+def reused_graphdef(graphdef, state, made):
+    """``graphdef``, or the graphdef of an earlier model of the same structure and ``state`` shapes made the
+    same way (``made``: hashable, e.g. the float model's graphdef and the QAT arguments), so that the
+    jitted functions keyed on it serve this model too. The last few are kept.
+
+    >>> from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+    >>> config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+    ...     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+    >>> first, second = (nnx.split(CausalLM(config, rngs=nnx.Rngs(i))) for i in range(2))
+    >>> reused_graphdef(*first, "float") is first[0], reused_graphdef(*second, "float") is first[0]
+    (True, True)
+    """
+    if made is None:
+        return graphdef
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    shapes = tuple((jax.tree_util.keystr(path), np.shape(value), str(getattr(value, "dtype", type(value))))
+                   for path, value in leaves)
+    key = (made, repr(graphdef), shapes)
+    kept = _GRAPHDEFS.pop(key, graphdef)
+    _GRAPHDEFS[key] = kept
+    while len(_GRAPHDEFS) > _KEPT:
+        _GRAPHDEFS.popitem(last=False)
+    return kept
 
 
 def data_mesh(batch_size, devices=None):
@@ -177,19 +211,23 @@ class JaxTrainer(Trainer):
         config: the run's ``FinetuneConfig``.
         trained: dotted paths of the trained Params (``layers.0.mlp.up_proj.kernel``).
         mesh: the ``data_mesh`` the steps run on.
+        made: how ``student`` was made from the float model (hashable), to reuse the compiled steps
+            of an earlier trainer of a student made so (``reused_graphdef``); None: compile its own.
 
     >>> JaxTrainer.__name__
     'JaxTrainer'
     """
 
-    def __init__(self, student, teacher, data, config, trained, mesh):  # noqa: D107 (no torch: the loop's fields only)
+    def __init__(self, student, teacher, data, config, trained, mesh, made=None):  # noqa: D107 (the loop's fields only)
         self.model, self.finetune_config, self.mesh, self.ranks = student, config, mesh, SINGLE
         self.config = loop_config(config)
         self.curve_windows, self.family = data.curve_windows, None
         self.state = TrainState(horizon=config.steps)
         self.schedule = warmup_cosine(config.warmup_steps(), floor=0.0)
         wanted = set(trained)
-        self.graphdef, params, frozen = nnx.split(student, lambda path, _: ".".join(map(str, path)) in wanted, ...)
+        graphdef, params, frozen = nnx.split(student, lambda path, _: ".".join(map(str, path)) in wanted, ...)
+        self.graphdef = reused_graphdef(graphdef, nnx.state(student),
+                                        None if made is None else (made, tuple(sorted(wanted))))
         self.names = sorted(_flat(params))
         if not self.names:
             raise ValueError("the model has no trainable parameters: check the target")
@@ -219,10 +257,10 @@ class JaxTrainer(Trainer):
             raise ValueError(f"resume: {str(source)!r} holds other trained tensors than this run trains "
                              f"(e.g. {sorted(set(saved) ^ set(mine))[:3]}): it belongs to another model or target")
 
-        def tree(tensors):
-            state = nnx.from_flat_state({path: jnp.asarray(tensors[".".join(map(str, path))].numpy())
-                                         for path, _ in nnx.to_flat_state(self.params)})
-            return _replicated(self.mesh, jax.tree.map(lambda new, old: new, state, self.params))
+        def tree(tensors):  # the structure of self.params (its Param nodes too): the compiled steps still fit
+            state = nnx.from_flat_state([(path, variable.replace(jnp.asarray(tensors[".".join(map(str, path))].numpy())))
+                                         for path, variable in nnx.to_flat_state(self.params)])
+            return _replicated(self.mesh, state)
 
         self.params = tree(saved)
         self.exp_avg, self.exp_avg_sq = tree(payload["optimizer"]["exp_avg"]), tree(payload["optimizer"]["exp_avg_sq"])
