@@ -291,8 +291,13 @@ class QATProvider(qwix_seam.QtProviderBase):
                 # float32 master weight is fake-quantized, and its values cast once, so training
                 # sees the lattice convert stores.
                 master = _cast_master(module, name, w)
-                w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}",
-                                         importance=self.importance.get(path)).astype(w.dtype)
+                # Qwix calls this with jit disabled, where lax loops run as Python loops: the weighted
+                # searches' loops over trials and elements would be unrolled (minutes of XLA compile).
+                # This interceptor is inactive while its handler runs, so jitted helpers traced here
+                # record the plain products: nothing of Qwix leaks into their caches.
+                with jax.disable_jit(False):
+                    w = fake_quantize_weight(master, contracting, spec, f"module {path!r}, weight {name!r}",
+                                             importance=self.importance.get(path)).astype(w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
                 # Nothing else is quantized: the plain product (its backward is the textbook STE).
