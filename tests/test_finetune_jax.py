@@ -150,6 +150,25 @@ def test_resume_after_sigint_gives_the_uninterrupted_runs_weights_and_refuses_an
     assert (out / "model.gguf").read_bytes() == (whole[0] / "model.gguf").read_bytes()
 
 
+def test_importance_collected_on_the_flax_model_is_torchs_calibrate_importance(llama):
+    from mixle.api import calibrate_importance
+    from mixle.lm.finetune_jax import collect_importance
+    from mixle.lm.flax_causal_lm import load_causal_lm
+
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(llama / "llama")
+    ids = np.random.default_rng(0).integers(0, torch_model.config.vocab_size, (6, 16))
+    batches = [ids[i : i + 2] for i in range(0, 6, 2)] + [ids[:1, :8]]  # the last: 8 rows, skipped (< 16)
+    sums, counts = collect_importance(load_causal_lm(llama / "llama"), batches)
+    want = calibrate_importance(torch_model, [torch.as_tensor(b) for b in batches], layers=sorted(sums))
+    assert len(sums) == 7 and set(sums) == set(want.sums)  # tied head: no lm_head
+    # Each batch sums 2 x 16 squares in float32 (torch and XLA in other orders), then the batches in float64;
+    # the inputs themselves differ by the rounding of the reductions behind them (at most 128 terms), doubled
+    # by the square: a relative difference of at most (32 + 2 * 128) float32 roundings (8 seen here).
+    for path in sums:
+        assert counts[path] == int(want.counts[path][0]) == 96, path
+        np.testing.assert_allclose(sums[path], want.sums[path][0], rtol=(32 + 2 * 128) * 2.0**-24, err_msg=path)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora", "4"], "--lora with --backend jax: it trains the quantized kernels themselves"),
     (["--gptq", "one-pass"], "--gptq with --backend jax: GPTQ runs on the torch model only"),
