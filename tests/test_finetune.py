@@ -29,7 +29,8 @@ from mixle import quantize_model, save_gguf  # noqa: E402
 from mixle.gguf.writer import load_gguf_weights  # noqa: E402
 from mixle.lm import cli  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
-from mixle.lm.finetune import run_finetune, shared_teacher  # noqa: E402
+from mixle.lm.finetune import shared_teacher  # noqa: E402
+from mixle.lm.finetune_run import run_finetune  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_train import NonFiniteLossError, Stopped, steps_that_fit  # noqa: E402

@@ -23,7 +23,7 @@ from mixle import quantize_model, save_gguf, save_pretrained_compressed  # noqa:
 from mixle.exports.compressed_tensors import check_quantization_config, load_pretrained_compressed  # noqa: E402
 from mixle.lm.cli import build_parser  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
-from mixle.lm.finetune import run_finetune  # noqa: E402
+from mixle.lm.finetune_run import run_finetune  # noqa: E402
 from mixle.lm.finetune_cli import config_from_finetune_args  # noqa: E402
 from mixle.lm.finetune_load import load_model  # noqa: E402
 from mixle.lm.finetune_train import Stopped  # noqa: E402

@@ -113,15 +113,15 @@ def q4_0_run(assets, tmp_path_factory):
                 last[path] = (module.quantized_weight().detach().clone(), module.weight.detach().clone(),
                               None if module.importance is None else module.importance.clone())
 
-    from mixle.lm import finetune
+    from mixle.lm import finetune_run
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(api, "calibrate_importance", spy)
-        config = finetune.FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(out),
+        config = finetune_run.FinetuneConfig(model=str(assets["llama"]), data=(str(assets["data"]),), out=str(out),
                                          steps=3, block=BLOCK, batch_size=2, eval_windows=4, lr=5e-4,
                                          threads=1, imatrix="calibrate",
                                          calibration_windows=WINDOWS)
-        results = finetune.run_finetune(config, progress=False, callback=keep)
+        results = finetune_run.run_finetune(config, progress=False, callback=keep)
     return {"out": out, "results": results, "spy": spy, "last": last}
 
 

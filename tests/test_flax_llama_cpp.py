@@ -183,6 +183,38 @@ def test_compressed_tensors_from_flax_equal_the_torch_files(tmp_path, tied):
         assert (tmp_path / "flax" / name).read_bytes() == (tmp_path / "torch" / name).read_bytes(), name
 
 
+def test_a_qat_models_weighted_forward_under_jit_is_numpys_search_and_compiles_as_loops():
+    # Qwix runs the product with jit disabled, where lax loops unroll: the weighted search's loops
+    # over trials and elements compiled for minutes. Now it compiles as loops, in seconds.
+    import time
+
+    from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+
+    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 16, "hidden_size": 32,
+                                       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "tie_word_embeddings": True})
+    quantized, reference = CausalLM(config, rngs=nnx.Rngs(0)), CausalLM(config, rngs=nnx.Rngs(0))
+    down = np.asarray(quantized.layers[0].mlp.down_proj.kernel[...])  # (in 64, out 32)
+    importance = np.abs(np.random.default_rng(6).standard_normal(64)).astype(np.float32)
+    spec = QuantSpec(grid="q4_0")
+    others = ("embed_tokens", *(f"layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")))
+    apply_qat(quantized, spec=spec, exclude=others, importance={"layers.0.mlp.down_proj": importance},
+              example_inputs=(jnp.zeros((1, 4), jnp.int32),))
+    assert get_qat_report(quantized).wrapped == ["layers.0.mlp.down_proj.kernel"]
+    want = quantize_array(down.T.copy(), spec, importance=importance).dequantize().T
+    assert not np.array_equal(want, quantize_array(down.T.copy(), spec).dequantize().T)  # the importance matters
+    reference.layers[0].mlp.down_proj.kernel[...] = jnp.asarray(want)
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, 16, (2, 8)), jnp.int32)
+    graphdef, state = nnx.split(quantized)
+    began = time.perf_counter()
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)).lower(state, ids).compile()
+    assert time.perf_counter() - began < 30  # unrolled: minutes on 2 CPU cores
+    plain_graphdef, plain_state = nnx.split(reference)
+    plain = jax.jit(lambda state, ids: nnx.merge(plain_graphdef, state)(ids))
+    np.testing.assert_array_equal(np.asarray(forward(state, ids)), np.asarray(plain(plain_state, ids)))
+
+
 def test_importance_weighted_qat_from_flax_writes_the_torch_file(tmp_path):
     pytest.importorskip("gguf")
     from mixle.gguf.writer import save_gguf

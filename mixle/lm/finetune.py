@@ -1,6 +1,6 @@
 """``mixle finetune``: from a pretrained checkpoint to a better quantized file, in one run.
 
-The job (``run_finetune``):
+The torch job (``run_finetune_torch``; ``mixle.lm.finetune_run.run_finetune`` runs each backend's):
 
 1. checks the output directory (new or empty unless ``--overwrite``; writable, room for the files
    and the checkpoint), loads the model and its tokenizer (``mixle.lm.finetune_load``) and checks
@@ -50,7 +50,7 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.lm.family import TRANSFORMERS
 from mixle.lm import finetune_baselines as baselines
-from mixle.lm.finetune_checkpoint import CHECKPOINT, check_new_out, read_checkpoint, write_checkpoint
+from mixle.lm.finetune_checkpoint import CHECKPOINT, check_backend, check_new_out, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_chat import chat_answers
 from mixle.lm.finetune_data import prepare_finetune_data
@@ -58,13 +58,14 @@ from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_hf import check_hf_checkpoint, write_hf_checkpoint
 from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
-                                     summarize, write_outputs)
+                                     finish_run)
 from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
 from mixle.lm.llama_cpp_eval import (llama_cpp_loss, llama_cpp_module, llama_cpp_skipped, llama_cpp_text_loss,
                                      window_texts)
 from mixle.lm.training import held_out_loss
 
-__all__ = ["run_finetune", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory"]
+__all__ = ["run_finetune_torch", "check_output_room", "target_outputs", "shared_teacher", "PeakMemory", "Evaluator",
+           "needed_bytes", "model_digest", "FinetuneRun"]
 
 # What the llama_cpp_text_* numbers are (results.json's llama_cpp.text).
 TEXT_EVALUATION = ("each window's text (as the model's tokenizer decodes it) tokenized by llama.cpp with the file's "
@@ -143,8 +144,14 @@ def check_output_room(out, needed_bytes):
                          f"space or choose another --out")
 
 
-def _needed_bytes(model, outputs, config):
-    """About the most bytes the run has on disk at once (a generous estimate)."""
+def needed_bytes(model, outputs, config):
+    """About the most bytes the run has on disk at once (a generous estimate).
+
+    >>> import torch
+    >>> needed_bytes(torch.nn.Linear(4, 4), {"gguf": True, "compressed_tensors": False}, FinetuneConfig(model="m",
+    ...              out="o")) > 2**20
+    True
+    """
     params = sum(p.numel() for p in model.parameters())
     checkpoint = 4 * params * (1 if config.lora else 3)  # trained tensors + AdamW's two moments
     quantized = params  # one byte per weight covers Q4_0 / Q8_0 / int codes and the float embedding
@@ -154,7 +161,13 @@ def _needed_bytes(model, outputs, config):
     return int(1.1 * (checkpoint + files + kept + hf)) + 2**20
 
 
-def _model_digest(model):
+def model_digest(model):
+    """The sha256 of a torch model's state dict (names and bytes): what a resumed run must load again.
+
+    >>> import torch
+    >>> len(model_digest(torch.nn.Linear(2, 2)))
+    64
+    """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
@@ -241,11 +254,20 @@ def store_matmul_weights(model, dtype, keep=()):
                     module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
 
 
-class _Evaluator:
-    """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's."""
+class Evaluator:
+    """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's.
 
-    def __init__(self, config, data, tokenizer, gguf_tokenizer=None):
+    ``loss(model, windows, batch)`` is the held-out loss of a model (default: the torch job's
+    ``held_out_loss`` of a transformers model; the jax job passes its own).
+
+    >>> Evaluator.__name__
+    'Evaluator'
+    """
+
+    def __init__(self, config, data, tokenizer, gguf_tokenizer=None, loss=None):
         self.config, self.data, self.tokenizer = config, data, tokenizer
+        self.loss = loss or (lambda model, windows, batch: held_out_loss(model, windows, batch=batch,
+                                                                         family=TRANSFORMERS))
         self.gguf_tokenizer = gguf_tokenizer  # checked before training (check_vocabulary), written into every GGUF
         self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
         self.llama_cpp_info = llama_cpp_skipped() if config.llama_cpp else None
@@ -253,10 +275,10 @@ class _Evaluator:
 
     def mixle(self, model, row):
         batch = self.config.batch_size
-        row["loss"] = held_out_loss(model, self.data.eval_windows, batch=batch, family=TRANSFORMERS)
+        row["loss"] = self.loss(model, self.data.eval_windows, batch)
         row["perplexity"] = math.exp(row["loss"])
         if self.data.extra_windows is not None:
-            row["eval_data_loss"] = held_out_loss(model, self.data.extra_windows, batch=batch, family=TRANSFORMERS)
+            row["eval_data_loss"] = self.loss(model, self.data.extra_windows, batch)
             row["eval_data_perplexity"] = math.exp(row["eval_data_loss"])
         if self.config.prompts:  # what the model says, beside how well it predicts (mixle.lm.finetune_chat)
             row["answers"] = chat_answers(model, self.tokenizer, self.config.prompts, self.config.answer_tokens)
@@ -459,8 +481,15 @@ def _vm_hwm():
     return None
 
 
-class _Run:
-    """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase."""
+class FinetuneRun:
+    """One finetune run: the loaded model, data, evaluations and the trainer, phase by phase.
+
+    The jax job's run (``mixle.lm.finetune_jax``) is one too, with its own source check, evaluator,
+    evaluations and training.
+
+    >>> FinetuneRun.__name__
+    'FinetuneRun'
+    """
 
     def __init__(self, config, resume, progress, ranks):
         self.config, self.resume, self.progress, self.ranks = config, resume, progress, ranks
@@ -469,8 +498,11 @@ class _Run:
         self.out = Path(config.out)
         self.checkpoint_path = self.out / CHECKPOINT
         self.payload = read_checkpoint(self.checkpoint_path) if resume else None
-        if not resume:
+        if resume:
+            check_backend(self.payload, config, self.checkpoint_path)
+        else:
             check_new_out(self.out, config)
+        self.check_source()
         self.loaded = load_model(config.model)
         self.model = self.loaded.model
         self.outputs = target_outputs(self.model, config.spec(), config.float_storage(), config.mix())
@@ -478,17 +510,24 @@ class _Run:
         gguf_words = check_vocabulary(self.loaded, gguf=self.outputs["gguf"], tokenizer_pre=config.tokenizer_pre)
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
-        check_output_room(self.out, _needed_bytes(self.model, self.outputs, config))
-        self.inputs_digest = {"data": self.data.digest, "model": _model_digest(self.model)}
+        check_output_room(self.out, needed_bytes(self.model, self.outputs, config))
+        self.inputs_digest = {"data": self.data.digest, "model": model_digest(self.model)}
         digests = self.digests()
         if self.payload is not None and self.payload.get("digests") != digests:
             which = [k for k in digests if self.payload.get("digests", {}).get(k) != digests[k]]
             raise ValueError(f"resume: the {' and '.join(which)} differ from the interrupted run's "
                              f"({str(self.checkpoint_path)!r}): resume with the same --model, --data and --imatrix "
                              f"file")
-        self.evaluator = _Evaluator(config, self.data, self.loaded.tokenizer, gguf_words)
+        self.evaluator = self.make_evaluator(gguf_words)
         if not resume and config.overwrite:  # every input is checked: a checkpoint left there is another run's
             ranks.on_main(lambda: self.checkpoint_path.unlink(missing_ok=True))
+
+    def check_source(self):
+        """Refuse, before loading it, a ``--model`` this run cannot load (the torch job loads every kind)."""
+
+    def make_evaluator(self, gguf_words):
+        """The run's ``Evaluator`` (writing ``gguf_words`` into every GGUF)."""
+        return Evaluator(self.config, self.data, self.loaded.tokenizer, gguf_words)
 
     def digests(self):
         """What a resumed run must have in common with this one: the data's, the model's and the
@@ -582,16 +621,8 @@ class _Run:
         return student, state, {"trained_parameters": trained, **sharing, **sharded}
 
 
-def _training_info(state, config):
-    tokens_per_step = config.batch_size * config.block * config.accumulate
-    return {"steps_done": state.step, "steps_planned": state.horizon, "stopped_by": state.stopped_by,
-            "seconds": round(state.seconds, 2), "tokens": state.tokens,
-            "seconds_per_step": state.seconds / max(1, state.step),
-            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds)}
-
-
-def run_finetune(config, *, resume=False, progress=True, callback=None):
-    """Run the finetune job of ``config`` (see the module docstring); returns the results dict.
+def run_finetune_torch(config, *, resume=False, progress=True, callback=None):
+    """Run the torch finetune job of ``config`` (see the module docstring); returns the results dict.
 
     Args:
         config: a ``FinetuneConfig``.
@@ -606,43 +637,29 @@ def run_finetune(config, *, resume=False, progress=True, callback=None):
 
     Under ``torchrun`` (``mixle.lm.finetune_distributed``) every process trains its shards of the
     model; rank 0 writes the files and returns the results, the other processes return None.
+    ``mixle.lm.finetune_run.run_finetune`` runs this for ``backend="torch"``.
 
-    >>> run_finetune(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
+    >>> run_finetune_torch(FinetuneConfig(model="/no/such/model", out="/tmp/x"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     FileNotFoundError: model='/no/such/model' does not exist: ...
     """
     if not isinstance(config, FinetuneConfig):
         raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
+    if config.backend != "torch":
+        raise ValueError(f"backend={config.backend!r}: run_finetune_torch runs the torch job; "
+                         f"call mixle.lm.finetune_run.run_finetune, which runs each backend's")
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
     with _threads(torch, config.threads) as threads, processes(config) as ranks:
-        run = _Run(config, resume, progress, ranks)
+        run = FinetuneRun(config, resume, progress, ranks)
         rows = run.before()
         student, state, model_info = run.train(rows, callback)
         if student is None:  # not rank 0 under torchrun: rank 0 evaluates the gathered model and writes
             return None
         row, files, hf = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
         run.peaks.end("QAT evaluation and files")
-    imatrix, kept = run.baseline_info(rows)
-    results = {
-        "config": dataclasses.asdict(config),
-        "model": {**run.loaded.info, **model_info},
-        "data": run.data.info,
-        "rows": [*rows, row],
-        "summary": summarize([*rows, row]),
-        "training": _training_info(state, config),
-        "curve": state.curve,
-        "files": {**files, **kept},
-        "imatrix": imatrix,
-        "hf": hf,
-        "llama_cpp": run.evaluator.llama_cpp_info,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
-                        "device": config.device, "platform": platform.platform(),
-                        "total_seconds": round(time.perf_counter() - began, 2),
-                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
-    }
-    write_outputs(results, run.out)
-    if run.checkpoint_path.exists():
-        os.remove(run.checkpoint_path)
-    return results
+    environment = {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
+                   "device": config.device, "platform": platform.platform()}
+    return finish_run(config, run, rows, row, files, state, model_info, environment, began,
+                      hf=hf)

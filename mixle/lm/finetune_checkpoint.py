@@ -17,7 +17,7 @@ from mixle._optional import require
 from mixle.core.fileformat import replace_atomically
 
 __all__ = ["CHECKPOINT", "FORMAT", "TRANSIENT", "write_checkpoint", "read_checkpoint", "config_of_checkpoint",
-           "check_new_out"]
+           "check_new_out", "check_backend"]
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = "mixle.finetune.checkpoint"
@@ -94,6 +94,23 @@ def config_of_checkpoint(payload, config_type, changes, path):
         saved[name] = value
     known = {f.name for f in dataclasses.fields(config_type)}
     return config_type(**{k: v for k, v in saved.items() if k in known})
+
+
+def check_backend(payload, config, path):
+    """Refuse to resume a checkpoint with another ``--backend`` than the one that wrote it (its trained
+    tensors and optimizer state are that backend's; a checkpoint without the field is torch's).
+
+    >>> from mixle.lm.finetune_config import FinetuneConfig
+    >>> check_backend({"config": {"backend": "jax"}}, FinetuneConfig(model="m", out="o"), "c.pt")
+    Traceback (most recent call last):
+    ...
+    ValueError: resume: 'c.pt' was written by --backend jax, this run is --backend torch: resume it with --backend jax (or leave --backend out on the command line), or start a new run with another --out
+    """
+    saved = dict(payload.get("config") or {}).get("backend", "torch")
+    if saved != config.backend:
+        raise ValueError(f"resume: {str(path)!r} was written by --backend {saved}, this run is --backend "
+                         f"{config.backend}: resume it with --backend {saved} (or leave --backend out on the command "
+                         f"line), or start a new run with another --out")
 
 
 def check_new_out(out, config):

@@ -62,7 +62,7 @@ def finetune_command(args):
     >>> finetune_command  # doctest: +ELLIPSIS
     <function finetune_command at ...>
     """
-    from mixle.lm.finetune import run_finetune
+    from mixle.lm.finetune_run import run_finetune
     from mixle.lm.finetune_report import format_table
     from mixle.lm.finetune_train import NonFiniteLossError, Stopped
 

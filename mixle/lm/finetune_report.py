@@ -4,9 +4,11 @@
 short model card) into the output directory, each through ``replace_atomically``.
 """
 
+import dataclasses
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 from mixle._optional import require
@@ -14,7 +16,8 @@ from mixle.lm.finetune_chat import answers_markdown
 from mixle.lm.report import MIN_DEGRADATION, plot_training_curve
 
 __all__ = ["FLOAT", "PTQ", "PTQ_IMATRIX", "GPTQ", "QAT", "QAT_IMATRIX", "BASELINES", "TRAINED", "GGUF_FILE",
-           "COMPRESSED_DIR", "OUTPUTS", "summarize", "format_table", "save_plot", "model_card", "write_outputs"]
+           "COMPRESSED_DIR", "OUTPUTS", "summarize", "format_table", "save_plot", "model_card", "write_outputs",
+           "finish_run"]
 
 FLOAT, PTQ, QAT = "float", "PTQ", "QAT"
 PTQ_IMATRIX, GPTQ = "PTQ imatrix", "GPTQ"  # the calibrated baselines (mixle.lm.finetune_baselines)
@@ -266,3 +269,46 @@ def write_outputs(results, out_dir):
     for name in OUTPUTS:
         replace_atomically(paths[name], writers[name])
     return paths
+
+
+def _training_info(state, config):
+    tokens_per_step = config.batch_size * config.block * config.accumulate
+    return {"steps_done": state.step, "steps_planned": state.horizon, "stopped_by": state.stopped_by,
+            "seconds": round(state.seconds, 2), "tokens": state.tokens,
+            "seconds_per_step": state.seconds / max(1, state.step),
+            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds)}
+
+
+def finish_run(config, run, rows, row, files, state, model_info, environment, began, hf=None):
+    """Write the results of a finished run (``write_outputs``), remove its checkpoint; returns the results.
+
+    Args:
+        config: the run's ``FinetuneConfig``; run: its ``FinetuneRun``.
+        rows: the rows before training; row: the QAT row; files: ``{kind: file}`` written.
+        state: the loop's ``TrainState``; model_info: the model's entries of ``results["model"]``.
+        environment: the run's ``results["environment"]`` so far; began: ``time.perf_counter()`` at its start.
+        hf: what ``finetune_hf.write_hf_checkpoint`` wrote (the transformers checkpoint), or None.
+
+    >>> finish_run  # doctest: +ELLIPSIS
+    <function finish_run at ...>
+    """
+    imatrix, kept = run.baseline_info(rows)
+    results = {
+        "config": dataclasses.asdict(config),
+        "model": {**run.loaded.info, **model_info},
+        "data": run.data.info,
+        "rows": [*rows, row],
+        "summary": summarize([*rows, row]),
+        "training": _training_info(state, config),
+        "curve": state.curve,
+        "files": {**files, **kept},
+        "imatrix": imatrix,
+        "hf": hf,
+        "llama_cpp": run.evaluator.llama_cpp_info,
+        "environment": {**environment, "total_seconds": round(time.perf_counter() - began, 2),
+                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
+    }
+    write_outputs(results, run.out)
+    if run.checkpoint_path.exists():
+        os.remove(run.checkpoint_path)
+    return results

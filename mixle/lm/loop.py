@@ -346,6 +346,10 @@ class Trainer:
             return_free_memory()
         return value
 
+    def drop_gradients(self):
+        """Free the gradients (after the last step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     # ------------------------------------------------------------------ the loop
 
     def evaluate_curve(self):
@@ -373,7 +377,7 @@ class Trainer:
             Stopped: Ctrl-C or SIGTERM with ``stop_on_signals`` (after the step in progress, with a checkpoint saved).
             NonFiniteLossError: the loss or gradient diverged (no checkpoint written).
         """
-        was_training = self.model.training
+        was_training = self.model.training if self.config.train_mode else None
         if self.config.train_mode:
             self.model.train()
         bar = _bar(progress and self.ranks.main, self.state, self.config)
@@ -386,7 +390,7 @@ class Trainer:
                 bar.close()
             if self.config.train_mode:
                 self.model.train(was_training)
-        self.optimizer.zero_grad(set_to_none=True)  # the gradients are not needed past the last step
+        self.drop_gradients()  # the gradients are not needed past the last step
         state = self.state
         if state.stopped_by is None:  # the schedule's end: the steps, or the steps max_minutes fitted
             state.stopped_by = "steps" if state.horizon == self.config.steps else "max_minutes"

@@ -1,0 +1,339 @@
+"""The jax backend's numerics of the finetune job: the distillation loss, AdamW, the held-out loss
+and the training loop's JAX trainer, data-parallel over a ``jax.sharding.Mesh``.
+
+One step is what the torch job's is (``mixle.lm.finetune_train``): ``accumulate`` micro-batches of
+``batch_size`` windows of ``block + 1`` training tokens in the same order (``window_order``), each
+scored by the same loss (``token_loss``: KL at ``T`` for ``kl``, cross-entropy for ``ce``,
+``(1 - w) CE + w T^2 KL`` for ``mix``), summed per row and averaged per predicted token of the
+step; the gradient norm is clipped as ``torch.nn.utils.clip_grad_norm_`` clips it and AdamW steps
+as ``torch.optim.AdamW`` does, at the warm-up + cosine rate of the shared schedule. The loop around
+the steps (curve, checkpoints, Ctrl-C / SIGTERM, ``--max-minutes``) is ``mixle.lm.loop.Trainer``'s.
+
+Data parallelism: the windows of a micro-batch are sharded over the mesh's ``data`` axis, every
+parameter, the teacher and AdamW's moments are replicated; XLA sums the gradient over the devices.
+The mesh takes the most devices of ``jax.devices()`` that divide ``batch_size``.
+
+Compiled steps are reused: the jitted functions take the model's graphdef as a static argument, and
+a QAT-wrapped model's graphdef never equals another's (``apply_qat`` makes its module classes per
+call). A trainer given ``made`` (how its student was made from the float model) takes the graphdef
+of an earlier student made the same way, with the same state shapes (``reused_graphdef``): a
+second run of the same configuration in one process, or a resumed one, compiles nothing again.
+"""
+
+import collections
+import functools
+import math
+from dataclasses import asdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mixle.lm.finetune_data import window_order
+from mixle.lm.finetune_distributed import SINGLE
+from mixle.lm.finetune_train import loop_config
+from mixle.lm.loop import Trainer, TrainState
+from mixle.lm.training import warmup_cosine
+
+__all__ = ["data_mesh", "token_loss", "held_out_loss", "JaxTrainer", "BETAS", "EPS", "reused_graphdef"]
+
+BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults
+_AXIS = "data"
+_GRAPHDEFS = collections.OrderedDict()  # (how made, structure, state shapes) -> the first such graphdef; newest last
+_KEPT = 4  # the structures whose graphdefs (and so compiled steps) stay reusable
+
+
+def reused_graphdef(graphdef, state, made):
+    """``graphdef``, or the graphdef of an earlier model of the same structure and ``state`` shapes made the
+    same way (``made``: hashable, e.g. the float model's graphdef and the QAT arguments), so that the
+    jitted functions keyed on it serve this model too. The last few are kept.
+
+    >>> from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+    >>> config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+    ...     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+    >>> first, second = (nnx.split(CausalLM(config, rngs=nnx.Rngs(i))) for i in range(2))
+    >>> reused_graphdef(*first, "float") is first[0], reused_graphdef(*second, "float") is first[0]
+    (True, True)
+    """
+    if made is None:
+        return graphdef
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    shapes = tuple((jax.tree_util.keystr(path), np.shape(value), str(getattr(value, "dtype", type(value))))
+                   for path, value in leaves)
+    key = (made, repr(graphdef), shapes)
+    kept = _GRAPHDEFS.pop(key, graphdef)
+    _GRAPHDEFS[key] = kept
+    while len(_GRAPHDEFS) > _KEPT:
+        _GRAPHDEFS.popitem(last=False)
+    return kept
+
+
+def data_mesh(batch_size, devices=None):
+    """A one-axis (``"data"``) mesh of the most of ``devices`` (default ``jax.devices()``) dividing ``batch_size``.
+
+    >>> data_mesh(4, jax.devices()[:1]).shape["data"]
+    1
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    count = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
+    return Mesh(np.array(devices[:count]), (_AXIS,))
+
+
+def _replicated(mesh, tree):
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _sharded(mesh, array):
+    return jax.device_put(jnp.asarray(array), NamedSharding(mesh, PartitionSpec(_AXIS)))
+
+
+def token_loss(logits, teacher_logits, targets, temperature, weight):
+    """The torch job's loss terms per predicted token, ``(rows, tokens)`` (``finetune_train.token_loss``):
+    cross-entropy for ``weight == 0``, the KL ``KL(p_T || q_T)`` (before its factor ``T^2``) for
+    ``weight == 1``, else ``(1 - w) CE + w T^2 KL``.
+
+    >>> float(token_loss(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4)), jnp.zeros((1, 1), jnp.int32), 1.0, 0.0)[0, 0])
+    1.3862943649291992
+    """
+    if weight != 1.0:
+        log_softmax = jax.nn.log_softmax(logits, axis=-1)
+        ce = -jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
+        if weight == 0.0:
+            return ce
+    log_q = jax.nn.log_softmax(logits if temperature == 1.0 else logits / temperature, axis=-1)
+    log_p = jax.nn.log_softmax(teacher_logits if temperature == 1.0 else teacher_logits / temperature, axis=-1)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    return kl if weight == 1.0 else (1.0 - weight) * ce + weight * temperature**2 * kl
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher", "temperature", "weight", "scale"))
+def _micro_step(params, frozen, teacher_state, windows, *, graphdef, teacher, temperature, weight, scale):
+    """``(loss, gradient)`` of one micro-batch's share of the step's loss, per predicted token."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    teacher_logits = None if teacher is None else jax.lax.stop_gradient(nnx.merge(teacher, teacher_state)(inputs))
+
+    def loss(trained):
+        logits = nnx.merge(graphdef, trained, frozen)(inputs)
+        tokens = token_loss(logits, logits if teacher_logits is None else teacher_logits, targets, temperature, weight)
+        rows = temperature**2 * tokens.sum(axis=1) if weight == 1.0 else tokens.sum(axis=1)
+        return rows.sum() * scale
+
+    return jax.value_and_grad(loss)(params)
+
+
+@jax.jit
+def _zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+@jax.jit
+def _finite(tree):
+    return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]))
+
+
+@jax.jit
+def _add(total, grads):
+    return jax.tree.map(jnp.add, total, grads)
+
+
+@jax.jit
+def _grad_norm(grads):
+    """The gradient's norm as ``clip_grad_norm_`` takes it: the norm of the tensors' norms."""
+    return jnp.linalg.norm(jnp.stack([jnp.linalg.norm(g.ravel()) for g in jax.tree.leaves(grads)]))
+
+
+@jax.jit
+def _adamw(params, grads, exp_avg, exp_avg_sq, norm, clip, lr, weight_decay, step_size, correction2_sqrt):
+    """One step of ``torch.optim.AdamW`` (its single-tensor formula) after ``clip_grad_norm_``'s clipping."""
+    coefficient = jnp.minimum(clip / (norm + 1e-6), 1.0)
+    beta1, beta2 = BETAS
+
+    leaves, treedef = jax.tree.flatten(params)
+    new_params, new_m, new_v = [], [], []
+    for p, g, m, v in zip(leaves, jax.tree.leaves(grads), jax.tree.leaves(exp_avg), jax.tree.leaves(exp_avg_sq)):
+        g = g * coefficient
+        p = p * (1 - lr * weight_decay)
+        m = m + (g - m) * (1 - beta1)
+        v = v * beta2 + g * g * (1 - beta2)
+        new_params.append(p - step_size * (m / (jnp.sqrt(v) / correction2_sqrt + EPS)))
+        new_m.append(m)
+        new_v.append(v)
+    return tuple(jax.tree.unflatten(treedef, t) for t in (new_params, new_m, new_v))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _row_nll(states, windows, *, graphdef):
+    logits = nnx.merge(graphdef, *states)(windows[:, :-1])
+    log_softmax = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(log_softmax, windows[:, 1:, None], axis=-1).sum(axis=(1, 2))
+
+
+def held_out_loss(model, windows, batch, mesh=None, states=None):
+    """Mean next-token cross-entropy (nats) of a Flax causal LM over ``windows`` ``(count, length)``,
+    ``batch`` windows a call (the last padded; sharded over ``mesh``'s ``data`` axis), summed in
+    float64 as the torch job's ``held_out_loss``.
+
+    ``states``: ``(graphdef, *states)`` of the model already split (the trainer's), instead of ``model``.
+
+    >>> from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+    >>> lm = CausalLM(CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+    ...     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}), rngs=nnx.Rngs(0))
+    >>> lm.embed_tokens.embedding[...] = jnp.zeros((10, 8))  # tied head: every logit 0
+    >>> round(held_out_loss(lm, np.zeros((3, 5), np.int64), 2), 4), round(math.log(10), 4)
+    (2.3026, 2.3026)
+    """
+    graphdef, *parts = nnx.split(model) if states is None else states
+    mesh = mesh or data_mesh(batch, jax.devices()[:1])
+    parts = _replicated(mesh, tuple(parts))
+    windows = np.asarray(windows, np.int32)
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i : i + batch]
+        padded = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), axis=0)])
+        rows = np.asarray(_row_nll(parts, _sharded(mesh, padded), graphdef=graphdef), np.float64)
+        total += float(rows[: len(chunk)].sum())
+    return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+def _flat(state):
+    return {".".join(str(p) for p in path): value for path, value in nnx.to_flat_state(state)}
+
+
+class JaxTrainer(Trainer):
+    """Trains the kernels ``trained`` of the QAT-wrapped Flax ``student`` distilled from ``teacher``.
+
+    Args:
+        student: the QAT-wrapped Flax causal LM (updated in place by ``finish``).
+        teacher: the float Flax model (frozen), or None (``objective="ce"``).
+        data: the run's ``FinetuneData``.
+        config: the run's ``FinetuneConfig``.
+        trained: dotted paths of the trained Params (``layers.0.mlp.up_proj.kernel``).
+        mesh: the ``data_mesh`` the steps run on.
+        made: how ``student`` was made from the float model (hashable), to reuse the compiled steps
+            of an earlier trainer of a student made so (``reused_graphdef``); None: compile its own.
+
+    >>> JaxTrainer.__name__
+    'JaxTrainer'
+    """
+
+    def __init__(self, student, teacher, data, config, trained, mesh, made=None):  # noqa: D107 (the loop's fields only)
+        self.model, self.finetune_config, self.mesh, self.ranks = student, config, mesh, SINGLE
+        self.config = loop_config(config)
+        self.curve_windows, self.family = data.curve_windows, None
+        self.state = TrainState(horizon=config.steps)
+        self.schedule = warmup_cosine(config.warmup_steps(), floor=0.0)
+        wanted = set(trained)
+        graphdef, params, frozen = nnx.split(student, lambda path, _: ".".join(map(str, path)) in wanted, ...)
+        self.graphdef = reused_graphdef(graphdef, nnx.state(student),
+                                        None if made is None else (made, tuple(sorted(wanted))))
+        self.names = sorted(_flat(params))
+        if not self.names:
+            raise ValueError("the model has no trainable parameters: check the target")
+        self.params, self.frozen = _replicated(mesh, params), _replicated(mesh, frozen)
+        self.teacher, self.teacher_state = (None, None) if teacher is None else nnx.split(teacher)
+        self.teacher_state = None if teacher is None else _replicated(mesh, self.teacher_state)
+        self.exp_avg, self.exp_avg_sq = _zeros(self.params), _zeros(self.params)
+        self.ids = np.asarray(data.train_ids.numpy() if hasattr(data.train_ids, "numpy") else data.train_ids)
+        self._order, self._order_epoch = None, None
+
+    # ------------------------------------------------------------------ state through a checkpoint
+
+    def state_dict(self):
+        """The trained tensors, AdamW's moments and the loop's counters (torch tensors of numpy's bytes)."""
+        import torch
+
+        def tensors(tree):
+            return {name: torch.from_numpy(np.array(value)) for name, value in _flat(tree).items()}
+
+        return {"state": asdict(self.state), "trainable": tensors(self.params),
+                "optimizer": {"exp_avg": tensors(self.exp_avg), "exp_avg_sq": tensors(self.exp_avg_sq)}}
+
+    def load_state_dict(self, payload, source):
+        """Continue from ``state_dict()``'s ``payload``; ValueError naming ``source`` if it does not fit."""
+        saved, mine = payload["trainable"], _flat(self.params)
+        if set(saved) != set(mine) or any(tuple(saved[k].shape) != tuple(mine[k].shape) for k in mine):
+            raise ValueError(f"resume: {str(source)!r} holds other trained tensors than this run trains "
+                             f"(e.g. {sorted(set(saved) ^ set(mine))[:3]}): it belongs to another model or target")
+
+        def tree(tensors):  # the structure of self.params (its Param nodes too): the compiled steps still fit
+            state = nnx.from_flat_state([(path, variable.replace(jnp.asarray(tensors[".".join(map(str, path))].numpy())))
+                                         for path, variable in nnx.to_flat_state(self.params)])
+            return _replicated(self.mesh, state)
+
+        self.params = tree(saved)
+        self.exp_avg, self.exp_avg_sq = tree(payload["optimizer"]["exp_avg"]), tree(payload["optimizer"]["exp_avg_sq"])
+        self.state = TrainState(**payload["state"])
+
+    def weights_finite(self):
+        """Whether every trained tensor is finite."""
+        return bool(_finite(self.params))
+
+    # ------------------------------------------------------------------ one step
+
+    def _next_starts(self, count):
+        """The next ``count`` window starts of the torch job's order (moving the data position)."""
+        state, config, taken = self.state, self.finetune_config, []
+        while count:
+            if self._order_epoch != state.epoch:
+                self._order = window_order(len(self.ids), config.block, config.seed, state.epoch).numpy()
+                self._order_epoch = state.epoch
+            part = self._order[state.position : state.position + count]
+            taken.append(part)
+            count -= len(part)
+            state.position += len(part)
+            if state.position >= len(self._order):
+                state.epoch, state.position = state.epoch + 1, 0
+        return np.concatenate(taken)
+
+    def micro_step(self, starts):
+        """``(loss, gradient)`` of the micro-batch of windows at ``starts``: its share of a step's loss.
+
+        >>> JaxTrainer.micro_step  # doctest: +ELLIPSIS
+        <function JaxTrainer.micro_step at ...>
+        """
+        config = self.finetune_config
+        windows = self.ids[np.asarray(starts)[:, None] + np.arange(config.block + 1)].astype(np.int32)
+        return _micro_step(self.params, self.frozen, self.teacher_state, _sharded(self.mesh, windows),
+                           graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
+                           weight=config.distill_weight(), scale=1.0 / (config.batch_size * config.block *
+                                                                        config.accumulate))
+
+    def step(self):
+        """One optimizer step; returns its loss (the micro-batches' values summed)."""
+        config = self.finetune_config
+        value, total = 0.0, None
+        for _ in range(config.accumulate):
+            loss, grads = self.micro_step(self._next_starts(config.batch_size))
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise self.diverged(f"the training loss became {loss}")
+            value += loss
+            total = grads if total is None else _add(total, grads)
+        norm = _grad_norm(total)
+        if not bool(jnp.isfinite(norm)):
+            raise self.diverged(f"the gradient norm became {float(norm)}")
+        step = self.state.step + 1  # AdamW's step count: the steps done, this one included
+        lr = config.lr * self.schedule(self.state.step, self.state.horizon)  # LambdaLR's rate of this step
+        correction1, correction2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
+        self.params, self.exp_avg, self.exp_avg_sq = _adamw(
+            self.params, total, self.exp_avg, self.exp_avg_sq, norm, math.inf if config.grad_clip is None else
+            config.grad_clip, lr, config.weight_decay, lr / correction1, math.sqrt(correction2))
+        return value
+
+    def drop_gradients(self):
+        """Nothing to drop: a step's gradient lives only within it."""
+
+    def evaluate_curve(self):
+        """Held-out loss of the student on the curve windows, recorded at the current step."""
+        loss = held_out_loss(None, self.curve_windows, self.config.eval_batch, self.mesh,
+                             states=(self.graphdef, self.params, self.frozen))
+        self.state.curve["eval_step"].append(self.config.start + self.state.step)
+        self.state.curve["held_out_loss"].append(loss)
+
+    def finish(self):
+        """Put the trained tensors into the student (in place), drop AdamW's state and the teacher; returns it."""
+        nnx.update(self.model, jax.device_get(self.params))
+        self.exp_avg = self.exp_avg_sq = self.teacher = self.teacher_state = None
+        return self.model

@@ -1,0 +1,251 @@
+"""``mixle finetune --backend jax``: the job on mixle's Flax causal LM, end to end on a tiny random Llama.
+
+The GGUF's blocks are checked against gguf-py's quantizer of the trained weights, the loss against
+torch's, a resumed run against the uninterrupted one (the same ops: exactly), and the data-parallel
+mesh of two host devices against one device (in a subprocess, where XLA is given two CPU devices).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+pytest.importorskip("qwix")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import jax.numpy as jnp  # noqa: E402
+
+from mixle.lm.data import default_text  # noqa: E402
+from mixle.lm.finetune_run import run_finetune  # noqa: E402
+from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
+from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
+from mixle.lm.finetune_data import window_order  # noqa: E402
+from mixle.lm.finetune_train import Stopped  # noqa: E402
+from tests.test_finetune import byte_level_tokenizer, finetune, results_of  # noqa: E402
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune_jax")
+    text = default_text()[:16000]
+    tokenizer = byte_level_tokenizer(text[:12000])
+    (root / "data.txt").write_text(text)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    tokenizer.save_pretrained(root / "llama")
+    return root
+
+
+def _config(llama, out, **changes):
+    fields = dict(model=str(llama / "llama"), out=str(out), data=(str(llama / "data.txt"),), backend="jax",
+                  target="q8_0", steps=STEPS, block=16, batch_size=2, eval_windows=4, curve_windows=2,
+                  llama_cpp=False, lr=1e-2, threads=1, checkpoint_every=2, objective="mix")
+    return FinetuneConfig(**{**fields, **changes})
+
+
+def _trained(trainer):
+    return {name: np.asarray(v) for name, v in zip(trainer.names, jax.tree.leaves(trainer.params))}
+
+
+@pytest.fixture(scope="module")
+def whole(llama, tmp_path_factory):
+    """The uninterrupted run, and its trained kernels after the last step."""
+    final = {}
+
+    def keep(trainer):
+        final.update(_trained(trainer))
+        final["graphdef"] = trainer.graphdef
+        if trainer.state.step == STEPS:  # the trained weights' loss on the first step's windows
+            first = window_order(len(trainer.ids), 16, seed=0, epoch=0).numpy()[:2]
+            final["first windows"] = float(trainer.micro_step(first)[0])
+
+    out = tmp_path_factory.mktemp("whole")
+    results = run_finetune(_config(llama, out), progress=False, callback=keep)
+    return out, results, final
+
+
+def test_jax_run_writes_the_files_and_its_gguf_blocks_are_ggufs_quantizer_of_the_trained_weights(whole):
+    out, results, final = whole
+    assert {p.name for p in out.iterdir()} == {"model.gguf", "hf", "results.json", "table.txt", "finetune.png",
+                                               "README.md"}
+    # the transformers checkpoint holds the trained float32 master weights, as torch's (out, in) matrices
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    assert results["files"]["hf"] == "hf" and results["hf"]["directory"] == "hf"
+    for module in ("self_attn.q_proj", "mlp.down_proj"):
+        np.testing.assert_array_equal(hf[f"model.layers.0.{module}.weight"].numpy(),
+                                      final[f"layers.0.{module}.kernel"].T, err_msg=module)
+    assert results_of(out)["rows"] == results["rows"]
+    assert [r["method"] for r in results["rows"]] == ["float", "PTQ", "QAT"]
+    assert results["config"]["backend"] == "jax" and results["model"]["backend"] == "jax"
+    assert results["training"]["steps_done"] == STEPS and results["model"]["trained_kernels"] == 7
+    reader = gguf.GGUFReader(out / "model.gguf")
+    tensors = {t.name: t for t in reader.tensors}
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for module, short in names.items():
+        rows = final[f"layers.0.{module}.kernel"].T  # Flax (in, out): the file stores torch's (out, in) rows
+        heads = {"attn_q": 4, "attn_k": 2}.get(short)
+        if heads:  # llama.cpp's converter orders the rows of q and k for its RoPE: each head's halves interleaved
+            rows = rows.reshape(heads, 2, rows.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+        want = gguf.quants.quantize(np.ascontiguousarray(rows), gguf.GGMLQuantizationType.Q8_0)
+        tensor = tensors[f"blk.0.{short}.weight"]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        np.testing.assert_array_equal(np.asarray(tensor.data).reshape(want.shape), want, err_msg=short)
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0  # float_matrices
+
+
+def test_the_distillation_loss_decreases(whole):
+    losses = whole[1]["curve"]["train_loss"]  # (1 - w) CE + w KL to the float model, per predicted token
+    assert 0 < whole[2]["first windows"] < losses[0] - 0.05 and losses[-1] < losses[0]  # 2.85 -> 2.76 here
+
+
+@pytest.mark.parametrize("temperature, weight", [(1.0, 1.0), (2.0, 1.0), (2.0, 0.5), (1.0, 0.0)])
+def test_the_loss_per_token_is_the_torch_jobs(temperature, weight):
+    from mixle.lm.finetune_jax_train import token_loss
+    from mixle.lm.finetune_train import rows_of_tokens, token_loss as torch_token_loss
+
+    rng = np.random.default_rng(0)
+    s, t = (rng.standard_normal((2, 3, 11)).astype(np.float32) * 3 for _ in range(2))
+    y = rng.integers(0, 11, (2, 3))
+    want = rows_of_tokens(torch_token_loss(torch.tensor(s), torch.tensor(t), torch.tensor(y), temperature, weight),
+                          temperature, weight).numpy()
+    tokens = np.asarray(token_loss(jnp.asarray(s), jnp.asarray(t), jnp.asarray(y), temperature, weight))
+    got = temperature**2 * tokens.sum(1) if weight == 1.0 else tokens.sum(1)
+    np.testing.assert_allclose(got, want, rtol=11 * 3 * 2**-23, atol=1e-6)  # a sum of 3 tokens of 11-way softmaxes
+
+
+def test_resume_after_sigint_gives_the_uninterrupted_runs_weights_and_refuses_another_backend(llama, whole,
+                                                                                          tmp_path, capsys):
+    out = tmp_path / "parted"
+
+    def stop(trainer):
+        if trainer.state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step finishes, then the checkpoint is written
+
+    with pytest.raises(Stopped, match="SIGINT after step 2"):
+        run_finetune(_config(llama, out), progress=False, callback=stop)
+    payload = read_checkpoint(out / "checkpoint.pt")
+    assert payload["config"]["backend"] == "jax" and payload["state"]["step"] == 2
+    with pytest.raises(ValueError, match="written by --backend jax, this run is --backend torch"):
+        run_finetune(_config(llama, out, backend="torch"), resume=True, progress=False)
+    with pytest.raises(SystemExit):
+        finetune("--resume", str(out), "--backend", "torch")
+    assert "--backend 'torch' differs from the interrupted run's 'jax'" in capsys.readouterr().err
+    final = {}
+    results = run_finetune(_config(llama, out), resume=True, progress=False,
+                           callback=lambda t: final.update(_trained(t), graphdef=t.graphdef))
+    assert final["graphdef"] is whole[2]["graphdef"]  # the same configuration: the compiled steps are reused
+    for name, value in whole[2].items():
+        if name in ("first windows", "graphdef"):
+            continue
+        np.testing.assert_array_equal(final[name], value, err_msg=name)
+    assert results["rows"] == whole[1]["rows"] and results["curve"] == whole[1]["curve"]
+    assert (out / "model.gguf").read_bytes() == (whole[0] / "model.gguf").read_bytes()
+
+
+def test_importance_collected_on_the_flax_model_is_torchs_calibrate_importance(llama):
+    from mixle.api import calibrate_importance
+    from mixle.lm.finetune_jax import collect_importance
+    from mixle.lm.flax_causal_lm import load_causal_lm
+
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(llama / "llama")
+    ids = np.random.default_rng(0).integers(0, torch_model.config.vocab_size, (6, 16))
+    batches = [ids[i : i + 2] for i in range(0, 6, 2)] + [ids[:1, :8]]  # the last: 8 rows, skipped (< 16)
+    sums, counts = collect_importance(load_causal_lm(llama / "llama"), batches)
+    want = calibrate_importance(torch_model, [torch.as_tensor(b) for b in batches], layers=sorted(sums))
+    assert len(sums) == 7 and set(sums) == set(want.sums)  # tied head: no lm_head
+    # Each batch sums 2 x 16 squares in float32 (torch and XLA in other orders), then the batches in float64;
+    # the inputs themselves differ by the rounding of the reductions behind them (at most 128 terms), doubled
+    # by the square: a relative difference of at most (32 + 2 * 128) float32 roundings (8 seen here).
+    for path in sums:
+        assert counts[path] == int(want.counts[path][0]) == 96, path
+        np.testing.assert_allclose(sums[path], want.sums[path][0], rtol=(32 + 2 * 128) * 2.0**-24, err_msg=path)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora", "4"], "--lora with --backend jax: it trains the quantized kernels themselves"),
+    (["--gptq", "one-pass"], "--gptq with --backend jax: GPTQ runs on the torch model only"),
+    (["--dtype", "bfloat16"], "--dtype bfloat16 with --backend jax: it trains and evaluates in float32"),
+    (["--device", "cuda"], "--device cuda with --backend jax: it runs on jax.devices()"),
+    (["--prompts", "Hi"], "--prompts with --backend jax: the chat answers are generated by the transformers model"),
+])
+def test_options_the_jax_backend_cannot_honour_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        finetune("--model", "m", "--out", "o", "--backend", "jax", *flags)
+    assert message in capsys.readouterr().err
+
+
+def test_a_gguf_model_is_refused_saying_why(tmp_path, capsys):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(20))
+    assert finetune("--model", str(path), "--out", str(tmp_path / "o"), "--backend", "jax", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert "is a .gguf file: --backend jax reads a local transformers directory" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_names_the_backend(capsys):
+    with pytest.raises(SystemExit):
+        finetune("--help")
+    assert "torch (default: the transformers model) or jax" in " ".join(capsys.readouterr().out.split())
+
+
+_MESH = textwrap.dedent("""
+    import json, sys, types
+    import jax, jax.numpy as jnp, numpy as np, torch
+    from flax import nnx
+    from mixle.lm.finetune_config import FinetuneConfig
+    from mixle.lm.finetune_jax_train import JaxTrainer, data_mesh
+    from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+
+    assert len(jax.devices()) == 2
+    lm = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 50, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2})
+    ids = np.random.default_rng(0).integers(0, 50, 400)
+    data = types.SimpleNamespace(train_ids=torch.as_tensor(ids), curve_windows=ids[:34].reshape(2, 17))
+    config = FinetuneConfig(model="m", out="o", backend="jax", steps=3, block=16, batch_size=4, lr=1e-2, objective="ce")
+    runs = []
+    for devices in (jax.devices()[:1], jax.devices()):
+        student = CausalLM(lm, rngs=nnx.Rngs(0))
+        trained = [f"layers.0.mlp.{m}.kernel" for m in ("gate_proj", "up_proj", "down_proj")]
+        trainer = JaxTrainer(student, None, data, config, trained, data_mesh(4, devices))
+        state = trainer.train()
+        runs.append({"devices": trainer.mesh.size, "loss": state.curve["train_loss"],
+                     "held_out": state.curve["held_out_loss"],
+                     "weights": [np.asarray(v).tolist() for v in jax.tree.leaves(trainer.params)],
+                     "sharding": str(trainer.params["layers"][0]["mlp"]["up_proj"]["kernel"][...].sharding)})
+    print(json.dumps(runs))
+""")
+
+
+def test_two_host_devices_train_as_one_within_float32_rounding():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _MESH], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert (one["devices"], two["devices"]) == (1, 2)
+    # Each step's loss sums 4 x 16 token terms: two devices add two partial sums, a reordering worth at most
+    # (terms) x float32's rounding of the total per step, compounding over the steps.
+    terms, eps = 4 * 16, 2.0**-24
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=len(one["loss"]) * terms * eps)
+    np.testing.assert_allclose(two["held_out"], one["held_out"], rtol=len(one["loss"]) * terms * eps)
+    # An AdamW step moves a weight by lr x m / (sqrt(v) + eps), at most about lr: a reordered gradient sum changes
+    # that normalized step by its relative rounding, magnified where a gradient is near AdamW's eps; asked: at
+    # least 10 bits of every step agree (3e-7 apart here).
+    for a, b in zip(one["weights"], two["weights"]):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=len(one["loss"]) * 1e-2 * 2.0**-10)
+    assert "'data': 2" in two["sharding"] and "spec=P()" in two["sharding"]  # the weights replicated on the mesh
