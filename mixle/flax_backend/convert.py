@@ -36,6 +36,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.typing import MISSING
 
+from mixle.core.array_ops import is_tracer
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
@@ -177,15 +178,12 @@ def quantize_kernel(kernel, input_axes, spec, importance=None):
     ([[7, 0], [4, 7]], [0.0, 0.20000000298023224])
     """
     perm, out_count = weight_layout(kernel.ndim, input_axes)
-    matrix = as_matrix(jnp.asarray(kernel), perm, out_count)
-    if spec.grid_record.numerics is not None or importance is not None:  # numpy's: jax's codes, no compile
-        q = quantize_array(np.asarray(matrix), spec, importance=importance)
-        q = type(q)(*(jnp.asarray(v) for v in (q.codes, q.scale)), spec, q.batch_ndim, q.out_ndim,
-                    **{n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")})
-    else:
-        q = quantize_linear_weight(matrix, spec)
-    value = QuantizedValue(q.codes, q.scale, spec, kernel.shape, perm, out_count,
-                           {n: v for n, v in q.parts().items() if n not in ("codes", "scale")})
+    if is_tracer(kernel):  # under jit: jax's ops
+        q = quantize_linear_weight(as_matrix(kernel, perm, out_count), spec)
+    else:  # numpy's own operations on the concrete kernel, as its values are defined: no XLA compile
+        q = quantize_array(as_matrix(np.asarray(kernel), perm, out_count), spec, importance=importance)
+    parts = {n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")}
+    value = QuantizedValue(jnp.asarray(q.codes), jnp.asarray(q.scale), spec, kernel.shape, perm, out_count, parts)
     if value.planar:
         value.codes = jnp.asarray(pack_int4_planar(np.asarray(q.codes)))
     return value
