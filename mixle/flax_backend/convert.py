@@ -65,13 +65,14 @@ def pack_int4_planar(codes):
 
 
 def unpack_int4_planar(packed, cols):
-    """int8 codes ``(rows, cols)`` from ``pack_int4_planar``'s bytes (jax, traceable).
+    """int8 codes ``(rows, cols)`` from ``pack_int4_planar``'s bytes (jax, traceable; or numpy).
 
     >>> unpack_int4_planar(jnp.array([[113, 15]], jnp.uint8), 3).tolist()
     [[1, -1, 7]]
     """
-    low, high = (nibble.astype(jnp.int8) for nibble in (packed & 0xF, packed >> 4))
-    codes = jnp.concatenate([low, high], axis=1)[:, :cols]
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    low, high = (nibble.astype(np.int8) for nibble in (packed & 0xF, packed >> 4))
+    codes = xp.concatenate([low, high], axis=1)[:, :cols]
     return (codes ^ 8) - 8  # sign-extends a 4-bit two's-complement nibble
 
 
@@ -130,6 +131,8 @@ class QuantizedValue:
 
     def file_codes(self):
         """The codes as files store them (numpy): int4 packed in pairs (``pack_int4``), or int8."""
+        if self.planar:  # unpacked by numpy: the bytes are read on the host anyway
+            return pack_int4(unpack_int4_planar(np.asarray(self.codes), self.matrix_shape[1]))
         if self.spec.bits == 4:
             return pack_int4(np.asarray(self.codes_matrix()))
         return np.asarray(self.codes)
@@ -139,7 +142,11 @@ class QuantizedValue:
         return QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1, **self.parts)
 
     def dequantize(self):
-        """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``)."""
+        """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``); eagerly
+        (no leaf traced) by numpy's own operations, the values the traced program computes."""
+        if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
+            host = jax.tree.map(np.asarray, self)
+            return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
         matrix = dequantize_array(self.quantized_array())
         return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
 

@@ -45,7 +45,7 @@ def fake_quantize(x, spec):
     The forward is ``mixle.core.numerics.quantize_dequantize_array(x, spec)`` (the same values
     as the numpy and torch paths); the backward passes the gradient unchanged, or zeroes it
     where ``|x|`` exceeds the ``clip_percentile`` threshold when ``clip_gradient=True``.
-    Works eagerly and under ``jax.jit`` / ``jax.grad``.
+    Works eagerly (a concrete array runs numpy's own operations) and under ``jax.jit`` / ``jax.grad``.
 
     >>> import jax.numpy as jnp
     >>> from mixle.core.spec import QuantSpec
@@ -54,6 +54,8 @@ def fake_quantize(x, spec):
     """
     _refuse_qwix_only(spec)
     check_array(x)
+    if not is_tracer(x):  # nothing to differentiate: numpy's values, no XLA compile per shape
+        return jax.numpy.asarray(fake_quant_forward(np.asarray(x), spec)[0])
     return _fake_quant(x, spec)
 
 
