@@ -20,14 +20,21 @@ def _refuse_qwix_only(spec):
         )
 
 
+def _forward(x, spec, with_mask=False):
+    """``fake_quant_forward``; on a concrete array (an eager grad's primal) by numpy's own operations."""
+    if is_tracer(x):
+        return fake_quant_forward(x, spec, with_mask=with_mask)
+    deq, mask = fake_quant_forward(np.asarray(x), spec, with_mask=with_mask)
+    return jax.numpy.asarray(deq), None if mask is None else jax.numpy.asarray(mask)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _fake_quant(x, spec):
-    return fake_quant_forward(x, spec)[0]
+    return _forward(x, spec)[0]
 
 
 def _fake_quant_fwd(x, spec):
-    deq, mask = fake_quant_forward(x, spec, with_mask=spec.clip_gradient)
-    return deq, mask
+    return _forward(x, spec, with_mask=spec.clip_gradient)
 
 
 def _fake_quant_bwd(spec, mask, grad):
@@ -55,7 +62,7 @@ def fake_quantize(x, spec):
     _refuse_qwix_only(spec)
     check_array(x)
     if not is_tracer(x):  # nothing to differentiate: numpy's values, no XLA compile per shape
-        return jax.numpy.asarray(fake_quant_forward(np.asarray(x), spec)[0])
+        return _forward(x, spec)[0]
     return _fake_quant(x, spec)
 
 
@@ -117,18 +124,19 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None):
     """
     axes = tuple(sorted(int(a) for a in input_axes))
     if not is_tracer(w):  # nothing to differentiate: numpy's values, no XLA compile per kernel shape
-        return jax.numpy.asarray(_concrete_forward(np.asarray(w), axes, spec, name, importance))
+        value = None if importance is None else _Fixed(importance).value
+        return jax.numpy.asarray(_concrete_forward(np.asarray(w), axes, spec, name, value))
     if spec.grid_record.numerics is not None or importance is not None:
         return _fake_quant_rows(w, axes, spec, name, None if importance is None else _Fixed(importance))
     return _fake_quant_kernel(w, axes, spec, name)
 
 
 def _concrete_forward(w, input_axes, spec, name, importance):
-    """``fake_quantize_weight``'s forward on a numpy kernel: the traced path's steps on numpy."""
+    """``fake_quantize_weight``'s forward on a numpy kernel (``importance``: float32 numpy or None):
+    the traced path's steps on numpy."""
     if spec.grid_record.numerics is not None or importance is not None:
         perm, _ = weight_layout(w.ndim, input_axes)
-        value = None if importance is None else _Fixed(importance).value
-        deq = kernel_rows(w, input_axes, spec, value, name).dequantize().astype(w.dtype)
+        deq = kernel_rows(w, input_axes, spec, importance, name).dequantize().astype(w.dtype)
         return from_matrix(deq, w.shape, perm)
     blocks, axis, back = _kernel_blocks(w, input_axes, spec)
     return back(fake_quant_blocks(blocks, spec, axis=axis, name=name)[0])
@@ -157,6 +165,9 @@ def kernel_rows(w, input_axes, spec, importance=None, name="kernel"):
 
 
 def _rows_forward(w, input_axes, spec, name, importance):
+    if not is_tracer(w):  # the primal of an eager grad: numpy's values, no XLA compile per shape
+        value = None if importance is None else importance.value
+        return jax.numpy.asarray(_concrete_forward(np.asarray(w), input_axes, spec, name, value))
     perm, _ = weight_layout(w.ndim, input_axes)
     value = None if importance is None else importance.value
     q = kernel_rows(w, input_axes, spec, value, name)
@@ -218,6 +229,10 @@ def _kernel_blocks(w, input_axes, spec):
 
 
 def _kernel_forward(w, input_axes, spec, name):
+    if not is_tracer(w):  # the primal of an eager grad: numpy's values, no XLA compile per shape
+        blocks, axis, back = _kernel_blocks(np.asarray(w), input_axes, spec)
+        deq, threshold = fake_quant_blocks(blocks, spec, axis=axis, name=name)
+        return jax.numpy.asarray(back(deq)), jax.numpy.asarray(threshold)
     blocks, axis, back = _kernel_blocks(w, input_axes, spec)
     deq, threshold = fake_quant_blocks(blocks, spec, axis=axis, name=name)
     # Its own value in the kernel's layout: where an XLA version fused the quantizer into the
