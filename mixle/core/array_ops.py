@@ -161,6 +161,10 @@ class JaxOps(NumpyOps):
         self.jax = sys.modules["jax"]
         super().__init__(self.jax.numpy)
 
+    def all_finite(self, x):
+        # Called on concrete arrays only (``readable``): numpy reads them, no program compiled per shape.
+        return bool(np.isfinite(np.asarray(x)).all())
+
     def order_stats(self, a, ks, axis=-1):
         # Clipping asks for ranks near the top of a block (a of magnitudes >= 0). Sorting costs
         # XLA's CPU backend ~20x a matmul of the layer, and top_k works on the last axis only

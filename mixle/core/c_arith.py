@@ -60,6 +60,12 @@ class NumpyC(NumpyOps):
         a[..., i] = value
         return a
 
+    def ordered_sum(self, terms, axis):
+        """C's ``s = 0; for (i...) s += terms[i]`` along ``axis``, in order: numpy's ``accumulate``
+        adds in order (its reductions may sum pairwise). Starting from the first term instead of 0
+        changes only a sum of -0.0s (-0.0 where C's is +0.0), which the 0 added last restores."""
+        return np.add.accumulate(terms, axis=axis).take(-1, axis=axis) + np.float32(0.0)
+
 
 class TorchC(TorchOps):
     """torch ops with the same extensions, on the device of the input tensor."""
@@ -260,7 +266,7 @@ def seq_sum(o, terms):
     >>> float(seq_sum(c_ops(np.zeros(0, np.float32)), np.array([1e8, 1.0, 1.0, -1e8], np.float32)))  # pairwise: 2.0
     0.0
     """
-    if isinstance(o, JaxC):
+    if isinstance(o, (JaxC, NumpyC)):
         return o.ordered_sum(terms, -1)
     terms = o.rounded(terms)
     acc = o.c(0.0) + terms[..., 0]

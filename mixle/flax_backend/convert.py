@@ -36,6 +36,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.typing import MISSING
 
+from mixle.core.array_ops import is_tracer
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
@@ -64,13 +65,14 @@ def pack_int4_planar(codes):
 
 
 def unpack_int4_planar(packed, cols):
-    """int8 codes ``(rows, cols)`` from ``pack_int4_planar``'s bytes (jax, traceable).
+    """int8 codes ``(rows, cols)`` from ``pack_int4_planar``'s bytes (jax, traceable; or numpy).
 
     >>> unpack_int4_planar(jnp.array([[113, 15]], jnp.uint8), 3).tolist()
     [[1, -1, 7]]
     """
-    low, high = (nibble.astype(jnp.int8) for nibble in (packed & 0xF, packed >> 4))
-    codes = jnp.concatenate([low, high], axis=1)[:, :cols]
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    low, high = (nibble.astype(np.int8) for nibble in (packed & 0xF, packed >> 4))
+    codes = xp.concatenate([low, high], axis=1)[:, :cols]
     return (codes ^ 8) - 8  # sign-extends a 4-bit two's-complement nibble
 
 
@@ -129,6 +131,8 @@ class QuantizedValue:
 
     def file_codes(self):
         """The codes as files store them (numpy): int4 packed in pairs (``pack_int4``), or int8."""
+        if self.planar:  # unpacked by numpy: the bytes are read on the host anyway
+            return pack_int4(unpack_int4_planar(np.asarray(self.codes), self.matrix_shape[1]))
         if self.spec.bits == 4:
             return pack_int4(np.asarray(self.codes_matrix()))
         return np.asarray(self.codes)
@@ -138,7 +142,11 @@ class QuantizedValue:
         return QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1, **self.parts)
 
     def dequantize(self):
-        """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``)."""
+        """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``); eagerly
+        (no leaf traced) by numpy's own operations, the values the traced program computes."""
+        if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
+            host = jax.tree.map(np.asarray, self)
+            return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
         matrix = dequantize_array(self.quantized_array())
         return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
 
@@ -177,15 +185,12 @@ def quantize_kernel(kernel, input_axes, spec, importance=None):
     ([[7, 0], [4, 7]], [0.0, 0.20000000298023224])
     """
     perm, out_count = weight_layout(kernel.ndim, input_axes)
-    matrix = as_matrix(jnp.asarray(kernel), perm, out_count)
-    if spec.grid_record.numerics is not None or importance is not None:  # numpy's: jax's codes, no compile
-        q = quantize_array(np.asarray(matrix), spec, importance=importance)
-        q = type(q)(*(jnp.asarray(v) for v in (q.codes, q.scale)), spec, q.batch_ndim, q.out_ndim,
-                    **{n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")})
-    else:
-        q = quantize_linear_weight(matrix, spec)
-    value = QuantizedValue(q.codes, q.scale, spec, kernel.shape, perm, out_count,
-                           {n: v for n, v in q.parts().items() if n not in ("codes", "scale")})
+    if is_tracer(kernel):  # under jit: jax's ops
+        q = quantize_linear_weight(as_matrix(kernel, perm, out_count), spec)
+    else:  # numpy's own operations on the concrete kernel, as its values are defined: no XLA compile
+        q = quantize_array(as_matrix(np.asarray(kernel), perm, out_count), spec, importance=importance)
+    parts = {n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")}
+    value = QuantizedValue(jnp.asarray(q.codes), jnp.asarray(q.scale), spec, kernel.shape, perm, out_count, parts)
     if value.planar:
         value.codes = jnp.asarray(pack_int4_planar(np.asarray(q.codes)))
     return value

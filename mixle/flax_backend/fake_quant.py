@@ -6,6 +6,7 @@ import math
 import jax
 import numpy as np
 
+from mixle.core.array_ops import is_tracer
 from mixle.core.checks import check_array
 from mixle.core.numerics import block_shape, fake_quant_blocks, fake_quant_forward, quantize_array
 
@@ -19,14 +20,21 @@ def _refuse_qwix_only(spec):
         )
 
 
+def _forward(x, spec, with_mask=False):
+    """``fake_quant_forward``; on a concrete array (an eager grad's primal) by numpy's own operations."""
+    if is_tracer(x):
+        return fake_quant_forward(x, spec, with_mask=with_mask)
+    deq, mask = fake_quant_forward(np.asarray(x), spec, with_mask=with_mask)
+    return jax.numpy.asarray(deq), None if mask is None else jax.numpy.asarray(mask)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _fake_quant(x, spec):
-    return fake_quant_forward(x, spec)[0]
+    return _forward(x, spec)[0]
 
 
 def _fake_quant_fwd(x, spec):
-    deq, mask = fake_quant_forward(x, spec, with_mask=spec.clip_gradient)
-    return deq, mask
+    return _forward(x, spec, with_mask=spec.clip_gradient)
 
 
 def _fake_quant_bwd(spec, mask, grad):
@@ -44,7 +52,7 @@ def fake_quantize(x, spec):
     The forward is ``mixle.core.numerics.quantize_dequantize_array(x, spec)`` (the same values
     as the numpy and torch paths); the backward passes the gradient unchanged, or zeroes it
     where ``|x|`` exceeds the ``clip_percentile`` threshold when ``clip_gradient=True``.
-    Works eagerly and under ``jax.jit`` / ``jax.grad``.
+    Works eagerly (a concrete array runs numpy's own operations) and under ``jax.jit`` / ``jax.grad``.
 
     >>> import jax.numpy as jnp
     >>> from mixle.core.spec import QuantSpec
@@ -53,6 +61,8 @@ def fake_quantize(x, spec):
     """
     _refuse_qwix_only(spec)
     check_array(x)
+    if not is_tracer(x):  # nothing to differentiate: numpy's values, no XLA compile per shape
+        return _forward(x, spec)[0]
     return _fake_quant(x, spec)
 
 
@@ -73,10 +83,9 @@ def weight_layout(ndim, input_axes):
 
 
 def as_matrix(w, perm, out_count):
-    """The kernel transposed by ``perm`` and flattened to ``(prod(out), prod(in))``."""
-    import math
-
-    wt = jax.numpy.transpose(w, perm)
+    """The kernel transposed by ``perm`` and flattened to ``(prod(out), prod(in))`` (an array of
+    w's library: numpy or jax)."""
+    wt = w.transpose(perm)
     return wt.reshape(math.prod(wt.shape[:out_count]), math.prod(wt.shape[out_count:]))
 
 
@@ -84,7 +93,7 @@ def from_matrix(matrix, shape, perm):
     """Inverse of ``as_matrix``: the ``(out, in)`` matrix back in the kernel's own ``shape``."""
     transposed_shape = tuple(shape[a] for a in perm)
     inverse = tuple(perm.index(a) for a in range(len(perm)))
-    return jax.numpy.transpose(matrix.reshape(transposed_shape), inverse)
+    return matrix.reshape(transposed_shape).transpose(inverse)
 
 
 def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None):
@@ -99,6 +108,8 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None):
     the same computation. A bfloat16/float16 kernel runs the float32 numerics, its values
     rounded once to its dtype. Eagerly, a kernel that would dequantize to infinity raises a
     ScaleOverflowError calling it ``name`` (under ``jit`` values cannot be read: no check).
+    A concrete kernel (eager, not traced by ``jit`` or ``grad``) runs numpy's own operations,
+    whose values the traced path reproduces, instead of compiling each jax op for its shape.
 
     llama.cpp's grids with block numerics (``q4_1`` ... ``q6_k``), and any grid given an
     ``importance`` (one non-negative weight per input, numpy: ggml's weighted search, as
@@ -112,9 +123,23 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None):
     [[0.699999988079071, 0.11428571492433548], [0.0, 0.20000000298023224]]
     """
     axes = tuple(sorted(int(a) for a in input_axes))
+    if not is_tracer(w):  # nothing to differentiate: numpy's values, no XLA compile per kernel shape
+        value = None if importance is None else _Fixed(importance).value
+        return jax.numpy.asarray(_concrete_forward(np.asarray(w), axes, spec, name, value))
     if spec.grid_record.numerics is not None or importance is not None:
         return _fake_quant_rows(w, axes, spec, name, None if importance is None else _Fixed(importance))
     return _fake_quant_kernel(w, axes, spec, name)
+
+
+def _concrete_forward(w, input_axes, spec, name, importance):
+    """``fake_quantize_weight``'s forward on a numpy kernel (``importance``: float32 numpy or None):
+    the traced path's steps on numpy."""
+    if spec.grid_record.numerics is not None or importance is not None:
+        perm, _ = weight_layout(w.ndim, input_axes)
+        deq = kernel_rows(w, input_axes, spec, importance, name).dequantize().astype(w.dtype)
+        return from_matrix(deq, w.shape, perm)
+    blocks, axis, back = _kernel_blocks(w, input_axes, spec)
+    return back(fake_quant_blocks(blocks, spec, axis=axis, name=name)[0])
 
 
 class _Fixed:
@@ -140,6 +165,9 @@ def kernel_rows(w, input_axes, spec, importance=None, name="kernel"):
 
 
 def _rows_forward(w, input_axes, spec, name, importance):
+    if not is_tracer(w):  # the primal of an eager grad: numpy's values, no XLA compile per shape
+        value = None if importance is None else importance.value
+        return jax.numpy.asarray(_concrete_forward(np.asarray(w), input_axes, spec, name, value))
     perm, _ = weight_layout(w.ndim, input_axes)
     value = None if importance is None else importance.value
     q = kernel_rows(w, input_axes, spec, value, name)
@@ -201,6 +229,10 @@ def _kernel_blocks(w, input_axes, spec):
 
 
 def _kernel_forward(w, input_axes, spec, name):
+    if not is_tracer(w):  # the primal of an eager grad: numpy's values, no XLA compile per shape
+        blocks, axis, back = _kernel_blocks(np.asarray(w), input_axes, spec)
+        deq, threshold = fake_quant_blocks(blocks, spec, axis=axis, name=name)
+        return jax.numpy.asarray(back(deq)), jax.numpy.asarray(threshold)
     blocks, axis, back = _kernel_blocks(w, input_axes, spec)
     deq, threshold = fake_quant_blocks(blocks, spec, axis=axis, name=name)
     # Its own value in the kernel's layout: where an XLA version fused the quantizer into the

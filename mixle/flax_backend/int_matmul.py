@@ -23,8 +23,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mixle.core.array_ops import array_ops
+from mixle.core.array_ops import array_ops, is_tracer
 from mixle.core.numerics import quantize_blocks
 from mixle.flax_backend.fake_quant import kernel_blocks
 
@@ -60,11 +61,13 @@ def weight_codes(w, spec):
     ([[7, 4], [4, -7]], [0.10000000149011612, 0.02857142873108387])
     """
     shape, axis = kernel_blocks(tuple(w.shape), (0,), spec)
-    view = w.astype(jnp.float32).reshape(shape)
+    concrete = not is_tracer(w)  # eager: numpy's own operations, no XLA compile per kernel shape
+    view = (np.asarray(w) if concrete else w).astype(np.float32).reshape(shape)
     codes, scale, _ = quantize_blocks(array_ops(view), view, spec, axis=axis)
     if spec.granularity == "tensor":
-        return codes.reshape(w.shape).astype(jnp.int8), scale.reshape(1, 1)
-    return codes.astype(jnp.int8), scale
+        codes, scale = codes.reshape(w.shape), scale.reshape(1, 1)
+    codes = codes.astype(np.int8)
+    return (jnp.asarray(codes), jnp.asarray(scale)) if concrete else (codes, scale)
 
 
 def quantize_rows(x, bits, axis=-1):

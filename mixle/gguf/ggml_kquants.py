@@ -22,6 +22,7 @@ from mixle.core.c_arith import (
     as_numpy,
     block_rows,
     JaxC,
+    NumpyC,
     c_ops,
     first_absmax,
     flat_rows,
@@ -178,7 +179,7 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
 
 def _lead_sum(o, terms):
     """``seq_sum`` over the first axis (element-major groups)."""
-    if isinstance(o, JaxC):
+    if isinstance(o, (JaxC, NumpyC)):
         return o.ordered_sum(terms, 0)
     terms = o.rounded(terms)
     acc = o.c(0.0) + terms[0]
