@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["ModelBytes", "read_manifest", "write_safetensors", "read_safetensors", "read_header", "open_tensors", "describe_array", "check_listed", "add_aliases",
-           "TensorInfo", "replace_atomically", "replace_directory_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
+           "TensorInfo", "replace_atomically", "checked_directory", "replace_directory_atomically", "canonical_manifest", "manifest_from", "FORMAT", "FORMAT_VERSION",
            "MANIFEST_KEY", "DTYPE_ITEMSIZE"]
 
 FORMAT = "mixle.quantized"
@@ -303,6 +303,27 @@ def replace_atomically(path, write):
             os.remove(tmp)
         raise
     _fsync(path.parent, directory=True)
+
+
+def checked_directory(directory, overwrite):
+    """``directory`` as a Path a checkpoint may be written to, after refusing a file there, or a
+    non-empty directory without ``overwrite``.
+
+    >>> import tempfile
+    >>> checked_directory(tempfile.mkdtemp(), False).is_dir()
+    True
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"directory={str(directory)!r} is a file: pass a directory path for the checkpoint")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"directory={str(directory)!r} exists and is not empty: pick a new path, or pass "
+                              f"overwrite=True to replace it")
+    return target
 
 
 def replace_directory_atomically(target, write, overwrite):

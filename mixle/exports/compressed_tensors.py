@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from mixle._optional import require
-from mixle.core.fileformat import replace_directory_atomically
+from mixle.core.fileformat import checked_directory, replace_directory_atomically
 from mixle.core.grids import GRIDS, grid_named
 from mixle.core.numerics import QuantizedArray, dequantize_array
 from mixle.core.packing import pack_int4
@@ -216,7 +216,7 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
                         f"save_quantized(model, path)")
     check_torch_model(model, "save_pretrained_compressed")
     experts = check_experts(model)
-    target = _checked_target(directory, overwrite)
+    target = checked_directory(directory, overwrite)
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer must have a save_pretrained method (a transformers tokenizer), got "
                         f"{type(tokenizer).__name__}")
@@ -226,20 +226,6 @@ def save_pretrained_compressed(model, directory, *, tokenizer=None, overwrite=Fa
     check_one_scheme(groups, experts)
     _compress_in_place(export, groups, tied)
     return replace_directory_atomically(target, lambda tmp: _write(export, groups, tmp, tokenizer), overwrite)
-
-
-def _checked_target(directory, overwrite):
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-    target = Path(directory)
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"directory={str(directory)!r} is a file: pass a directory path for the checkpoint")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"directory={str(directory)!r} exists and is not empty: pick a new path, or pass "
-                              f"overwrite=True to replace it")
-    return target
 
 
 def _private_quantized_copy(model):

@@ -22,24 +22,10 @@ import shutil
 from pathlib import Path
 
 from mixle._optional import require
-from mixle.core.fileformat import replace_directory_atomically
+from mixle.core.fileformat import checked_directory, replace_directory_atomically
 from mixle.gguf.sentencepiece_vocab import sentencepiece_file
 
 __all__ = ["save_pretrained_float", "check_savable"]
-
-
-def _checked_directory(directory, overwrite):
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-    target = Path(directory)
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"directory={str(directory)!r} is a file: pass a directory path for the checkpoint")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"directory={str(directory)!r} exists and is not empty: pick a new path, or pass "
-                              f"overwrite=True to replace it")
-    return target
 
 
 def _refuse_layers(model):
@@ -172,7 +158,7 @@ def save_pretrained_float(model, directory, *, tokenizer=None, overwrite=False):
     (['float32'], [])
     """
     keys = check_savable(model)
-    target = _checked_directory(directory, overwrite)
+    target = checked_directory(directory, overwrite)
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer must have a save_pretrained method (a transformers tokenizer), got "
                         f"{type(tokenizer).__name__}")
