@@ -25,7 +25,7 @@ from mixle.lm.family import TransformersTokenizer
 from mixle.lm.finetune_load import load_texts, tokens_needed
 from mixle.lm.windows import held_out_windows
 
-__all__ = ["FinetuneData", "prepare_finetune_data", "window_order", "tokenize_texts", "bos_of"]
+__all__ = ["FinetuneData", "prepare_finetune_data", "window_order", "WindowCursor", "tokenize_texts", "bos_of"]
 
 
 @dataclass
@@ -171,3 +171,35 @@ def window_order(length, block, seed, epoch):
     if count < 1:
         offset, count = 0, (length - 1) // block
     return offset + torch.randperm(count, generator=generator) * block
+
+
+class WindowCursor:
+    """Window starts in ``window_order``, epoch after epoch, from a training state's data position.
+
+    ``take(state, count)`` returns the next ``count`` starts (int64 tensor) and moves ``state.epoch``
+    and ``state.position`` past them; each epoch's order is computed once.
+
+    >>> from types import SimpleNamespace
+    >>> cursor, state = WindowCursor(10, 3, seed=0), SimpleNamespace(epoch=0, position=0)
+    >>> len(cursor.take(state, 5)), state.epoch >= 1
+    (5, True)
+    """
+
+    def __init__(self, length, block, seed):
+        self.length, self.block, self.seed = length, block, seed
+        self._order, self._epoch = None, None
+
+    def take(self, state, count):
+        import torch
+
+        taken = []
+        while count:
+            if self._epoch != state.epoch:
+                self._order, self._epoch = window_order(self.length, self.block, self.seed, state.epoch), state.epoch
+            part = self._order[state.position : state.position + count]
+            taken.append(part)
+            count -= len(part)
+            state.position += len(part)
+            if state.position >= len(self._order):
+                state.epoch, state.position = state.epoch + 1, 0
+        return torch.cat(taken)

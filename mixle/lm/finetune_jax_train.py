@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mixle.lm.finetune_data import window_order
+from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_train import loop_config
 from mixle.lm.loop import Trainer, TrainState
@@ -236,7 +236,7 @@ class JaxTrainer(Trainer):
         self.teacher_state = None if teacher is None else _replicated(mesh, self.teacher_state)
         self.exp_avg, self.exp_avg_sq = _zeros(self.params), _zeros(self.params)
         self.ids = np.asarray(data.train_ids.numpy() if hasattr(data.train_ids, "numpy") else data.train_ids)
-        self._order, self._order_epoch = None, None
+        self._cursor = WindowCursor(len(self.ids), self.finetune_config.block, self.finetune_config.seed)
 
     # ------------------------------------------------------------------ state through a checkpoint
 
@@ -274,18 +274,7 @@ class JaxTrainer(Trainer):
 
     def _next_starts(self, count):
         """The next ``count`` window starts of the torch job's order (moving the data position)."""
-        state, config, taken = self.state, self.finetune_config, []
-        while count:
-            if self._order_epoch != state.epoch:
-                self._order = window_order(len(self.ids), config.block, config.seed, state.epoch).numpy()
-                self._order_epoch = state.epoch
-            part = self._order[state.position : state.position + count]
-            taken.append(part)
-            count -= len(part)
-            state.position += len(part)
-            if state.position >= len(self._order):
-                state.epoch, state.position = state.epoch + 1, 0
-        return np.concatenate(taken)
+        return self._cursor.take(self.state, count).numpy()
 
     def micro_step(self, starts):
         """``(loss, gradient)`` of the micro-batch of windows at ``starts``: its share of a step's loss.

@@ -21,7 +21,7 @@ import functools
 from mixle._optional import require
 from mixle.lm.chunked_loss import chunked_tokens
 from mixle.lm.distill import distill_row_loss, distill_token_loss
-from mixle.lm.finetune_data import window_order
+from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.loop import (LoopConfig, NonFiniteLossError, Stopped, StopSignals, Trainer, TrainState,
                            return_free_memory, steps_that_fit)
@@ -135,7 +135,7 @@ class FinetuneTrainer(Trainer):
         trainable = _named_trainable(student)
         optimizer = torch.optim.AdamW(self._groups(student, trainable, config), lr=config.lr,
                                       weight_decay=config.weight_decay)
-        self._order, self._order_epoch = None, None
+        self._cursor = WindowCursor(len(self.ids), self.finetune_config.block, self.finetune_config.seed)
         super().__init__(student, trainable, optimizer, self._objective, self._next_starts, loop_config(config),
                          family=family, curve_windows=data.curve_windows, ranks=ranks)
 
@@ -159,19 +159,8 @@ class FinetuneTrainer(Trainer):
 
     def _next_starts(self, state, count):
         """The next ``count`` window starts in the data order (moving the data position)."""
-        torch, config = self.torch, self.finetune_config
-        taken = []
-        while count:
-            if self._order_epoch != state.epoch:
-                self._order = window_order(len(self.ids), config.block, config.seed, state.epoch)
-                self._order_epoch = state.epoch
-            part = self._order[state.position : state.position + count]
-            taken.append(part)
-            count -= len(part)
-            state.position += len(part)
-            if state.position >= len(self._order):
-                state.epoch, state.position = state.epoch + 1, 0
-        return self.ranks.share(torch.cat(taken)).to(self.device)  # the same windows, shared among the processes
+        starts = self._cursor.take(state, count)
+        return self.ranks.share(starts).to(self.device)  # the same windows, shared among the processes
 
     def _objective(self, starts):
         """The step's share of the distillation loss of ``starts``, per predicted token."""
