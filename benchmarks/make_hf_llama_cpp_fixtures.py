@@ -16,36 +16,23 @@ downloads llama-cpp-python's sdist and builds the tools (``benchmarks/make_arch_
     python benchmarks/make_hf_llama_cpp_fixtures.py [--source DIR --build-dir /tmp/llbuild]
 """
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
-from importlib import metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.make_arch_fixtures import sdist_tools  # noqa: E402
-from benchmarks.make_imatrix_fixtures import SDIST  # noqa: E402
+from benchmarks.make_arch_fixtures import tools_of, tools_parser, write_fixture  # noqa: E402
 from tests.test_hf_llama_cpp import (ARCHITECTURE, CONFIG, FIXTURE, GRIDS, LR, SEED, STEPS, llama_cpp_file,  # noqa: E402
                                      quantized_tensors, trained, weights_digest)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", help="a llama.cpp tree with convert_hf_to_gguf.py (default: the sdist's)")
-    parser.add_argument("--build-dir", help="a llama.cpp build with bin/llama-quantize (default: build one)")
-    parser.add_argument("--out", default=FIXTURE, help="the fixture file to write (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = tools_parser(__doc__.splitlines()[0], FIXTURE).parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        source, build = (args.source, args.build_dir) if args.source and args.build_dir else sdist_tools(tmp)
-        version = subprocess.run([os.path.join(build, "bin", "llama-quantize"), "--version"], capture_output=True,
-                                 text=True)
-        reference = {"llama_cpp_python_sdist": SDIST, "llama_cpp_version": (version.stdout + version.stderr).strip(),
-                     "torch": metadata.version("torch"), "transformers": metadata.version("transformers"),
-                     "architecture": ARCHITECTURE, "config": CONFIG, "seed": SEED, "steps": STEPS, "lr": LR,
-                     "cases": {}}
+        source, build, reference = tools_of(args, tmp)
+        reference.update({"architecture": ARCHITECTURE, "config": CONFIG, "seed": SEED, "steps": STEPS, "lr": LR,
+                          "cases": {}})
         for file_type in sorted(GRIDS):
             directory = os.path.join(tmp, file_type)
             os.makedirs(directory)
@@ -54,11 +41,7 @@ def main(argv=None):
             tensors = quantized_tensors(path)
             reference["cases"][file_type] = {"weights_sha256": weights_digest(model), "tensors": tensors}
             print(f"{file_type}: {len(tensors)} quantized tensors")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(reference, handle, indent=1, sort_keys=True)
-        handle.write("\n")
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)")
+    write_fixture(reference, args.out)
 
 
 if __name__ == "__main__":
