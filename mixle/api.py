@@ -21,6 +21,7 @@ __all__ = [
     "QATWrapper",
     "apply_qat",
     "set_fake_quant_enabled",
+    "pull_toward_stored",
     "fake_quantize",
     "fake_quantize_int4",
     "get_qat_report",
@@ -165,6 +166,27 @@ def set_fake_quant_enabled(model, enabled):
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False, got {enabled!r}")
     return backends.for_model(model, "set_fake_quant_enabled").set_enabled(model, enabled)
+
+
+def pull_toward_stored(model, margin):
+    """Move every weight a QAT-wrapped model quantizes the fraction ``margin`` of the way to the value
+    it stores, ``w + margin * (q - w)``; what it stores stays the same (checked per layer).
+
+    A weight on a rounding tie of the target lattice (the float model a dequantized llama.cpp file
+    whose lattice divides the target's) is then ``margin`` half-steps inside the bin PTQ chose, and
+    leaves it only once its gradient keeps one sign: Adam's first step would otherwise send every tie
+    across at once (``mixle finetune --tie-margin``).
+
+    Returns:
+        ``{"margin", "weights", "layers", "kept"}``: the weights and layers moved, and the layers left
+        as they were because moving them would change what they store.
+
+    >>> import torch
+    >>> net = apply_qat(torch.nn.Sequential(torch.nn.Linear(32, 2)), grid="q4_0")
+    >>> pull_toward_stored(net, 0.05)["layers"]
+    1
+    """
+    return backends.for_model(model, "pull_toward_stored").pull_toward_stored(model, margin)
 
 
 def invalidate_fake_quant_caches():

@@ -10,4 +10,5 @@ from mixle.flax_backend.convert import convert, model_nbytes, quantize_model  # 
 from mixle.flax_backend.export import load_quantized, save_quantized  # noqa: F401
 from mixle.flax_backend.lora import apply_lora, lora_parameters, lora_report, merge_lora  # noqa: F401
 from mixle.flax_backend.qat import SPEC_FIELDS, apply, report, set_enabled  # noqa: F401
+from mixle.flax_backend.tie_margin import pull_toward_stored  # noqa: F401
 

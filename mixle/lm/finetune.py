@@ -354,7 +354,7 @@ def _prepare_student(model, config, importance=None, single_process=True):
     block's parameters together, so there they keep the student's dtype."""
     import torch
 
-    from mixle.api import apply_lora, apply_qat
+    from mixle.api import apply_lora, apply_qat, pull_toward_stored
 
     mix = config.mix()
     extra = {} if importance is None else {"importance": baselines.target_importance(importance, config, EXCLUDE)}
@@ -367,13 +367,14 @@ def _prepare_student(model, config, importance=None, single_process=True):
     trained += [p for m in layers for n, p in m.named_parameters(recurse=False) if n == "weight_log2_scale"]
     matmul_dtype = torch.bfloat16 if config.dtype == "bfloat16" and single_process else None
     teacher = None if config.distill_weight() == 0.0 else shared_teacher(student, trained, matmul_dtype)
+    margin = pull_toward_stored(student, config.tie_margin)  # after the teacher's copy: it keeps the float weights
     for param in trained:
         param.requires_grad_(True)
     if config.lora:
         paths = [path for path, m in student.named_modules() if getattr(m, "spec", None) is not None]
         student = apply_lora(student, rank=config.lora, alpha=config.lora_alpha or 2.0 * config.lora,
                              patterns=[_exact(p) for p in paths], train_base=True, quantize_merged=True)
-    return student, teacher, _sharing(student, teacher)
+    return student, teacher, {**_sharing(student, teacher), "tie_margin": margin}
 
 
 def _exact(path):

@@ -215,6 +215,11 @@ class FinetuneConfig:
     act_bits: int | None = option(None, "8: QAT and PTQ also round each product's input as llama.cpp's CPU path does "
                                         "(Q8_0 blocks of 32, Q8_K blocks of 256 before K-quant products); llama.cpp "
                                         "targets only", type=positive_int)
+    tie_margin: float = option(0.0, "before the first step, move every quantized weight this fraction of the way to "
+                                    "the value PTQ stores for it (the stored values stay the same): a weight on a "
+                                    "rounding tie of the target, as in a dequantized llama.cpp file whose lattice "
+                                    "divides the target's, then leaves PTQ's bin only once its gradient keeps one "
+                                    "sign (default: 0, e.g. 0.05)")
     scale_lr: float | None = option(None, "learning rate of the learned scales (default: 10 x --lr)")
     dtype: str = option("float32", "float32, or bfloat16 autocast for student and teacher", choices=DTYPES)
     device: str = option("cpu", "torch device: cpu, cuda, cuda:1, ... (default: cpu)")
@@ -303,6 +308,9 @@ class FinetuneConfig:
                 raise ValueError(f"{name}={value!r} must be a positive number or None")
         if not isinstance(self.weight_decay, int | float) or not 0 <= self.weight_decay < 1:
             raise ValueError(f"weight_decay={self.weight_decay!r} must be in [0, 1)")
+        if isinstance(self.tie_margin, bool) or not isinstance(self.tie_margin, int | float) or \
+                not 0 <= self.tie_margin < 1:
+            raise ValueError(f"tie_margin={self.tie_margin!r} must be in [0, 1), e.g. 0.05 (0: the weights as loaded)")
         if not isinstance(self.mix_weight, int | float) or not 0 < self.mix_weight < 1:
             raise ValueError(f"mix_weight={self.mix_weight!r} must be strictly between 0 and 1")
         if not isinstance(self.held_out_fraction, float) or not 0 < self.held_out_fraction < 1:

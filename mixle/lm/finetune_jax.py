@@ -1,7 +1,9 @@
 """``mixle finetune --backend jax``: the finetune job with the model trained and evaluated in JAX.
 
 The run is the torch job's (``mixle.lm.finetune``) phase by phase, on mixle's Flax causal LM
-(``mixle.lm.flax_causal_lm``) of the same transformers directory:
+(``mixle.lm.flax_causal_lm``) of the same model, a transformers directory or a GGUF file (the Flax
+model takes the float32 weights transformers loaded, from the safetensors or dequantized by its GGUF
+loader):
 
 1. the same checks, before anything is trained or written: the output directory, the model
    (``load_model``'s checks of the directory; its transformers twin gives the target's file kinds,
@@ -19,8 +21,8 @@ The run is the torch job's (``mixle.lm.finetune``) phase by phase, on mixle's Fl
    ``results.json``, the table, the plot and the model card (``finish_run``).
 
 Needs jax, flax and qwix (the ``jax`` extra) besides the torch job's packages, which still read
-the tokenizer and write the files. A ``.gguf`` model or a hub id is refused (the Flax family reads
-a local transformers directory), and so is a run under torchrun.
+the tokenizer and write the files. A hub id is refused (the jax job downloads nothing), and so is a
+run under torchrun.
 """
 
 import os
@@ -94,6 +96,24 @@ def _fake_quantized(model, config, importance=None):
 
     copy = nnx.clone(model)
     apply_qat(copy, example_inputs=_EXAMPLE, **_qat_arguments(model, config, importance))
+    return copy
+
+
+def _with_stored_values(model, quantized):
+    """A copy of the Flax float ``model`` (not wrapped) whose kernels (and embedding, if quantized) hold the values the
+    fake-quantized copy ``quantized`` stores: the same forward values, evaluated by the float model's
+    compiled forward instead of a graph with the quantizer in it (for ggml's weighted search, a compile
+    of seconds per kernel). The values come from numpy's numerics (``stored_arrays``), not compiled."""
+    from mixle.flax_backend.gguf_tensors import flax_path, stored_arrays
+
+    copy = nnx.clone(model)
+    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(copy)}
+    for path, array in stored_arrays(quantized).items():
+        module, values = modules[flax_path(path)], np.asarray(array.dequantize(), np.float32)
+        if isinstance(module, nnx.Embed):
+            module.embedding[...] = jnp.asarray(values)
+        else:
+            module.kernel[...] = jnp.asarray(values.T)  # an nnx.Linear's kernel is (in, out)
     return copy
 
 
@@ -181,20 +201,21 @@ class JaxRun(FinetuneRun):
 
     def __init__(self, config, resume, progress, devices=None):
         super().__init__(config, resume, progress, SINGLE)
-        from mixle.lm.flax_causal_lm import load_causal_lm
+        from mixle.lm.flax_causal_lm import causal_lm_of
 
-        self.flax_model = load_causal_lm(config.model)
+        # The Flax model takes the float32 weights transformers loaded (from a directory's safetensors,
+        # or dequantized by its GGUF loader, q/k rows in transformers' order): one source of truth.
+        self.flax_model = causal_lm_of(self.model.config.to_dict(),
+                                       {name: t.detach().numpy() for name, t in self.model.state_dict().items()},
+                                       str(config.model))
         self.mesh = data_mesh(config.batch_size, devices)
 
     def check_source(self):
-        """The Flax family reads a local transformers directory; one process (JAX spreads over its devices)."""
-        kind = model_kind(self.config.model)
-        if kind != "directory":
-            what = "a .gguf file" if kind == "gguf" else "a hub id"
-            raise ValueError(f"model={self.config.model!r} is {what}: --backend jax reads a local transformers "
-                             f"directory (config.json and safetensors; mixle's Flax causal LM loads no GGUF and "
-                             f"downloads nothing); save the model with save_pretrained and pass its directory, or "
-                             f"use --backend torch")
+        """The Flax family reads a local transformers directory or GGUF file; one process (JAX spreads
+        over its devices)."""
+        if model_kind(self.config.model) == "hub":
+            raise ValueError(f"model={self.config.model!r} is a hub id: --backend jax downloads nothing; download "
+                             f"the model (e.g. huggingface-cli download) and pass its directory or .gguf file")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--backend jax under torchrun: the jax backend is one process training data-parallel "
                              "over jax.devices(); run it without torchrun")
@@ -209,13 +230,16 @@ class JaxRun(FinetuneRun):
 
         A PTQ row is the fake-quantized float model, whose kernels' values are those ``convert``
         stores (the same held-out loss, and ``save_gguf`` writes the same file from either): the
-        student before its first step is one of them, so its compiled forward serves both.
+        student before its first step is one of them, so its compiled forward serves both. The other
+        (the reference quantizer beside a QAT on the weighted search, or the weighted search beside
+        QAT on the reference one) is evaluated as the float model holding its stored values.
         """
         if self.payload is not None:
             self.evaluator.llama_cpp_info = self.payload.get("llama_cpp")
             return self.payload["rows"]
         config, evaluator, mix = self.config, self.evaluator, self.config.mix()
         spec = mix or config.spec().short()
+        float_model = nnx.clone(self.flax_model)  # the student below is wrapped in place
         rows = [evaluator.mixle(self.flax_model, {"method": FLOAT})]
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
             if self.outputs["gguf"] and evaluator.llama_cpp:
@@ -223,14 +247,22 @@ class JaxRun(FinetuneRun):
             if config.importance_mode() == "calibrate":  # on the float model, from training windows only
                 self.importance = _calibrate(self.flax_model, self.model, self.data, config, self.out)
             student = self._student()
-            ptq = student if self.qat_importance() is None else _fake_quantized(self.flax_model, config)
-            rows.append(self._row(ptq, {"method": PTQ, "spec": spec}))
+            if self.qat_importance() is None:
+                ptq, evaluated = student, student
+            else:
+                ptq = _fake_quantized(float_model, config)
+                evaluated = _with_stored_values(float_model, ptq)
+            rows.append(self._row(evaluated, {"method": PTQ, "spec": spec}))
             if self.outputs["gguf"] and evaluator.llama_cpp:
                 evaluator.gguf(ptq, os.path.join(scratch, "ptq.gguf"), config.float_storage(), rows[-1], mix=mix)
         if self.importance is not None:
-            weighted = student if self.qat_importance() is not None else _fake_quantized(self.flax_model, config,
-                                                                                          self.importance)
-            rows.append(self._row(weighted, {"method": PTQ_IMATRIX, "spec": spec, "file": baselines.PTQ_IMATRIX_FILE}))
+            if self.qat_importance() is not None:
+                weighted, evaluated = student, student
+            else:
+                weighted = _fake_quantized(float_model, config, self.importance)
+                evaluated = _with_stored_values(float_model, weighted)
+            rows.append(self._row(evaluated, {"method": PTQ_IMATRIX, "spec": spec,
+                                              "file": baselines.PTQ_IMATRIX_FILE}))
             values = baselines.target_importance(self.importance, config, ("lm_head",)) if mix else None
             evaluator.gguf(weighted, os.path.join(self.out, baselines.PTQ_IMATRIX_FILE), config.float_storage(),
                            rows[-1], mix=mix, importance=values)
@@ -239,13 +271,14 @@ class JaxRun(FinetuneRun):
     def _student(self):
         """The trainer of the QAT-wrapped Flax model (made once; the teacher a copy of the float model)."""
         if getattr(self, "trainer", None) is None:
-            from mixle.api import apply_qat, get_qat_report
+            from mixle.api import apply_qat, get_qat_report, pull_toward_stored
 
             student = self.flax_model
             teacher = None if self.config.distill_weight() == 0.0 else nnx.clone(student)
             arguments = _qat_arguments(student, self.config, self.qat_importance())
             made = _made(student, arguments)
             apply_qat(student, example_inputs=_EXAMPLE, **arguments)
+            self.tie_margin = pull_toward_stored(student, self.config.tie_margin)  # the teacher keeps the float ones
             self.trainer = JaxTrainer(student, teacher, self.data, self.config, get_qat_report(student).wrapped,
                                       self.mesh, made=made)
         return self.trainer.model
@@ -278,7 +311,8 @@ class JaxRun(FinetuneRun):
         self.peaks.end("training")
         info = {"backend": "jax", "trained_parameters": count, "trained_kernels": len(trainer.names),
                 "teacher": None if teacher is None else "float model, fake-quant off",
-                "data_parallel_devices": int(self.mesh.size), "devices_available": len(jax.devices())}
+                "data_parallel_devices": int(self.mesh.size), "devices_available": len(jax.devices()),
+                "tie_margin": self.tie_margin}
         return student, state, info
 
     def after(self, student):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["CausalLMConfig", "CausalLM", "load_causal_lm", "ARCHITECTURES"]
+__all__ = ["CausalLMConfig", "CausalLM", "load_causal_lm", "causal_lm_of", "ARCHITECTURES"]
 
 # transformers' model_type -> whether q/k/v projections carry biases.
 ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}
@@ -261,14 +261,37 @@ def load_causal_lm(directory, *, dtype=jnp.float32):
     <function load_causal_lm at ...>
     """
     directory = Path(directory)
-    config = CausalLMConfig.from_dict(json.loads((directory / "config.json").read_text()))
-    tensors = {k.removeprefix("model."): v for k, v in _read_safetensors(directory).items()}
+    return causal_lm_of(json.loads((directory / "config.json").read_text()), _read_safetensors(directory),
+                        str(directory), dtype=dtype)
+
+
+def causal_lm_of(config, tensors, source, *, dtype=jnp.float32):
+    """The ``CausalLM`` of a transformers config dict and its weights by transformers' names.
+
+    What ``load_causal_lm`` reads from a directory; also the way in for a model transformers
+    loaded from elsewhere (a GGUF file, through its GGUF loader): ``causal_lm_of(model.config.to_dict(),
+    {name: tensor.numpy() for name, tensor in model.state_dict().items()}, path)``.
+
+    Args:
+        config: the ``config.json`` dict.
+        tensors: ``{name: array}`` (``model.`` prefixes are dropped; a tied ``lm_head.weight`` is ignored).
+        source: where they came from, for the errors.
+        dtype: the compute dtype.
+
+    Raises:
+        ValueError: as ``load_causal_lm``.
+
+    >>> causal_lm_of  # doctest: +ELLIPSIS
+    <function causal_lm_of at ...>
+    """
+    config = CausalLMConfig.from_dict(config)
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
     model = CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
     used = set()
 
     def take(name):
         if name not in tensors:
-            raise ValueError(f"{directory}: tensor {name!r} is missing from the checkpoint")
+            raise ValueError(f"{source}: tensor {name!r} is missing from the checkpoint")
         used.add(name)
         return tensors[name]
 
@@ -290,10 +313,10 @@ def load_causal_lm(directory, *, dtype=jnp.float32):
     if model.lm_head is not None:
         head = tensors.get("lm_head.weight")
         if head is None:
-            raise ValueError(f"{directory}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
+            raise ValueError(f"{source}: tensor 'lm_head.weight' is missing and tie_word_embeddings is false")
         _assign(model.lm_head.kernel, head, "lm_head.weight", transpose=True)
         used.add("lm_head.weight")
     unused = sorted(set(tensors) - used - {"lm_head.weight"} - {n for n in tensors if n.endswith("rotary_emb.inv_freq")})
     if unused:
-        raise ValueError(f"{directory}: tensors {unused[:5]} have no place in a {config.model_type} model")
+        raise ValueError(f"{source}: tensors {unused[:5]} have no place in a {config.model_type} model")
     return model

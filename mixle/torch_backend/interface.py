@@ -6,6 +6,7 @@ from mixle.torch_backend import export
 from mixle.torch_backend.export import model_nbytes  # noqa: F401
 from mixle.torch_backend.layers.qat import SPEC_FIELDS  # noqa: F401
 from mixle.torch_backend.transforms.apply import apply, report, set_enabled  # noqa: F401
+from mixle.torch_backend.transforms.tie_margin import pull_toward_stored  # noqa: F401
 
 
 def _refuse_names(purpose, names):

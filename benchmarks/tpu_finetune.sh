@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `mixle finetune --backend jax` on the lent TPU machine, for a model larger than one call's 64 MiB:
+# the model travels in parts over several calls of one warm machine and is put together there.
+#
+# Here (the repository root):
+#   bash benchmarks/tpu_finetune.sh --prepare MODEL.gguf SIZE_MB...   # .tpu-m1, .tpu-m2, ...: parts of these sizes
+#                                                                     # (the last takes the rest), .tpu-llama: the
+#                                                                     # llama.cpp bindings and libraries (LLAMA_LIBS)
+# There (each call carries what it names; $OUT set):
+#   bash benchmarks/tpu_finetune.sh --install         # .whl-tpu + .whl-hf wheels, torch and matplotlib of the machine
+#   bash benchmarks/tpu_finetune.sh --receive DIR     # DIR's part into /tmp/mixle-model
+#   bash benchmarks/tpu_finetune.sh --run TAG ARGS... # checks the put-together model's sha256, then runs
+#                                                     # python -m mixle finetune --backend jax --model it --out
+#                                                     # /tmp/ft-TAG ARGS; $OUT gets TAG-results.json, -table.txt,
+#                                                     # -finetune.png and -log.txt
+# .whl-hf holds transformers, tokenizers, gguf, sentencepiece and their needs at .ci/constraints.txt's
+# versions (those not in .whl-tpu; no numpy: the machine's stays).
+set -euo pipefail
+MODEL=/tmp/mixle-model
+case "${1:-}" in
+--prepare)
+    src=$2; shift 2
+    rm -rf .tpu-m* .tpu-llama && mkdir -p .tpu-llama
+    offset=0; i=1
+    for size in "$@" rest; do
+        mkdir -p ".tpu-m$i"
+        count=$([[ $size == rest ]] && echo "" || echo "count=$((size * 1000000))")
+        dd if="$src" of=".tpu-m$i/part$i" bs=1M skip=$offset $count iflag=skip_bytes,count_bytes status=none
+        [[ $size == rest ]] || offset=$((offset + size * 1000000))
+        i=$((i + 1))
+    done
+    sha256sum "$src" | cut -d' ' -f1 > .tpu-m1/SHA256
+    libs=${LLAMA_LIBS:?set LLAMA_LIBS to a folder of libllama.so and libggml*.so built for x86-64 without AVX-512}
+    for lib in "$libs"/lib*.so "$libs"/lib*.so.0; do cp -L "$lib" .tpu-llama/; done
+    cp -r "${LLAMA_PY:?set LLAMA_PY to the folder holding the llama_cpp package}"/. .tpu-llama/py
+    for d in .tpu-m* .tpu-llama; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+    du -sh .tpu-m* .tpu-llama
+    ;;
+--install)
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl-tpu/*.whl .whl-hf/*.whl > "$OUT/pip.log" 2>&1
+    python3 -m pip install -q --no-deps --target /tmp/torch --no-index --find-links /opt/wheels torch >> "$OUT/pip.log" 2>&1
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-cache-dir \
+        --index-url file:///opt/pypi/simple --target /tmp/mpl matplotlib >> "$OUT/pip.log" 2>&1
+    rm -rf /tmp/mpl/numpy* /tmp/mpl/bin  # the machine's numpy stays the one JAX runs with
+    echo "installed: $(ls /tmp/site /tmp/torch /tmp/mpl | grep -c dist-info) packages"
+    ;;
+--receive)
+    mkdir -p $MODEL && cp "$2"/* $MODEL/ && ls -la $MODEL
+    ;;
+--run)
+    tag=$2; shift 2
+    [[ -f $MODEL/model.gguf ]] || cat $(ls $MODEL/part* | sort -V) > $MODEL/model.gguf
+    [[ "$(sha256sum $MODEL/model.gguf | cut -d' ' -f1)" == "$(cat $MODEL/SHA256)" ]] || { echo "model parts do not add up"; exit 1; }
+    export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/torch:/tmp/mpl:$PWD:$PWD/.tpu-llama/py"
+    export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama PYTHONUNBUFFERED=1
+    python3 -m mixle finetune --backend jax --model $MODEL/model.gguf --out /tmp/ft-$tag "$@" 2>&1 | sed -u 's/\r/\n/g' \
+        | grep --line-buffered -v -i "warn" | tee "$OUT/$tag-log.txt" | grep --line-buffered -v "it/s\]$" || true
+    for f in results.json table.txt finetune.png; do [[ -f /tmp/ft-$tag/$f ]] && cp /tmp/ft-$tag/$f "$OUT/$tag-$f"; done
+    ;;
+*)
+    echo "usage: see the top of $0"; exit 2
+    ;;
+esac
