@@ -11,8 +11,10 @@
 #   bash benchmarks/tpu_finetune.sh --receive DIR     # DIR's part into /tmp/mixle-model
 #   bash benchmarks/tpu_finetune.sh --run TAG ARGS... # checks the put-together model's sha256, then runs
 #                                                     # python -m mixle finetune --backend jax --model it --out
-#                                                     # /tmp/ft-TAG ARGS; $OUT gets TAG-results.json, -table.txt,
-#                                                     # -finetune.png and -log.txt
+#                                                     # /tmp/ft-TAG ARGS, stopped by SIGTERM after $LIMIT seconds
+#                                                     # (default 540: it writes its checkpoint); run again, the
+#                                                     # same command resumes it (--resume /tmp/ft-TAG). $OUT gets
+#                                                     # TAG-results.json, -table.txt, -finetune.png and -log.txt
 # .whl-hf holds transformers, tokenizers, gguf, sentencepiece and their needs at .ci/constraints.txt's
 # versions (those not in .whl-tpu; no numpy: the machine's stays).
 set -euo pipefail
@@ -54,8 +56,13 @@ case "${1:-}" in
     [[ "$(sha256sum $MODEL/model.gguf | cut -d' ' -f1)" == "$(cat $MODEL/SHA256)" ]] || { echo "model parts do not add up"; exit 1; }
     export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/torch:/tmp/mpl:$PWD:$PWD/.tpu-llama/py"
     export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama PYTHONUNBUFFERED=1
-    python3 -m mixle finetune --backend jax --model $MODEL/model.gguf --out /tmp/ft-$tag "$@" 2>&1 | sed -u 's/\r/\n/g' \
-        | grep --line-buffered -v -i "warn" | tee "$OUT/$tag-log.txt" | grep --line-buffered -v "it/s\]$" || true
+    if [[ -f /tmp/ft-$tag/checkpoint.pt ]]; then
+        job=(--resume /tmp/ft-$tag)
+    else
+        job=(--backend jax --model $MODEL/model.gguf --out /tmp/ft-$tag "$@")
+    fi
+    timeout -s TERM "${LIMIT:-540}" python3 -m mixle finetune "${job[@]}" 2>&1 | sed -u 's/\r/\n/g' \
+        | grep --line-buffered -v -i "warn" | tee -a "$OUT/$tag-log.txt" | grep --line-buffered -v "s/step" || true
     for f in results.json table.txt finetune.png; do [[ -f /tmp/ft-$tag/$f ]] && cp /tmp/ft-$tag/$f "$OUT/$tag-$f"; done
     ;;
 *)

@@ -18,16 +18,12 @@ the same inputs here, as numpy arrays:
 """
 
 import dataclasses
-import math
 
 import numpy as np
 from flax import nnx
 
-from mixle.core.numerics import quantize_array
 from mixle.core.stored import QuantizedArray
 from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue
-from mixle.flax_backend.fake_quant import weight_layout
-from mixle.flax_backend.provider import QUANTIZED
 
 __all__ = ["torch_path", "flax_path", "torch_config", "float_tensors", "stored_arrays"]
 
@@ -109,28 +105,18 @@ def stored_arrays(model):
     Raises:
         ValueError: a QAT kernel trains with a Qwix-only option, whose codes are not mixle's.
     """
-    from mixle.flax_backend.qat import qat_state
+    from mixle.flax_backend.qat import quantized_kernels
 
     arrays = {}
     for path, name, variable in _params(model):
         value = variable.get_raw_value()
         if isinstance(value, QuantizedValue):
             arrays[torch_path(path)] = _numpy(value.quantized_array())
-    state = qat_state(model)
-    if state is None:
-        return arrays
-    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
-    for (owner, name), (record, _) in sorted(state.provider.records.items()):
-        spec = state.specs.get(owner)
-        if record != QUANTIZED or spec is None:
-            continue
+    for kernel in quantized_kernels(model):
+        owner, name, spec = kernel.owner, kernel.name, kernel.spec
         if spec.qwix_only_options():
             raise ValueError(f"kernel {owner}.{name} trains as {spec.short()}, whose forward is Qwix's own quantizer "
                              f"({spec.qwix_only_options()}): its codes are not mixle's, so no file can hold them")
         # numpy's numerics: the jax ones give the same codes (exactly), and numpy's run without compiling
-        kernel = np.asarray(vars(modules[owner])[name].get_raw_value())
-        perm, out_count = weight_layout(kernel.ndim, state.provider.layouts[(owner, name)])
-        matrix = np.transpose(kernel, perm).reshape(math.prod(kernel.shape[a] for a in perm[:out_count]), -1)
-        arrays[torch_path(owner)] = quantize_array(matrix, spec, name=f"kernel {owner}.{name}",
-                                                   importance=state.provider.importance.get(owner))
+        arrays[torch_path(owner)] = kernel.stored(np.asarray(kernel.param.get_raw_value()))[0]
     return arrays

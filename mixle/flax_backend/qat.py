@@ -25,6 +25,7 @@ as ``qwix_rngs`` (part of their state then; reseed with
 
 import dataclasses
 import inspect
+import math
 import re
 
 import jax
@@ -35,8 +36,10 @@ from flax import linen as nn
 from flax import nnx
 
 from mixle.flax_backend import qwix_seam
+from mixle.flax_backend.fake_quant import weight_layout
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.grids import importance_grid
+from mixle.core.numerics import quantize_array
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
@@ -63,6 +66,47 @@ class FlaxQATState:
 
 def qat_state(model):
     return type(model).__dict__.get(STATE_ATTRIBUTE)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizedKernelParam:
+    """One kernel a QAT-wrapped model quantizes: where it is, its Param, and how it is quantized."""
+
+    owner: str  # the module path
+    name: str  # the Param's name in the module
+    param: object  # the nnx.Param
+    spec: QuantSpec
+    layout: object  # the provider's layout (``fake_quant.weight_layout``)
+    importance: object  # numpy (in,) or None
+
+    def stored(self, kernel):
+        """``(QuantizedArray of the (out, in) rows, the values they stand for in the kernel's layout)`` of
+        the numpy ``kernel`` (this Param's value or another of its shape), by numpy's numerics: the
+        values the fake-quantized forward uses, as the jitted numerics compute them too."""
+        perm, out_count = weight_layout(kernel.ndim, self.layout)
+        moved = np.transpose(kernel, perm)
+        matrix = moved.reshape(math.prod(kernel.shape[a] for a in perm[:out_count]), -1)
+        stored = quantize_array(matrix, self.spec, name=f"kernel {self.owner}.{self.name}", importance=self.importance)
+        values = np.asarray(stored.dequantize(), np.float32).reshape(moved.shape)
+        return stored, np.transpose(values, np.argsort(perm))
+
+
+def quantized_kernels(model):
+    """The kernels a QAT-wrapped Flax ``model`` quantizes with mixle's numerics, in path order; ``[]``
+    for a model that is not wrapped.
+
+    >>> quantized_kernels(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    []
+    """
+    state = qat_state(model)
+    if state is None:
+        return []
+    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
+    return [QuantizedKernelParam(owner=owner, name=name, param=vars(modules[owner])[name], spec=state.specs[owner],
+                                 layout=state.provider.layouts[(owner, name)],
+                                 importance=state.provider.importance.get(owner))
+            for (owner, name), (record, _) in sorted(state.provider.records.items())
+            if record == QUANTIZED and state.specs.get(owner) is not None]
 
 
 def _check_inputs(example_inputs, model):

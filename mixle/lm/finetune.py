@@ -43,6 +43,7 @@ import os
 import platform
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -438,20 +439,27 @@ def _threads(torch, threads):
 
 
 class PeakMemory:
-    """Peak resident memory per phase of a run (Linux's VmHWM, reset between phases; elsewhere
-    ``ru_maxrss`` for the whole run).
+    """Peak resident memory and wall time per phase of a run (Linux's VmHWM, reset between phases;
+    elsewhere ``ru_maxrss`` for the whole run); with ``echo``, each phase's line goes to stderr as
+    it ends (a long run shows where it is).
 
     >>> peaks = PeakMemory()
-    >>> peaks.end("loading") > 0 and peaks.total() > 0
+    >>> peaks.end("loading") > 0 and peaks.total() > 0 and peaks.seconds["loading"] >= 0
     True
     """
 
-    def __init__(self):
-        self.phases = {}
+    def __init__(self, echo=False):
+        self.phases, self.seconds, self.echo = {}, {}, echo
+        self.since = time.perf_counter()
 
     def end(self, phase):
-        """Record the peak since the previous phase ended as ``phase``'s, and restart the count."""
+        """Record the peak and the seconds since the previous phase ended as ``phase``'s, and restart both."""
+        now = time.perf_counter()
+        self.seconds[phase], self.since = round(now - self.since, 3), now
         peak = _vm_hwm()
+        if self.echo:
+            print(f"{phase}: {self.seconds[phase]:.0f} s, peak memory {(peak or _ru_maxrss()) / 1e9:.2f} GB",
+                  file=sys.stderr, flush=True)
         if peak is None:
             return _ru_maxrss()
         self.phases[phase] = peak
@@ -495,7 +503,7 @@ class FinetuneRun:
     def __init__(self, config, resume, progress, ranks):
         self.config, self.resume, self.progress, self.ranks = config, resume, progress, ranks
         self.device = ranks.device(config.device)
-        self.peaks = PeakMemory()
+        self.peaks = PeakMemory(echo=progress and ranks.main)
         self.out = Path(config.out)
         self.checkpoint_path = self.out / CHECKPOINT
         self.payload = read_checkpoint(self.checkpoint_path) if resume else None

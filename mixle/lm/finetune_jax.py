@@ -100,20 +100,17 @@ def _fake_quantized(model, config, importance=None):
 
 
 def _with_stored_values(model, quantized):
-    """A copy of the Flax float ``model`` (not wrapped) whose kernels (and embedding, if quantized) hold the values the
-    fake-quantized copy ``quantized`` stores: the same forward values, evaluated by the float model's
-    compiled forward instead of a graph with the quantizer in it (for ggml's weighted search, a compile
-    of seconds per kernel). The values come from numpy's numerics (``stored_arrays``), not compiled."""
-    from mixle.flax_backend.gguf_tensors import flax_path, stored_arrays
+    """A copy of the Flax float ``model`` (not wrapped) whose kernels (and embedding, if quantized) hold
+    the values the fake-quantized copy ``quantized`` stores: the same forward values, evaluated by the
+    float model's compiled forward instead of a graph with the quantizer in it (for ggml's weighted
+    search, a compile of seconds per kernel). The values come from numpy's numerics, not compiled."""
+    from mixle.flax_backend.qat import quantized_kernels
 
     copy = nnx.clone(model)
     modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(copy)}
-    for path, array in stored_arrays(quantized).items():
-        module, values = modules[flax_path(path)], np.asarray(array.dequantize(), np.float32)
-        if isinstance(module, nnx.Embed):
-            module.embedding[...] = jnp.asarray(values)
-        else:
-            module.kernel[...] = jnp.asarray(values.T)  # an nnx.Linear's kernel is (in, out)
+    for kernel in quantized_kernels(quantized):
+        values = kernel.stored(np.asarray(kernel.param.get_raw_value(), np.float32))[1]
+        getattr(modules[kernel.owner], kernel.name)[...] = jnp.asarray(values)
     return copy
 
 

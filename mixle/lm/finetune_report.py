@@ -306,7 +306,8 @@ def finish_run(config, run, rows, row, files, state, model_info, environment, be
         "hf": hf,
         "llama_cpp": run.evaluator.llama_cpp_info,
         "environment": {**environment, "total_seconds": round(time.perf_counter() - began, 2),
-                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases},
+                        "peak_memory_bytes": run.peaks.total(), "peak_memory_by_phase": run.peaks.phases,
+                        "seconds_by_phase": run.peaks.seconds},
     }
     write_outputs(results, run.out)
     if run.checkpoint_path.exists():
