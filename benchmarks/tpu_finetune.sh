@@ -56,6 +56,7 @@ case "${1:-}" in
     [[ "$(sha256sum $MODEL/model.gguf | cut -d' ' -f1)" == "$(cat $MODEL/SHA256)" ]] || { echo "model parts do not add up"; exit 1; }
     export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/torch:/tmp/mpl:$PWD:$PWD/.tpu-llama/py"
     export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama PYTHONUNBUFFERED=1
+    export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache  # a resumed run (next call, same machine) compiles nothing again
     if [[ -f /tmp/ft-$tag/checkpoint.pt ]]; then
         job=(--resume /tmp/ft-$tag)
     else
