@@ -22,7 +22,7 @@ _NUMERICS = "mixle.core.numerics"
 # name -> (the module that defines it, the package its import needs beyond numpy, or None)
 _FACE = {
     **{name: (_API, None) for name in (
-        "apply_qat", "set_fake_quant_enabled", "get_qat_report", "invalidate_fake_quant_caches",
+        "apply_qat", "set_fake_quant_enabled", "pull_toward_stored", "get_qat_report", "invalidate_fake_quant_caches",
         "fake_quantize", "fake_quantize_int4", "convert", "quantize_model", "calibrate_importance", "gptq_quantize",
         "save_quantized", "load_quantized", "model_nbytes", "apply_lora", "merge_lora", "get_lora_report",
         "lora_parameters", "QATReport", "LayerDecision")},

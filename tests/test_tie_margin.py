@@ -67,6 +67,23 @@ def test_zero_changes_nothing_and_a_bad_margin_is_refused():
     assert np.array_equal(net[0].weight.detach().numpy(), tied_rows())
 
 
+def test_a_failure_part_way_leaves_every_weight_as_it_was():
+    rows = tied_rows()
+    net = _torch_layer(rows)
+    second = torch.nn.Linear(32, 2, bias=False)
+    net = apply_qat(torch.nn.Sequential(net[0], second), grid="q4_0")
+    untouched = second.weight.detach().clone()
+
+    def broken():
+        raise RuntimeError("quantizer failed")
+
+    net[1].quantized_weight = broken
+    with pytest.raises(RuntimeError, match="quantizer failed"):
+        pull_toward_stored(net, MARGIN)
+    assert np.array_equal(net[0].weight.detach().numpy(), rows)  # moved first, then put back
+    assert torch.equal(net[1].weight, untouched)
+
+
 def test_flax_pulls_the_same_weights_as_torch():
     pytest.importorskip("qwix")
     jax = pytest.importorskip("jax")

@@ -37,6 +37,7 @@ def pull_toward_stored(model, margin):
     moved = {"margin": float(margin), "weights": 0, "layers": 0, "kept": []}
     if margin == 0:
         return moved
+    pulled_kernels = []  # assigned once every kernel is computed: a failure changes nothing
     for kernel in quantized_kernels(model):
         values = np.asarray(kernel.param.get_raw_value(), np.float32)
         stored, target = kernel.stored(values)
@@ -45,7 +46,9 @@ def pull_toward_stored(model, margin):
         if before.keys() != after.keys() or not all(np.array_equal(before[k], after[k]) for k in before):
             moved["kept"].append(f"{kernel.owner}.{kernel.name}")
             continue
-        kernel.param[...] = jnp.asarray(pulled, kernel.param.get_raw_value().dtype)
+        pulled_kernels.append((kernel.param, pulled))
         moved["weights"] += int(values.size)
         moved["layers"] += 1
+    for param, pulled in pulled_kernels:
+        param[...] = jnp.asarray(pulled, param.get_raw_value().dtype)
     return moved

@@ -65,16 +65,23 @@ def pull_toward_stored(model, margin):
     moved = {"margin": float(margin), "weights": 0, "layers": 0, "kept": []}
     if margin == 0:
         return moved
-    with torch.no_grad():
-        for path, module, name in list(_quantized_weights(model)):
-            param = getattr(module, name)
-            stored = _stored(module, name).clone()
-            before = param.detach().clone()
-            param.add_(margin * (stored - param))
-            if not torch.equal(_stored(module, name), stored):
+    saved = []  # (param, its values before): a failure puts every weight back
+    try:
+        with torch.no_grad():
+            for path, module, name in list(_quantized_weights(model)):
+                param = getattr(module, name)
+                stored = _stored(module, name).clone()
+                saved.append((param, param.detach().clone()))
+                param.add_(margin * (stored - param))
+                if not torch.equal(_stored(module, name), stored):
+                    param.copy_(saved.pop()[1])
+                    moved["kept"].append(path)
+                    continue
+                moved["weights"] += int(param.numel())
+                moved["layers"] += 1
+    except BaseException:
+        with torch.no_grad():
+            for param, before in saved:
                 param.copy_(before)
-                moved["kept"].append(path)
-                continue
-            moved["weights"] += int(param.numel())
-            moved["layers"] += 1
+        raise
     return moved
