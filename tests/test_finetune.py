@@ -56,9 +56,9 @@ def byte_level_tokenizer(text):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
 
 
-def tiny(kind, vocab, hidden=64, seed=0, intermediate=None):
+def tiny(kind, vocab, hidden=64, seed=0, intermediate=None, layers=2):
     torch.manual_seed(seed)
-    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=2,
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=True))

@@ -29,7 +29,7 @@ from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_data import window_order  # noqa: E402
 from mixle.lm.finetune_train import Stopped  # noqa: E402
-from tests.test_finetune import byte_level_tokenizer, finetune, results_of  # noqa: E402
+from tests.test_finetune import byte_level_tokenizer, finetune, results_of, tiny  # noqa: E402
 
 STEPS = 4
 
@@ -40,11 +40,7 @@ def llama(tmp_path_factory):
     text = default_text()[:16000]
     tokenizer = byte_level_tokenizer(text[:12000])
     (root / "data.txt").write_text(text)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    tiny("llama", len(tokenizer), layers=1).save_pretrained(root / "llama")
     tokenizer.save_pretrained(root / "llama")
     return root
 

@@ -25,7 +25,6 @@ as ``qwix_rngs`` (part of their state then; reseed with
 
 import dataclasses
 import inspect
-import math
 import re
 
 import jax
@@ -36,10 +35,9 @@ from flax import linen as nn
 from flax import nnx
 
 from mixle.flax_backend import qwix_seam
-from mixle.flax_backend.fake_quant import weight_layout
+from mixle.flax_backend.fake_quant import from_matrix, kernel_rows, weight_layout
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.grids import importance_grid
-from mixle.core.numerics import quantize_array
 from mixle.core.report import LayerDecision, QATReport
 from mixle.core.spec import QuantSpec
 from mixle.flax_backend.rules import qwix_rule
@@ -83,12 +81,9 @@ class QuantizedKernelParam:
         """``(QuantizedArray of the (out, in) rows, the values they stand for in the kernel's layout)`` of
         the numpy ``kernel`` (this Param's value or another of its shape), by numpy's numerics: the
         values the fake-quantized forward uses, as the jitted numerics compute them too."""
-        perm, out_count = weight_layout(kernel.ndim, self.layout)
-        moved = np.transpose(kernel, perm)
-        matrix = moved.reshape(math.prod(kernel.shape[a] for a in perm[:out_count]), -1)
-        stored = quantize_array(matrix, self.spec, name=f"kernel {self.owner}.{self.name}", importance=self.importance)
-        values = np.asarray(stored.dequantize(), np.float32).reshape(moved.shape)
-        return stored, np.transpose(values, np.argsort(perm))
+        stored = kernel_rows(kernel, self.layout, self.spec, self.importance, f"kernel {self.owner}.{self.name}")
+        perm, _ = weight_layout(kernel.ndim, self.layout)
+        return stored, from_matrix(np.asarray(stored.dequantize(), np.float32), kernel.shape, perm)
 
 
 def quantized_kernels(model):

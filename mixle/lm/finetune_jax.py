@@ -236,7 +236,7 @@ class JaxRun(FinetuneRun):
             return self.payload["rows"]
         config, evaluator, mix = self.config, self.evaluator, self.config.mix()
         spec = mix or config.spec().short()
-        float_model = nnx.clone(self.flax_model)  # the student below is wrapped in place
+        float_model = self._float_copy()
         rows = [evaluator.mixle(self.flax_model, {"method": FLOAT})]
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
             if self.outputs["gguf"] and evaluator.llama_cpp:
@@ -265,13 +265,20 @@ class JaxRun(FinetuneRun):
                            rows[-1], mix=mix, importance=values)
         return rows
 
+    def _float_copy(self):
+        """A copy of the float model, made once before ``_student`` wraps ``flax_model`` in place: the
+        teacher, and the source of the PTQ rows' copies (never changed itself)."""
+        if getattr(self, "float_model", None) is None:
+            self.float_model = nnx.clone(self.flax_model)
+        return self.float_model
+
     def _student(self):
         """The trainer of the QAT-wrapped Flax model (made once; the teacher a copy of the float model)."""
         if getattr(self, "trainer", None) is None:
             from mixle.api import apply_qat, get_qat_report, pull_toward_stored
 
             student = self.flax_model
-            teacher = None if self.config.distill_weight() == 0.0 else nnx.clone(student)
+            teacher = None if self.config.distill_weight() == 0.0 else self._float_copy()
             arguments = _qat_arguments(student, self.config, self.qat_importance())
             made = _made(student, arguments)
             apply_qat(student, example_inputs=_EXAMPLE, **arguments)
@@ -292,6 +299,7 @@ class JaxRun(FinetuneRun):
     def train(self, rows, callback):
         """Continue from the checkpoint if any, and train the student."""
         self._student()
+        self.float_model = None  # the trainer holds it as its teacher, if it has one
         self.model = self.loaded.model = None  # the transformers twin's checks are done: its memory goes
         self.peaks.end("loading and float / PTQ evaluation")
         return_free_memory()
