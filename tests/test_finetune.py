@@ -68,6 +68,17 @@ def tiny(kind, vocab, hidden=64, seed=0, intermediate=None, layers=2):
                                                                 n_positions=64))
 
 
+def tiny_llama_run(root, layers=2):
+    """``root`` with ``data.txt`` (16,000 characters of the default text) and ``llama/``: a ``tiny`` Llama of
+    ``layers`` layers with a byte-level tokenizer trained on the text's first 12,000 characters."""
+    text = default_text()[:16000]
+    tokenizer = byte_level_tokenizer(text[:12000])
+    (root / "data.txt").write_text(text)
+    tiny("llama", len(tokenizer), layers=layers).save_pretrained(root / "llama")
+    tokenizer.save_pretrained(root / "llama")
+    return root
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")

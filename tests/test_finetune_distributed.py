@@ -30,12 +30,11 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gguf")
 
 from mixle.lm import cli  # noqa: E402
-from mixle.lm.data import default_text  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_distributed import check_distributed, processes  # noqa: E402
 from tests.dist_workers.launch import WorkersFailed, run_bounded, torchrun_command, worker_env  # noqa: E402
-from tests.test_finetune import byte_level_tokenizer, tiny  # noqa: E402
+from tests.test_finetune import tiny_llama_run  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="this torch build has no gloo backend")
@@ -63,14 +62,7 @@ def digest(path):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    text = default_text()[:16000]
-    tokenizer = byte_level_tokenizer(text[:12000])
-    (root / "data.txt").write_text(text)
-    model = tiny("llama", len(tokenizer))
-    model.save_pretrained(root / "llama")
-    tokenizer.save_pretrained(root / "llama")
-    return root
+    return tiny_llama_run(tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="module")

@@ -23,26 +23,19 @@ gguf = pytest.importorskip("gguf")
 
 import jax.numpy as jnp  # noqa: E402
 
-from mixle.lm.data import default_text  # noqa: E402
 from mixle.lm.finetune_run import run_finetune  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_data import window_order  # noqa: E402
 from mixle.lm.finetune_train import Stopped  # noqa: E402
-from tests.test_finetune import byte_level_tokenizer, finetune, results_of, tiny  # noqa: E402
+from tests.test_finetune import finetune, results_of, tiny_llama_run  # noqa: E402
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("finetune_jax")
-    text = default_text()[:16000]
-    tokenizer = byte_level_tokenizer(text[:12000])
-    (root / "data.txt").write_text(text)
-    tiny("llama", len(tokenizer), layers=1).save_pretrained(root / "llama")
-    tokenizer.save_pretrained(root / "llama")
-    return root
+    return tiny_llama_run(tmp_path_factory.mktemp("finetune_jax"), layers=1)
 
 
 def _config(llama, out, **changes):
