@@ -203,6 +203,62 @@ def time_steps(args):
     return timings
 
 
+def time_jax_steps(args):
+    """``time_steps`` for ``mixle finetune --backend jax``: median seconds of its training step (``JaxTrainer``,
+    distilled from the float Flax model, float32 parameters, data-parallel over ``jax.devices()``) for the
+    float model and mixle's QAT on the target, the same kernels trained in both, the variants interleaved.
+    The first step of each (its compile) is reported apart; the second is not timed either."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mixle.api import apply_qat, get_qat_report
+    from mixle.lm.family import TRANSFORMERS
+    from mixle.lm.finetune_config import FinetuneConfig, parse_mix, parse_target
+    from mixle.lm.finetune_data import prepare_finetune_data
+    from mixle.lm.finetune_jax import flax_exclude
+    from mixle.lm.finetune_jax_train import JaxTrainer, data_mesh
+    from mixle.lm.finetune_load import load_model
+    from mixle.lm.flax_causal_lm import causal_lm_of
+
+    loaded = load_model(args.model)
+    float_model = causal_lm_of(loaded.model.config.to_dict(),
+                               {name: t.detach().numpy() for name, t in loaded.model.state_dict().items()}, args.model)
+    config = FinetuneConfig(model=args.model, out=args.out, batch_size=args.batch_size, block=args.block, lr=args.lr,
+                            steps=1000, backend="jax")
+    data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
+    mesh = data_mesh(args.batch_size)
+    mix = parse_mix(args.target)
+    student = nnx.clone(float_model)
+    apply_qat(student, example_inputs=(jnp.zeros((1, 4), jnp.int32),),
+              **({"gguf_mix": mix} if mix else {"spec": parse_target(args.target), "exclude": flax_exclude(student)}))
+    trained = get_qat_report(student).wrapped
+    students = {"float (no fake-quant)": nnx.clone(float_model), f"mixle QAT {args.target}": student}
+    trainers, first = {}, {}
+    for name, model in students.items():
+        trainers[name] = JaxTrainer(model, float_model, data, config, trained, mesh)
+        began = time.perf_counter()
+        trainers[name].step()
+        first[name] = time.perf_counter() - began
+        trainers[name].step()  # the second step compiles AdamW's update again (its moments are no longer zeros')
+        print(f"{name}: first step (compile) {first[name]:.1f} s", flush=True)
+    seconds = {name: [] for name in trainers}
+    for _ in range(args.step_timing):
+        for name, trainer in trainers.items():
+            began = time.perf_counter()
+            trainer.step()
+            seconds[name].append(time.perf_counter() - began)
+    floats = seconds["float (no fake-quant)"]
+    base = statistics.median(floats)
+    label = f"jax {jax.devices()[0].platform}"
+    return {label: {name: {"median_seconds": statistics.median(values),
+                           "ratio_to_float": statistics.median(values) / base,
+                           "tokens_per_second": args.batch_size * args.block / statistics.median(values),
+                           "first_step_seconds": first[name], "devices": int(mesh.size),
+                           "round_ratios": [mine / float_step for mine, float_step in zip(values, floats)]}
+                    for name, values in seconds.items()}}
+
+
 def time_steps_in_processes(args, argv):
     """``time_steps`` in ``args.step_processes`` fresh processes, each with the variants stepping in another
     order: a process's memory layout moves its float step by several percent on a small CPU, so the
@@ -263,8 +319,10 @@ def timing_table(timings):
         for name, entry in variants.items():
             each = " ".join(f"{ratio:.3f}" for ratio in entry.get("ratio_per_process", ()))
             rounds = entry["round_ratios"]
-            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.2f}   {entry['ratio_to_float']:.3f}x  "
-                         f"{min(rounds):.3f}-{max(rounds):.3f}" + (f"  ({each})" if each else ""))
+            extra = (f"  {entry['tokens_per_second']:,.0f} tokens/s, first step {entry['first_step_seconds']:.0f} s"
+                     if "tokens_per_second" in entry else "")
+            lines.append(f"{dtype:<10} {name:<28} {entry['median_seconds']:>7.3f}   {entry['ratio_to_float']:.3f}x  "
+                         f"{min(rounds):.3f}-{max(rounds):.3f}" + (f"  ({each})" if each else "") + extra)
     return "\n".join(lines)
 
 
@@ -288,6 +346,9 @@ def main(argv=None):
     parser.add_argument("--step-processes", type=int, default=1,
                         help="time the steps in this many fresh processes, the variants in another order in each "
                              "(the ratios: their median, and each process's)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "jax"),
+                        help="whose training step --step-timing times: the torch job's, or --backend jax's "
+                             "(float32 parameters on jax.devices(); the budgets always run the torch job)")
     parser.add_argument("--step-rotate", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--imatrix", default="off", help="passed to mixle finetune: off, calibrate, or a "
                                                          "llama-imatrix file of the model (the PTQ imatrix row)")
@@ -307,7 +368,10 @@ def main(argv=None):
         report["runs"][steps] = run_budget(args, steps)
         print(budget_table({steps: report["runs"][steps]}), flush=True)
     if args.step_timing:
-        report["timings"] = time_steps_in_processes(args, argv) if args.step_processes > 1 else time_steps(args)
+        if args.backend == "jax":
+            report["timings"] = time_jax_steps(args)
+        else:
+            report["timings"] = time_steps_in_processes(args, argv) if args.step_processes > 1 else time_steps(args)
     from mixle.core.fileformat import replace_atomically
 
     replace_atomically(Path(args.out, "benchmark.json"), lambda tmp: Path(tmp).write_text(json.dumps(report, indent=1)))

@@ -15,8 +15,8 @@
 #                                                     # (default 540: it writes its checkpoint); run again, the
 #                                                     # same command resumes it (--resume /tmp/ft-TAG). $OUT gets
 #                                                     # TAG-results.json, -table.txt, -finetune.png and -log.txt
-# .whl-hf holds transformers, tokenizers, gguf, sentencepiece and their needs at .ci/constraints.txt's
-# versions (those not in .whl-tpu; no numpy: the machine's stays).
+# .whl-hf holds transformers, tokenizers, gguf, sentencepiece, accelerate (transformers' GGUF loader needs it)
+# and their needs at .ci/constraints.txt's versions (those not in .whl-tpu; no numpy: the machine's stays).
 set -euo pipefail
 MODEL=/tmp/mixle-model
 case "${1:-}" in
