@@ -55,7 +55,8 @@ case "${1:-}" in
     [[ -f $MODEL/model.gguf ]] || cat $(ls $MODEL/part* | sort -V) > $MODEL/model.gguf
     [[ "$(sha256sum $MODEL/model.gguf | cut -d' ' -f1)" == "$(cat $MODEL/SHA256)" ]] || { echo "model parts do not add up"; exit 1; }
     export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/torch:/tmp/mpl:$PWD:$PWD/.tpu-llama/py"
-    export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama PYTHONUNBUFFERED=1
+    # libllama.so finds its libggml*.so.0 beside it only through the loader's path
+    export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama LD_LIBRARY_PATH="$PWD/.tpu-llama:${LD_LIBRARY_PATH:-}" PYTHONUNBUFFERED=1
     export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache  # a resumed run (next call, same machine) compiles nothing again
     if [[ -f /tmp/ft-$tag/checkpoint.pt ]]; then
         job=(--resume /tmp/ft-$tag)
@@ -63,7 +64,7 @@ case "${1:-}" in
         job=(--backend jax --model $MODEL/model.gguf --out /tmp/ft-$tag "$@")
     fi
     timeout -s TERM "${LIMIT:-540}" python3 -m mixle finetune "${job[@]}" 2>&1 | sed -u 's/\r/\n/g' \
-        | grep --line-buffered -v -i "warn" | tee -a "$OUT/$tag-log.txt" | grep --line-buffered -v "s/step" || true
+        | grep --line-buffered -v -e "Transparent hugepages" -e "^  warnings.warn(" | tee -a "$OUT/$tag-log.txt" | grep --line-buffered -v "s/step" || true
     for f in results.json table.txt finetune.png; do [[ -f /tmp/ft-$tag/$f ]] && cp /tmp/ft-$tag/$f "$OUT/$tag-$f"; done
     ;;
 *)

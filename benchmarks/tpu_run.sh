@@ -18,4 +18,4 @@ PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-d
 # torch (CPU) for the tests that compare with it, from the machine's own wheels
 python3 -m pip install -q --no-deps --target /tmp/torch --no-index --find-links /opt/wheels torch >> "$OUT/pip.log" 2>&1
 export PYTHONPATH="${PYTHONPATH:-}:/tmp/site:/tmp/torch:$PWD"
-PYTHONUNBUFFERED=1 python3 benchmarks/tpu_check.py --out "$OUT" "$@" 2>&1 | grep --line-buffered -v -i "warn"
+PYTHONUNBUFFERED=1 python3 benchmarks/tpu_check.py --out "$OUT" "$@" 2>&1 | grep --line-buffered -v -e "Transparent hugepages" -e "^  warnings.warn("

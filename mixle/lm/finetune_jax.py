@@ -206,6 +206,7 @@ class JaxRun(FinetuneRun):
                                        {name: t.detach().numpy() for name, t in self.model.state_dict().items()},
                                        str(config.model))
         self.mesh = data_mesh(config.batch_size, devices)
+        self.peaks.end("loading")
 
     def check_source(self):
         """The Flax family reads a local transformers directory or GGUF file; one process (JAX spreads
@@ -241,8 +242,10 @@ class JaxRun(FinetuneRun):
         with tempfile.TemporaryDirectory(dir=self.out, prefix=".mixle-finetune-") as scratch:
             if self.outputs["gguf"] and evaluator.llama_cpp:
                 evaluator.gguf(self.flax_model, os.path.join(scratch, "float.gguf"), "f32", rows[0])
+            self.peaks.end("float evaluation")
             if config.importance_mode() == "calibrate":  # on the float model, from training windows only
                 self.importance = _calibrate(self.flax_model, self.model, self.data, config, self.out)
+                self.peaks.end("importance matrix")
             student = self._student()
             if self.qat_importance() is None:
                 ptq, evaluated = student, student
@@ -263,6 +266,7 @@ class JaxRun(FinetuneRun):
             values = baselines.target_importance(self.importance, config, ("lm_head",)) if mix else None
             evaluator.gguf(weighted, os.path.join(self.out, baselines.PTQ_IMATRIX_FILE), config.float_storage(),
                            rows[-1], mix=mix, importance=values)
+        self.peaks.end("PTQ evaluation")
         return rows
 
     def _float_copy(self):
@@ -290,9 +294,8 @@ class JaxRun(FinetuneRun):
     def _row(self, model, row):
         """``row`` with the held-out losses of ``model`` (the trainer's compiled forward for the student)."""
         if model is self.flax_model and getattr(self, "trainer", None) is not None:
-            trainer = self.trainer
-            loss = lambda _, windows, batch: held_out_loss(  # noqa: E731
-                None, windows, batch, self.mesh, states=(trainer.graphdef, trainer.params, trainer.frozen))
+            states = self.trainer.eval_states()
+            loss = lambda _, windows, batch: held_out_loss(None, windows, batch, self.mesh, states=states)  # noqa: E731
             return Evaluator(self.config, self.data, None, loss=loss).mixle(None, row)
         return self.evaluator.mixle(model, row)
 
@@ -301,7 +304,7 @@ class JaxRun(FinetuneRun):
         self._student()
         self.float_model = None  # the trainer holds it as its teacher, if it has one
         self.model = self.loaded.model = None  # the transformers twin's checks are done: its memory goes
-        self.peaks.end("loading and float / PTQ evaluation")
+        self.peaks.end("the student")  # a resumed run makes it here
         return_free_memory()
         trainer = self.trainer
         if self.payload is not None:

@@ -1,0 +1,94 @@
+"""Kernel groups: one quantizer call per group of a wrapped Flax model's kernels gives every kernel the
+values numpy's numerics give it alone, and the wrapped forward's logits and gradients exactly."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("qwix")
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mixle.api import apply_qat, get_qat_report  # noqa: E402
+from mixle.core.spec import QuantSpec  # noqa: E402
+from mixle.flax_backend.kernel_groups import fake_quantize_groups, float_graphdef, kernel_groups  # noqa: E402
+from mixle.flax_backend.qat import quantized_kernels  # noqa: E402
+from mixle.lm.finetune_config import parse_target  # noqa: E402
+from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig  # noqa: E402
+
+SMALL = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "tie_word_embeddings": True})
+WIDE = CausalLMConfig.from_dict({**SMALL.__dict__, "hidden_size": 256, "intermediate_size": 256,
+                                 "head_dim": 64})  # rows of 256: the K-quants' super-blocks
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
+
+
+def wrapped(config, spec, importance=False):
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    arguments = {"spec": spec, "exclude": ("embed_tokens",)}
+    if importance:  # one positive value per input column, the same for the kernels of one input (as measured)
+        rng = np.random.default_rng(1)
+        inputs = {name: rng.uniform(0.1, 2.0, size).astype(np.float32) for name, size in
+                  (("attention", config.hidden_size), ("o_proj", config.hidden_size), ("mlp", config.hidden_size),
+                   ("down_proj", config.intermediate_size))}
+        arguments["importance"] = {
+            ".".join(map(str, path[:-1])): inputs.get(path[-2], inputs["attention" if "attn" in path[-3] else "mlp"])
+            for path, _ in nnx.iter_graph(model) if path and path[-1] == "kernel"}
+    apply_qat(model, example_inputs=(jnp.zeros((1, 4), jnp.int32),), **arguments)
+    return model
+
+
+def split(model):
+    wanted = set(get_qat_report(model).wrapped)
+    chosen = (lambda path, _: ".".join(map(str, path)) in wanted, ...)
+    return (*nnx.split(model, *chosen), float_graphdef(model, *chosen))
+
+
+def grouped_values(model):
+    """The kernels' values from one quantizer call per group, checked against numpy's numerics on each
+    kernel alone; returns the groups."""
+    groups = kernel_groups(model)
+    kernels = quantized_kernels(model)
+    assert sorted(p for g in groups for p in g.paths) == sorted(f"{k.owner}.{k.name}" for k in kernels)
+    params = split(model)[1]
+    quantized = jax.jit(lambda p: fake_quantize_groups(groups, p))(params)
+    values = {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(quantized)}
+    for kernel in kernels:
+        expected = kernel.stored(np.asarray(kernel.param.get_raw_value(), np.float32))[1]
+        np.testing.assert_array_equal(values[f"{kernel.owner}.{kernel.name}"], expected)
+    return groups
+
+
+@pytest.mark.parametrize("target", ["q4_0", "int4"])
+def test_one_call_per_input_size_and_the_wrapped_forward_and_gradient(target):
+    model = wrapped(SMALL, parse_target(target))
+    groups = grouped_values(model)
+    assert sorted(sum(g.sizes) for g in groups) == [64, 64 + 64 + 32 + 32 + 128 + 128]  # down; the rest
+    graphdef, params, frozen, float_graph = split(model)
+
+    def logits(p, grouped):
+        if grouped:
+            return nnx.merge(float_graph, fake_quantize_groups(groups, p), frozen)(IDS)
+        return nnx.merge(graphdef, p, frozen)(IDS)
+
+    # The same float operations in the same order: equal, not close.
+    np.testing.assert_array_equal(jax.jit(lambda p: logits(p, True))(params), jax.jit(lambda p: logits(p, False))(params))
+    grads = [jax.jit(jax.grad(lambda p, g=g: jnp.sum(logits(p, g) ** 2)))(params) for g in (True, False)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("target, importance", [("q4_k", False), ("q4_0", True)])
+def test_k_quants_and_the_weighted_search_group_too(target, importance):
+    groups = grouped_values(wrapped(WIDE if target == "q4_k" else SMALL, parse_target(target), importance))
+    # The weighted search joins only kernels searched with the same importance: q/k/v, o, gate/up, down.
+    assert len(groups) == (4 if importance else 1)
+
+
+def test_per_tensor_scales_are_not_grouped():
+    model = CausalLM(SMALL, rngs=nnx.Rngs(0))
+    apply_qat(model, example_inputs=(jnp.zeros((1, 4), jnp.int32),), spec=QuantSpec(bits=8, granularity="tensor"),
+              exclude=("embed_tokens",))
+    assert kernel_groups(model) is None
+    assert kernel_groups(CausalLM(SMALL, rngs=nnx.Rngs(0))) is None  # not wrapped
