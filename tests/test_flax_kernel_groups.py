@@ -27,14 +27,10 @@ IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
 def wrapped(config, spec, importance=False):
     model = CausalLM(config, rngs=nnx.Rngs(0))
     arguments = {"spec": spec, "exclude": ("embed_tokens",)}
-    if importance:  # one positive value per input column, the same for the kernels of one input (as measured)
+    if importance:  # one positive value per input column, another for each kernel
         rng = np.random.default_rng(1)
-        inputs = {name: rng.uniform(0.1, 2.0, size).astype(np.float32) for name, size in
-                  (("attention", config.hidden_size), ("o_proj", config.hidden_size), ("mlp", config.hidden_size),
-                   ("down_proj", config.intermediate_size))}
-        arguments["importance"] = {
-            ".".join(map(str, path[:-1])): inputs.get(path[-2], inputs["attention" if "attn" in path[-3] else "mlp"])
-            for path, _ in nnx.iter_graph(model) if path and path[-1] == "kernel"}
+        arguments["importance"] = {".".join(map(str, path[:-1])): rng.uniform(0.1, 2.0, v.shape[0]).astype(np.float32)
+                                   for path, v in nnx.iter_graph(model) if path and path[-1] == "kernel"}
     apply_qat(model, example_inputs=(jnp.zeros((1, 4), jnp.int32),), **arguments)
     return model
 
@@ -57,6 +53,13 @@ def grouped_values(model):
     for kernel in kernels:
         expected = kernel.stored(np.asarray(kernel.param.get_raw_value(), np.float32))[1]
         np.testing.assert_array_equal(values[f"{kernel.owner}.{kernel.name}"], expected)
+
+    def squares(p):  # straight through: its gradient is 2 * the quantized values
+        return sum(jnp.sum(v.get_value() ** 2) for _, v in nnx.to_flat_state(fake_quantize_groups(groups, p)))
+
+    grads = jax.jit(jax.grad(squares))(params)
+    for path, grad in nnx.to_flat_state(grads):
+        np.testing.assert_array_equal(np.asarray(grad.get_value()), 2 * values[".".join(map(str, path))])
     return groups
 
 
@@ -82,7 +85,7 @@ def test_one_call_per_input_size_and_the_wrapped_forward_and_gradient(target):
 @pytest.mark.parametrize("target, importance", [("q4_k", False), ("q4_0", True)])
 def test_k_quants_and_the_weighted_search_group_too(target, importance):
     groups = grouped_values(wrapped(WIDE if target == "q4_k" else SMALL, parse_target(target), importance))
-    # The weighted search joins only kernels searched with the same importance: q/k/v, o, gate/up, down.
+    # The weighted search stacks kernels of one shape: q/o, k/v, gate/up, down.
     assert len(groups) == (4 if importance else 1)
 
 

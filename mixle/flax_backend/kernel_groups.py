@@ -5,9 +5,12 @@ call on its own: a 30-layer decoder's 210 kernels took minutes to compile on a C
 TPU, for a training step whose float twin compiles in seconds. Every grid whose blocks lie along
 a kernel's input axis (ggml's block types, mixle's channel and group grids, with or without the
 importance-weighted search) quantizes each ``(out, in)`` row on its own. So kernels of the same
-spec, layout, input size, dtype and importance are joined along their output axis and quantized
-by one ``fake_quantize_weight`` call: each row goes through the same operations as in its own
-kernel's call, so every value is the same, and the straight-through gradient reaches each kernel.
+spec, layout, input size and dtype are joined along their output axis and quantized by one
+``fake_quantize_weight`` call: each row goes through the same operations as in its own kernel's
+call, so every value is the same, and the straight-through gradient reaches each kernel. Kernels
+searched with an importance (one per input, another for each kernel) are stacked instead, those of
+one shape on a batch axis, and quantized by one ``quantize_array`` call with one importance per
+batch entry: ggml's weighted search row by row, as each kernel's own call.
 
 ``kernel_groups`` makes the groups of a wrapped model (None where a kernel cannot be grouped:
 per-tensor scales, Qwix's own quantizers for ``act_bits`` / ``bwd_bits`` / fp8, kernels of more
@@ -17,17 +20,20 @@ those values in place of the kernels (what a wrapped forward computes, with noth
 """
 
 import dataclasses
+import functools
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mixle.core.numerics import quantize_array
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.provider import uses_mixle_numerics
 from mixle.flax_backend.qat import qat_state, quantized_kernels, restore_float_classes
 
-__all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "float_graphdef"]
+__all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,7 @@ class KernelGroup:
     paths: tuple
     sizes: tuple  # each kernel's size along the joined (output) axis
     importance_digest: str = ""
+    # float32 (kernels, in): each kernel's importance; the kernels are stacked, not joined
     importance: object = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     @property
@@ -80,14 +87,38 @@ def kernel_groups(model):
         if not _groupable(kernel, value):
             return None
         layout = tuple(int(a) for a in kernel.layout)
-        digest = _digest(kernel.importance)
-        key = (kernel.spec, layout, int(value.shape[layout[0]]), str(value.dtype), digest)
-        entry = grouped.setdefault(key, {"paths": [], "sizes": [], "importance": kernel.importance})
+        weighted = kernel.importance is not None
+        size = tuple(value.shape) if weighted else int(value.shape[layout[0]])
+        entry = grouped.setdefault((kernel.spec, layout, size, str(value.dtype), weighted),
+                                   {"paths": [], "sizes": [], "importance": []})
         entry["paths"].append(f"{kernel.owner}.{kernel.name}")
         entry["sizes"].append(int(value.shape[1 - layout[0]]))
-    return tuple(KernelGroup(spec=spec, layout=layout, paths=tuple(e["paths"]), sizes=tuple(e["sizes"]),
-                             importance_digest=digest, importance=e["importance"])
-                 for (spec, layout, _, _, digest), e in grouped.items())
+        entry["importance"].append(kernel.importance)
+    groups = []
+    for (spec, layout, _, _, weighted), entry in grouped.items():
+        importance = np.stack([np.asarray(v, np.float32) for v in entry["importance"]]) if weighted else None
+        groups.append(KernelGroup(spec=spec, layout=layout, paths=tuple(entry["paths"]), sizes=tuple(entry["sizes"]),
+                                  importance_digest=_digest(importance), importance=importance))
+    return tuple(groups)
+
+
+@jax.custom_vjp
+def _straight_through(w, value):
+    """``value`` forward; the gradient goes to ``w`` unchanged."""
+    return value
+
+
+_straight_through.defvjp(lambda w, value: (value, None), lambda _, grad: (grad, jnp.zeros_like(grad)))
+
+
+def _stacked(group, kernels, name):
+    """The fake-quantized values of same-shape ``kernels`` (stacked on axis 0), each searched with its own
+    row of ``group.importance`` by one ``quantize_array`` call."""
+    order = (0, 2, 1) if group.layout == (0,) else (0, 1, 2)  # (kernels, out, in)
+    rows = jnp.transpose(jax.lax.stop_gradient(kernels), order)
+    stored = quantize_array(rows, group.spec, batch_ndim=1, out_ndim=1, name=name, importance=group.importance)
+    value = jnp.transpose(stored.dequantize().astype(kernels.dtype), order)
+    return _straight_through(kernels, value)
 
 
 def fake_quantize_groups(groups, state):
@@ -102,14 +133,28 @@ def fake_quantize_groups(groups, state):
     values = {".".join(map(str, path)): variable.get_value() for path, variable in flat}
     quantized = {}
     for group in groups:
+        name = f"{len(group.paths)} kernels ({group.paths[0]}, ...)"
+        if group.importance is not None:
+            out = _stacked(group, jnp.stack([values[path] for path in group.paths]), name)
+            quantized.update(zip(group.paths, out))
+            continue
         joined = jnp.concatenate([values[path] for path in group.paths], axis=group.axis)
-        name = f"{len(group.paths)} kernels joined ({group.paths[0]}, ...)"
-        out = fake_quantize_weight(joined, group.layout, group.spec, name, importance=group.importance)
+        out = fake_quantize_weight(joined, group.layout, group.spec, name)
         ends = np.cumsum(group.sizes)[:-1].tolist()
         quantized.update(zip(group.paths, jnp.split(out, ends, axis=group.axis)))
     return nnx.from_flat_state([(path, variable.replace(quantized.get(".".join(map(str, path)),
                                                                        variable.get_value())))
                                 for path, variable in flat])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def quantized_state(groups, state):
+    """``fake_quantize_groups(groups, state)``, compiled (once per groups and state shapes).
+
+    >>> quantized_state((), nnx.State({}))
+    State({})
+    """
+    return fake_quantize_groups(groups, state)
 
 
 def float_graphdef(model, *filters):

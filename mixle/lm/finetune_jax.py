@@ -102,11 +102,19 @@ def _fake_quantized(model, config, importance=None):
 def _with_stored_values(model, quantized):
     """A copy of the Flax float ``model`` (not wrapped) whose kernels (and embedding, if quantized) hold
     the values the fake-quantized copy ``quantized`` stores: the same forward values, evaluated by the
-    float model's compiled forward instead of a graph with the quantizer in it (for ggml's weighted
-    search, a compile of seconds per kernel). The values come from numpy's numerics, not compiled."""
+    float model's compiled forward instead of a graph with the quantizer in it. The values come from
+    one compiled quantizer call per group of kernels (``kernel_groups``), or numpy's numerics where
+    the kernels do not group; the two give the same values."""
+    from mixle.flax_backend.kernel_groups import kernel_groups, quantized_state
     from mixle.flax_backend.qat import quantized_kernels
 
     copy = nnx.clone(model)
+    groups = kernel_groups(quantized)
+    if groups is not None:
+        paths = {path for group in groups for path in group.paths}
+        kernels = nnx.state(quantized, lambda path, _: ".".join(map(str, path)) in paths)
+        nnx.update(copy, quantized_state(groups, kernels))
+        return copy
     modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(copy)}
     for kernel in quantized_kernels(quantized):
         values = kernel.stored(np.asarray(kernel.param.get_raw_value(), np.float32))[1]

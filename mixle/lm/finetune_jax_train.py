@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mixle.flax_backend.kernel_groups import fake_quantize_groups, float_graphdef, kernel_groups
+from mixle.flax_backend.kernel_groups import fake_quantize_groups, float_graphdef, kernel_groups, quantized_state
 from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_train import loop_config
@@ -133,11 +133,6 @@ def _micro_step(params, frozen, teacher_state, windows, *, graphdef, teacher, te
         return rows.sum() * scale
 
     return jax.value_and_grad(loss)(params)
-
-
-@functools.partial(jax.jit, static_argnames=("groups",))
-def _quantized(params, *, groups):
-    return fake_quantize_groups(groups, params)
 
 
 @jax.jit
@@ -340,7 +335,7 @@ class JaxTrainer(Trainer):
     def eval_states(self):
         """``(graphdef, params, frozen)`` of the student's forward as ``held_out_loss`` takes them: with
         kernel groups, the float graph and the kernels' fake-quantized values (computed once)."""
-        params = self.params if self.groups is None else _quantized(self.params, groups=self.groups)
+        params = self.params if self.groups is None else quantized_state(self.groups, self.params)
         return self.graphdef, params, self.frozen
 
     def evaluate_curve(self):
