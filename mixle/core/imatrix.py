@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mixle.core.array_ops import is_tracer
 from mixle.core.c_arith import as_numpy
 
 __all__ = ["Imatrix", "check_entries", "check_importance", "importance_rows"]
@@ -136,12 +137,15 @@ def check_importance(importance, shape, *, batch_ndim=0, out_ndim=None, name="x"
     (1, 1, 2)
     """
     batch, _, columns = importance_rows(shape, batch_ndim, out_ndim)
-    values = np.asarray(as_numpy(importance), dtype=np.float64)
     allowed = [(columns,), tuple(shape[:batch_ndim]) + (columns,)]
-    if values.shape not in allowed:
+    traced = is_tracer(importance)  # a traced slice of an importance checked while concrete (a loop over kernels)
+    values = importance if traced else np.asarray(as_numpy(importance), dtype=np.float64)
+    if tuple(values.shape) not in allowed:
         shapes = " or ".join(str(a) for a in dict.fromkeys(allowed))
-        raise ValueError(f"{name}: importance has shape {values.shape}, but the array of shape {tuple(shape)} has "
+        raise ValueError(f"{name}: importance has shape {tuple(values.shape)}, but the array of shape {tuple(shape)} has "
                          f"{columns} input columns: pass one value per column, shape {shapes}")
+    if traced:
+        return values.astype(np.float32).reshape((batch if values.ndim > 1 else 1, 1, columns))
     bad = ~np.isfinite(values) | (values < 0)
     if bad.any():
         where = np.argwhere(bad)[0]

@@ -18,6 +18,8 @@ the same inputs here, as numpy arrays:
 """
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from flax import nnx
@@ -112,11 +114,16 @@ def stored_arrays(model):
         value = variable.get_raw_value()
         if isinstance(value, QuantizedValue):
             arrays[torch_path(path)] = _numpy(value.quantized_array())
-    for kernel in quantized_kernels(model):
-        owner, name, spec = kernel.owner, kernel.name, kernel.spec
+    kernels = quantized_kernels(model)
+    for kernel in kernels:
+        spec = kernel.spec
         if spec.qwix_only_options():
-            raise ValueError(f"kernel {owner}.{name} trains as {spec.short()}, whose forward is Qwix's own quantizer "
-                             f"({spec.qwix_only_options()}): its codes are not mixle's, so no file can hold them")
-        # numpy's numerics: the jax ones give the same codes (exactly), and numpy's run without compiling
-        arrays[torch_path(owner)] = kernel.stored(np.asarray(kernel.param.get_raw_value()))[0]
+            raise ValueError(f"kernel {kernel.owner}.{kernel.name} trains as {spec.short()}, whose forward is Qwix's "
+                             f"own quantizer ({spec.qwix_only_options()}): its codes are not mixle's, so no file can "
+                             f"hold them")
+    # numpy's numerics: the jax ones give the same codes (exactly), and numpy's run without compiling; one
+    # kernel a thread (numpy lets go of the GIL in its array operations: ggml's searches take minutes in one)
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        stored = pool.map(lambda kernel: kernel.stored(np.asarray(kernel.param.get_raw_value()))[0], kernels)
+        arrays.update((torch_path(kernel.owner), value) for kernel, value in zip(kernels, stored))
     return arrays

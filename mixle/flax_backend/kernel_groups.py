@@ -9,8 +9,8 @@ spec, layout, input size and dtype are joined along their output axis and quanti
 ``fake_quantize_weight`` call: each row goes through the same operations as in its own kernel's
 call, so every value is the same, and the straight-through gradient reaches each kernel. Kernels
 searched with an importance (one per input, another for each kernel) are stacked instead, those of
-one shape on a batch axis, and quantized by one ``quantize_array`` call with one importance per
-batch entry: ggml's weighted search row by row, as each kernel's own call.
+one shape, and quantized by one ``quantize_array`` call in a loop over them (``lax.map``), each with
+its own importance: ggml's weighted search row by row, as each kernel's own call.
 
 ``kernel_groups`` makes the groups of a wrapped model (None where a kernel cannot be grouped:
 per-tensor scales, Qwix's own quantizers for ``act_bits`` / ``bwd_bits`` / fp8, kernels of more
@@ -113,12 +113,16 @@ _straight_through.defvjp(lambda w, value: (value, None), lambda _, grad: (grad, 
 
 def _stacked(group, kernels, name):
     """The fake-quantized values of same-shape ``kernels`` (stacked on axis 0), each searched with its own
-    row of ``group.importance`` by one ``quantize_array`` call."""
+    row of ``group.importance``: one ``quantize_array`` call in a loop over the kernels (compiled once;
+    the search's temporaries are one kernel's)."""
     order = (0, 2, 1) if group.layout == (0,) else (0, 1, 2)  # (kernels, out, in)
     rows = jnp.transpose(jax.lax.stop_gradient(kernels), order)
-    stored = quantize_array(rows, group.spec, batch_ndim=1, out_ndim=1, name=name, importance=group.importance)
-    value = jnp.transpose(stored.dequantize().astype(kernels.dtype), order)
-    return _straight_through(kernels, value)
+
+    def one(pair):
+        return quantize_array(pair[0], group.spec, name=name, importance=pair[1]).dequantize()
+
+    value = jax.lax.map(one, (rows, jnp.asarray(group.importance)))
+    return _straight_through(kernels, jnp.transpose(value.astype(kernels.dtype), order))
 
 
 def fake_quantize_groups(groups, state):
