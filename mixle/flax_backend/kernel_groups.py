@@ -140,7 +140,8 @@ def fake_quantize_groups(groups, state):
         name = f"{len(group.paths)} kernels ({group.paths[0]}, ...)"
         if group.importance is not None:
             out = _stacked(group, jnp.stack([values[path] for path in group.paths]), name)
-            quantized.update(zip(group.paths, out))
+            # split, not indexing: an index's gradient is a zero array of the whole stack's size
+            quantized.update(zip(group.paths, (part[0] for part in jnp.split(out, len(group.paths)))))
             continue
         joined = jnp.concatenate([values[path] for path in group.paths], axis=group.axis)
         out = fake_quantize_weight(joined, group.layout, group.spec, name)
