@@ -95,3 +95,24 @@ def test_per_tensor_scales_are_not_grouped():
               exclude=("embed_tokens",))
     assert kernel_groups(model) is None
     assert kernel_groups(CausalLM(SMALL, rngs=nnx.Rngs(0))) is None  # not wrapped
+
+
+def test_a_stacked_groups_gradient_takes_memory_in_proportion_to_its_kernels():
+    """The step's temporaries grow with the kernels, not with their square (each kernel's gradient is
+    not a zero array of the whole stack's size)."""
+    from mixle.flax_backend.kernel_groups import KernelGroup
+
+    rng = np.random.default_rng(0)
+    ratios = []
+    for count in (4, 16):
+        paths = tuple(f"k{i}" for i in range(count))
+        group = KernelGroup(spec=parse_target("q4_0"), layout=(0,), paths=paths, sizes=(96,) * count,
+                            importance_digest=str(count), importance=rng.uniform(0.1, 2, (count, 64)).astype(np.float32))
+        state = nnx.State({path: nnx.Param(jnp.zeros((64, 96))) for path in paths})
+
+        def squares(s, group=group):
+            return sum(jnp.sum(v.get_value() ** 2) for _, v in nnx.to_flat_state(fake_quantize_groups((group,), s)))
+
+        compiled = jax.jit(jax.grad(squares)).lower(state).compile()
+        ratios.append(compiled.memory_analysis().temp_size_in_bytes / (count * 64 * 96 * 4))
+    assert ratios[1] < 1.5 * ratios[0], ratios  # four times the kernels: the same temporaries per kernel
