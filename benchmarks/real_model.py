@@ -152,6 +152,17 @@ def _step_importance(args, loaded):
     return calibrate_importance(loaded.model, calibration_batches(data, config)).importance()
 
 
+def _interleaved(trainers, rounds):
+    """``{name: [seconds of each round's step]}``: each round steps every trainer once, in order."""
+    seconds = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            began = time.perf_counter()
+            trainer.step()
+            seconds[name].append(time.perf_counter() - began)
+    return seconds
+
+
 def time_steps(args):
     """Median seconds of a training step per variant and dtype, the variants interleaved."""
     import torch
@@ -186,12 +197,7 @@ def time_steps(args):
             student = _trainable(prepare(copy.deepcopy(loaded.model)), embedding=parse_mix(args.target) is not None)
             trainers[name] = FinetuneTrainer(student, step_teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
-        seconds = {name: [] for name in trainers}
-        for _ in range(args.step_timing):
-            for name, trainer in trainers.items():
-                began = time.perf_counter()
-                trainer.step()
-                seconds[name].append(time.perf_counter() - began)
+        seconds = _interleaved(trainers, args.step_timing)
         floats = seconds["float (no fake-quant)"]
         base = statistics.median(floats)
         # Each round's step over the float step of the same round: their spread is what one ratio resolves.
@@ -242,12 +248,7 @@ def time_jax_steps(args):
         first[name] = time.perf_counter() - began
         trainers[name].step()  # the second step compiles AdamW's update again (its moments are no longer zeros')
         print(f"{name}: first step (compile) {first[name]:.1f} s", flush=True)
-    seconds = {name: [] for name in trainers}
-    for _ in range(args.step_timing):
-        for name, trainer in trainers.items():
-            began = time.perf_counter()
-            trainer.step()
-            seconds[name].append(time.perf_counter() - began)
+    seconds = _interleaved(trainers, args.step_timing)
     floats = seconds["float (no fake-quant)"]
     base = statistics.median(floats)
     label = f"jax {jax.devices()[0].platform}"
