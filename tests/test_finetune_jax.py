@@ -274,3 +274,31 @@ def test_two_host_devices_train_as_one_within_float32_rounding():
     for a, b in zip(one["weights"], two["weights"]):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=len(one["loss"]) * 1e-2 * 2.0**-10)
     assert "'data': 2" in two["sharding"] and "spec=P()" in two["sharding"]  # the weights replicated on the mesh
+
+
+def test_qat_on_the_weighted_search_trains_the_values_its_file_stores(llama, tmp_path):
+    """``--imatrix calibrate`` (QAT on ggml's weighted search): the step quantizes the kernels by group
+    (stacked, each with its own importance), and the GGUF written by numpy's numerics holds, for the
+    trained weights, exactly the values the last step trained on."""
+    from mixle.flax_backend.kernel_groups import quantized_state
+
+    seen = {}
+
+    def keep(trainer):
+        seen["groups"] = trainer.groups
+        seen["values"] = {".".join(map(str, path)): np.asarray(v.get_value())
+                          for path, v in nnx.to_flat_state(quantized_state(trainer.groups, trainer.params))}
+
+    results = run_finetune(_config(llama, tmp_path / "run", target="q4_0", steps=2, imatrix="calibrate",
+                                   calibration_windows=4), progress=False, callback=keep)
+    assert [row["method"] for row in results["rows"]] == ["float", "PTQ", "PTQ imatrix", "QAT imatrix"]
+    assert all(group.importance is not None for group in seen["groups"])
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "run" / "model.gguf").tensors}
+    for name, path in (("blk.0.ffn_gate.weight", "layers.0.mlp.gate_proj.kernel"),
+                       ("blk.0.ffn_down.weight", "layers.0.mlp.down_proj.kernel"),
+                       ("blk.0.attn_v.weight", "layers.0.self_attn.v_proj.kernel"),
+                       ("blk.0.attn_output.weight", "layers.0.self_attn.o_proj.kernel")):  # stacked with q_proj
+        tensor = tensors[name]
+        assert tensor.tensor_type.name == "Q4_0"
+        stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(stored.reshape(seen["values"][path].T.shape), seen["values"][path].T)
