@@ -66,8 +66,9 @@ def _digest(importance):
 
 def _groupable(kernel, value):
     spec = kernel.spec
+    stacked = kernel.importance is not None  # its straight-through gradient has no clip mask
     return (value.ndim == 2 and len(kernel.layout) == 1 and uses_mixle_numerics(spec)
-            and spec.granularity != "tensor")
+            and spec.granularity != "tensor" and not (stacked and spec.clip_gradient))
 
 
 def kernel_groups(model):
@@ -169,8 +170,9 @@ def float_graphdef(model, *filters):
     >>> float_graphdef(nnx.Linear(2, 2, rngs=nnx.Rngs(0))) == nnx.graphdef(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     True
     """
-    copy = nnx.clone(model)
-    state = qat_state(model)
-    if state is not None:
-        restore_float_classes(copy, state)
+    graphdef, state = nnx.split(model)
+    # a copy of shapes only: the graph without a second copy of the weights
+    copy = nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    if qat_state(model) is not None:
+        restore_float_classes(copy, qat_state(model))
     return nnx.split(copy, *filters)[0]
