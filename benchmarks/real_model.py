@@ -153,14 +153,20 @@ def _step_importance(args, loaded):
 
 
 def _interleaved(trainers, rounds):
-    """``{name: [seconds of each round's step]}``: each round steps every trainer once, in order."""
+    """``{name: {median_seconds, ratio_to_float, round_ratios}}``: each round steps every trainer once, in
+    order; each round's step is divided by the float step of the same round (their spread is what one
+    ratio resolves)."""
     seconds = {name: [] for name in trainers}
     for _ in range(rounds):
         for name, trainer in trainers.items():
             began = time.perf_counter()
             trainer.step()
             seconds[name].append(time.perf_counter() - began)
-    return seconds
+    floats = seconds["float (no fake-quant)"]
+    base = statistics.median(floats)
+    return {name: {"median_seconds": statistics.median(values), "ratio_to_float": statistics.median(values) / base,
+                   "round_ratios": [mine / float_step for mine, float_step in zip(values, floats)]}
+            for name, values in seconds.items()}
 
 
 def time_steps(args):
@@ -197,14 +203,8 @@ def time_steps(args):
             student = _trainable(prepare(copy.deepcopy(loaded.model)), embedding=parse_mix(args.target) is not None)
             trainers[name] = FinetuneTrainer(student, step_teacher, TRANSFORMERS, data, config)
             trainers[name].step()  # warm-up: caches, kernels, allocator
-        seconds = _interleaved(trainers, args.step_timing)
-        floats = seconds["float (no fake-quant)"]
-        base = statistics.median(floats)
-        # Each round's step over the float step of the same round: their spread is what one ratio resolves.
-        timings[dtype] = {name: {"median_seconds": statistics.median(seconds[name]),
-                                 "ratio_to_float": statistics.median(seconds[name]) / base,
-                                 "round_ratios": [mine / float_step for mine, float_step in zip(seconds[name], floats)]}
-                          for name, _ in variants}
+        summary = _interleaved(trainers, args.step_timing)
+        timings[dtype] = {name: summary[name] for name, _ in variants}
         del trainers
     return timings
 
@@ -248,16 +248,11 @@ def time_jax_steps(args):
         first[name] = time.perf_counter() - began
         trainers[name].step()  # the second step compiles AdamW's update again (its moments are no longer zeros')
         print(f"{name}: first step (compile) {first[name]:.1f} s", flush=True)
-    seconds = _interleaved(trainers, args.step_timing)
-    floats = seconds["float (no fake-quant)"]
-    base = statistics.median(floats)
-    label = f"jax {jax.devices()[0].platform}"
-    return {label: {name: {"median_seconds": statistics.median(values),
-                           "ratio_to_float": statistics.median(values) / base,
-                           "tokens_per_second": args.batch_size * args.block / statistics.median(values),
-                           "first_step_seconds": first[name], "devices": int(mesh.size),
-                           "round_ratios": [mine / float_step for mine, float_step in zip(values, floats)]}
-                    for name, values in seconds.items()}}
+    summary = _interleaved(trainers, args.step_timing)
+    for name, entry in summary.items():
+        entry.update(tokens_per_second=args.batch_size * args.block / entry["median_seconds"],
+                     first_step_seconds=first[name], devices=int(mesh.size))
+    return {f"jax {jax.devices()[0].platform}": summary}
 
 
 def time_steps_in_processes(args, argv):

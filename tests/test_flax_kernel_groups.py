@@ -107,7 +107,7 @@ def test_a_stacked_groups_gradient_takes_memory_in_proportion_to_its_kernels():
     for count in (4, 16):
         paths = tuple(f"k{i}" for i in range(count))
         group = KernelGroup(spec=parse_target("q4_0"), layout=(0,), paths=paths, sizes=(96,) * count,
-                            importance_digest=str(count), importance=rng.uniform(0.1, 2, (count, 64)).astype(np.float32))
+                            importance=rng.uniform(0.1, 2, (count, 64)).astype(np.float32))
         state = nnx.State({path: nnx.Param(jnp.zeros((64, 96))) for path in paths})
 
         def squares(s, group=group):

@@ -30,7 +30,7 @@ from flax import nnx
 
 from mixle.core.numerics import quantize_array
 from mixle.flax_backend.fake_quant import fake_quantize_weight
-from mixle.flax_backend.provider import uses_mixle_numerics
+from mixle.flax_backend.provider import straight_through, uses_mixle_numerics
 from mixle.flax_backend.qat import qat_state, quantized_kernels, restore_float_classes
 
 __all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef"]
@@ -47,21 +47,19 @@ class KernelGroup:
     layout: tuple  # the input axes (the same for every kernel of the group)
     paths: tuple
     sizes: tuple  # each kernel's size along the joined (output) axis
-    importance_digest: str = ""
     # float32 (kernels, in): each kernel's importance; the kernels are stacked, not joined
     importance: object = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    importance_digest: str = dataclasses.field(init=False, default="")  # what equality and hashing see of it
+
+    def __post_init__(self):
+        if self.importance is not None:
+            digest = hashlib.sha256(np.ascontiguousarray(self.importance, np.float32).tobytes()).hexdigest()
+            object.__setattr__(self, "importance_digest", digest)
 
     @property
     def axis(self):
         """The output axis the kernels are joined along (a kernel has two axes, one of them input)."""
         return 1 - self.layout[0]
-
-
-def _digest(importance):
-    if importance is None:
-        return ""
-    array = np.ascontiguousarray(importance, np.float32)
-    return hashlib.sha256(array.tobytes()).hexdigest()
 
 
 def _groupable(kernel, value):
@@ -99,17 +97,8 @@ def kernel_groups(model):
     for (spec, layout, _, _, weighted), entry in grouped.items():
         importance = np.stack([np.asarray(v, np.float32) for v in entry["importance"]]) if weighted else None
         groups.append(KernelGroup(spec=spec, layout=layout, paths=tuple(entry["paths"]), sizes=tuple(entry["sizes"]),
-                                  importance_digest=_digest(importance), importance=importance))
+                                  importance=importance))
     return tuple(groups)
-
-
-@jax.custom_vjp
-def _straight_through(w, value):
-    """``value`` forward; the gradient goes to ``w`` unchanged."""
-    return value
-
-
-_straight_through.defvjp(lambda w, value: (value, None), lambda _, grad: (grad, jnp.zeros_like(grad)))
 
 
 def _stacked(group, kernels, name):
@@ -123,7 +112,7 @@ def _stacked(group, kernels, name):
         return quantize_array(pair[0], group.spec, name=name, importance=pair[1]).dequantize()
 
     value = jax.lax.map(one, (rows, jnp.asarray(group.importance)))
-    return _straight_through(kernels, jnp.transpose(value.astype(kernels.dtype), order))
+    return straight_through(kernels, jnp.transpose(value.astype(kernels.dtype), order))
 
 
 def fake_quantize_groups(groups, state):

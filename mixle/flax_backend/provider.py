@@ -77,8 +77,12 @@ FLOAT = "float"
 
 
 @jax.custom_vjp
-def _straight_through(w, value):
-    """``value`` forward; the gradient goes to ``w`` unchanged (value carries none)."""
+def straight_through(w, value):
+    """``value`` forward; the gradient goes to ``w`` unchanged (value carries none).
+
+    >>> float(jax.grad(lambda w: straight_through(w, jnp.round(w)) * 3.0)(0.4))
+    3.0
+    """
     return value
 
 
@@ -90,7 +94,7 @@ def _straight_through_bwd(_, grad):
     return grad, jnp.zeros_like(grad)
 
 
-_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 def clip_live(w, contracting, spec):
@@ -113,7 +117,7 @@ def clip_live(w, contracting, spec):
     if spec.clip_gradient:
         mask = jnp.transpose((abs(blocks) <= c).reshape(wt.shape), inverse)
         return jnp.where(mask, w, jax.lax.stop_gradient(clipped))
-    return _straight_through(w, jax.lax.stop_gradient(clipped))
+    return straight_through(w, jax.lax.stop_gradient(clipped))
 
 
 def dotted_path(path):
@@ -331,7 +335,7 @@ class QATProvider(qwix_seam.QtProviderBase):
         deq = qwix_seam.quantize_dequantize(jax.lax.stop_gradient(w), rule.weight_qtype, channelwise_axes=channelwise,
                                             tiled_axes={contracting[-1]: spec.group_size},
                                             calibration_method=range_calibration(spec))
-        return _straight_through(w, deq)
+        return straight_through(w, deq)
 
     def _config(self, rule, side, weight_qtype, tile_size):
         """The Qwix config fields of ``quantized_dot_general`` (``qwix_seam.DOT_GENERAL_QT_FIELDS``)."""
@@ -511,7 +515,7 @@ class QATProvider(qwix_seam.QtProviderBase):
             deq = qwix_seam.quantize_dequantize(jax.lax.stop_gradient(table), rule.weight_qtype,
                                                 channelwise_axes=[] if spec.granularity == "tensor" else [0],
                                                 calibration_method=range_calibration(spec))
-            table = _straight_through(table, deq)
+            table = straight_through(table, deq)
         return jnp.take(table, inputs, axis=0)
 
 
