@@ -240,6 +240,17 @@ def time_jax_steps(args):
               **({"gguf_mix": mix} if mix else {"spec": parse_target(args.target), "exclude": flax_exclude(student)}))
     trained = get_qat_report(student).wrapped
     students = {"float (no fake-quant)": nnx.clone(float_model), f"mixle QAT {args.target}": student}
+    importance = _step_importance(args, loaded)
+    if importance is not None:  # the weighted search, as mixle finetune --backend jax --imatrix trains
+        from mixle.flax_backend.gguf_tensors import flax_path
+        from mixle.lm.finetune import EXCLUDE
+
+        weighted = nnx.clone(float_model)
+        kept = {flax_path(p): v for p, v in importance.items() if mix or p not in EXCLUDE}
+        apply_qat(weighted, example_inputs=(jnp.zeros((1, 4), jnp.int32),), importance=kept,
+                  **({"gguf_mix": mix} if mix else {"spec": parse_target(args.target),
+                                                    "exclude": flax_exclude(weighted)}))
+        students[f"mixle QAT {args.target} imatrix"] = weighted
     trainers, first = {}, {}
     for name, model in students.items():
         trainers[name] = JaxTrainer(model, float_model, data, config, trained, mesh)
