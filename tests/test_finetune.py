@@ -35,6 +35,7 @@ from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
 from mixle.lm.finetune_config import FinetuneConfig  # noqa: E402
 from mixle.lm.finetune_train import NonFiniteLossError, Stopped, steps_that_fit  # noqa: E402
 from mixle.lm.llama_cpp_eval import llama_cpp_loss, llama_cpp_module  # noqa: E402
+from mixle.lm.training import warmup_cosine  # noqa: E402
 from mixle.lm.windows import held_out_windows  # noqa: E402
 from tests.gguf_tokenizer_cases import converter_keys, tokenizer_fields, with_tokenizer  # noqa: E402
 
@@ -270,6 +271,18 @@ def test_max_minutes_schedule_is_fitted_to_the_pace_after_the_first_step():
     assert steps_that_fit(budget, step, seconds, since, steps=30, warmup=5) == 30  # never past --steps
     assert steps_that_fit(budget, step, 70.0, since, steps=1000, warmup=5) == 6  # over budget: past the warm-up
     assert steps_that_fit(budget, 9, 70.0, since, steps=1000, warmup=5) == 10  # and past the current step
+
+
+def test_a_budgeted_runs_warm_up_is_five_percent_of_the_steps_that_fit():
+    """With --max-minutes, --steps is only a cap: the warm-up is 5% of the schedule the budget fitted
+    (700 steps: 35), not of --steps (100,000: 5,000 steps, a run that would never leave its warm-up)."""
+    schedule = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5).warmup_steps())
+    assert [schedule(step, 700) for step in (0, 33, 34)] == [1 / 35, 34 / 35, 1.0]
+    assert schedule(266, 700) == 0.5 * (1 + math.cos(math.pi * (266 - 35) / (700 - 1 - 35)))
+    assert schedule(0, 100_000) == 1 / 5_000  # before the fit, the cap's
+    fixed = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5, warmup=7).warmup_steps())
+    assert fixed(6, 700) == 1.0 and fixed(5, 700) == 6 / 7
+    assert steps_that_fit(60.0, 4, 70.0, (1, 7.0), steps=1000, warmup=0) == 5  # no fixed warm-up to outlast
 
 
 def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):

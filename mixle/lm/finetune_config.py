@@ -130,7 +130,7 @@ class FinetuneConfig:
         batch_size, block, accumulate: windows of ``block`` predicted tokens per micro-batch,
             micro-batches per optimizer step (gradient accumulation).
         lr, warmup, weight_decay, grad_clip: AdamW's peak rate, linear warm-up steps (default
-            5% of the steps), decoupled weight decay, gradient-norm clip.
+            5% of the steps; with ``max_minutes``, of the steps that fit), decoupled weight decay, gradient-norm clip.
         objective: ``kl`` (distillation from the float model: KL at ``temperature``), ``ce``
             (next-token cross-entropy) or ``mix`` (``(1 - w) CE + w T^2 KL``, w = ``mix_weight``).
         lora, lora_alpha: train rank-``lora`` adapters on a frozen base (alpha default 2 x rank),
@@ -201,7 +201,8 @@ class FinetuneConfig:
     block: int = option(128, "tokens predicted per window (default: 128)", type=positive_int)
     accumulate: int = option(1, "micro-batches per optimizer step (gradient accumulation)", type=positive_int)
     lr: float = option(2e-5, "peak learning rate of AdamW (default: 2e-5)")
-    warmup: int | None = option(None, "linear warm-up steps before the cosine decay (default: 5%% of --steps)")
+    warmup: int | None = option(None, "linear warm-up steps before the cosine decay (default: 5%% of --steps; with "
+                                           "--max-minutes, of the steps that fit)")
     weight_decay: float = option(0.0, "AdamW's decoupled weight decay (default: 0.0)")
     grad_clip: float | None = option(1.0, "clip the gradient norm to this (default: 1.0)")
     objective: str = option("kl", "kl: distil the float model (KL at --temperature), ce: next-token "
@@ -475,12 +476,16 @@ class FinetuneConfig:
             raise ValueError(f"--learned-scales with --target {self.target}: {err}") from None
 
     def warmup_steps(self):
-        """The warm-up steps: ``warmup``, or 5% of the steps (at least 1).
+        """The warm-up steps: ``warmup``, or 5% of the steps (at least 1); None with ``max_minutes``
+        and no ``warmup``: 5% of the steps that fit the budget (``mixle.lm.training.warmup_cosine``),
+        not of ``steps``, which is then only a cap.
 
         >>> FinetuneConfig(model="m", out="o", steps=100).warmup_steps()
         5
         """
-        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+        if self.warmup is not None:
+            return self.warmup
+        return None if self.max_minutes is not None else max(1, self.steps // 20)
 
     def distill_weight(self):
         """w of ``mixle.lm.distill.distill_row_loss``: 1 for ``kl``, 0 for ``ce``, ``mix_weight`` for ``mix``.

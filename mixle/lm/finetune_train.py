@@ -102,7 +102,7 @@ def loop_config(config):
                       accumulate=config.accumulate, schedule=warmup_cosine(config.warmup_steps(), floor=0.0),
                       grad_clip=config.grad_clip, check_gradient=True, curve_every=config.curve_every,
                       curve_tenths=True, eval_batch=config.batch_size, autocast=config.dtype, stop_on_signals=True,
-                      max_minutes=config.max_minutes, warmup_steps=config.warmup_steps(),
+                      max_minutes=config.max_minutes, warmup_steps=config.warmup_steps() or 0,
                       checkpoint_every=config.checkpoint_every, trim_memory=True, advice=advice,
                       label=f"finetune {config.target}")
 

@@ -52,7 +52,8 @@ class LoopConfig:
         autocast: ``"bfloat16"`` or ``"float32"`` (the forwards under autocast, enabled for bfloat16),
             or None (no autocast context).
         stop_on_signals: Ctrl-C and SIGTERM stop after the current step with a checkpoint (``Stopped``).
-        max_minutes: a time budget for the steps, or None; warmup_steps: the schedule's warm-up (kept when fitting).
+        max_minutes: a time budget for the steps, or None; warmup_steps: the schedule's fixed warm-up, kept when
+            fitting (0: a warm-up that scales with the fitted schedule).
         checkpoint_every: save every this many steps (None: never).
         trim_memory: give the C heap's free pages back after each step (``return_free_memory``).
         train_mode: put the model in train mode while training (restored afterwards); False leaves it as it is.

@@ -25,15 +25,19 @@ def _torch():
 def warmup_cosine(warmup, floor=0.0):
     """An ``lr_schedule(step, m_steps)`` for GradLeaf: linear warm-up, then cosine decay to ``floor``.
 
+    ``warmup`` is a number of steps, or None: 5% of ``m_steps`` (at least 1), so a schedule whose
+    length is fitted to a time budget warms up over 5% of the steps that fit.
+
     >>> f = warmup_cosine(10, floor=0.1)
     >>> round(f(0, 100), 2), f(9, 100), round(f(99, 100), 3)
     (0.1, 1.0, 0.1)
     """
 
     def schedule(step, m_steps):
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, m_steps - 1 - warmup)
+        steps = max(1, m_steps // 20) if warmup is None else warmup
+        if step < steps:
+            return (step + 1) / steps
+        progress = (step - steps) / max(1, m_steps - 1 - steps)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return schedule
