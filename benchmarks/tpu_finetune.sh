@@ -6,7 +6,7 @@
 #   bash benchmarks/tpu_finetune.sh --prepare MODEL.gguf SIZE_MB...   # .tpu-m1, .tpu-m2, ...: parts of these sizes
 #                                                                     # (the last takes the rest), .tpu-llama: the
 #                                                                     # llama.cpp bindings and libraries (LLAMA_LIBS)
-# There (each call carries what it names; $OUT set):
+# There (each call carries what it names, --run .tpu-llama; $OUT set):
 #   bash benchmarks/tpu_finetune.sh --install         # .whl-tpu + .whl-hf wheels, torch and matplotlib of the machine
 #   bash benchmarks/tpu_finetune.sh --receive DIR     # DIR's part into /tmp/mixle-model
 #   bash benchmarks/tpu_finetune.sh --run TAG ARGS... # checks the put-together model's sha256, then runs
@@ -58,6 +58,8 @@ case "${1:-}" in
     # libllama.so finds its libggml*.so.0 beside it only through the loader's path
     export LLAMA_CPP_LIB_PATH=$PWD/.tpu-llama LD_LIBRARY_PATH="$PWD/.tpu-llama:${LD_LIBRARY_PATH:-}" PYTHONUNBUFFERED=1
     export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache  # a resumed run (next call, same machine) compiles nothing again
+    # a call that does not carry .tpu-llama finds a partial copy of it (llama_cpp without Llama)
+    python3 -c "import llama_cpp; llama_cpp.Llama" 2> /dev/null || { echo "llama_cpp does not load: carry .tpu-llama in every --run call"; exit 1; }
     if [[ -f /tmp/ft-$tag/checkpoint.pt ]]; then
         job=(--resume /tmp/ft-$tag)
     else
