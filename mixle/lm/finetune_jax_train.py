@@ -15,10 +15,11 @@ The mesh takes the most devices of ``jax.devices()`` that divide ``batch_size``.
 
 The student's forward: when every kernel it quantizes can be grouped
 (``mixle.flax_backend.kernel_groups``: kernels of one spec, layout and input size quantized by one
-call, the same values as their own calls), the step fake-quantizes the trained kernels group by
-group and runs the model's float graph on those values, so XLA compiles a few quantizer calls
-instead of one per kernel (a 30-layer model's QAT step then compiles in about its float step's
-time); otherwise the wrapped model's own forward, which quantizes each kernel inside.
+call, the same values as their own calls), each step first fake-quantizes the trained kernels group
+by group (``quantized_state``, the program the evaluations run), then runs the float graph's step on
+those values: the straight-through estimator passes their gradient to the kernels unchanged, so the
+step is the float model's and XLA compiles a few quantizer calls instead of one per kernel;
+otherwise the wrapped model's own forward, which quantizes each kernel inside.
 
 Compiled steps are reused: the jitted functions take the model's graphdef as a static argument, and
 a QAT-wrapped model's graphdef never equals another's (``apply_qat`` makes its module classes per
@@ -38,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mixle.flax_backend.kernel_groups import fake_quantize_groups, float_graphdef, kernel_groups, quantized_state
+from mixle.flax_backend.kernel_groups import float_graphdef, kernel_groups, quantized_state
 from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_train import loop_config
@@ -116,17 +117,16 @@ def token_loss(logits, teacher_logits, targets, temperature, weight):
     return kl if weight == 1.0 else (1.0 - weight) * ce + weight * temperature**2 * kl
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "teacher", "temperature", "weight", "scale", "groups"))
-def _micro_step(params, frozen, teacher_state, windows, *, graphdef, teacher, temperature, weight, scale, groups):
-    """``(loss, gradient)`` of one micro-batch's share of the step's loss, per predicted token (``groups``:
-    the student's kernel groups, fake-quantized before its float forward ``graphdef``; None: ``graphdef``
-    is the wrapped model's, which quantizes inside)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher", "temperature", "weight", "scale"))
+def _micro_step(params, frozen, teacher_state, windows, *, graphdef, teacher, temperature, weight, scale):
+    """``(loss, gradient)`` of one micro-batch's share of the step's loss, per predicted token, for the
+    forward ``graphdef`` of ``params``: the float graph of the kernels' fake-quantized values (their
+    gradient is the kernels', the straight-through estimator's), or the wrapped model's, which
+    quantizes inside."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
     teacher_logits = None if teacher is None else jax.lax.stop_gradient(nnx.merge(teacher, teacher_state)(inputs))
 
     def loss(trained):
-        if groups is not None:
-            trained = fake_quantize_groups(groups, trained)
         logits = nnx.merge(graphdef, trained, frozen)(inputs)
         tokens = token_loss(logits, logits if teacher_logits is None else teacher_logits, targets, temperature, weight)
         rows = temperature**2 * tokens.sum(axis=1) if weight == 1.0 else tokens.sum(axis=1)
@@ -294,25 +294,31 @@ class JaxTrainer(Trainer):
         """The next ``count`` window starts of the torch job's order (moving the data position)."""
         return self._cursor.take(self.state, count).numpy()
 
-    def micro_step(self, starts):
+    def micro_step(self, starts, trained=None):
         """``(loss, gradient)`` of the micro-batch of windows at ``starts``: its share of a step's loss.
+
+        ``trained``: the step's ``eval_states()[1]`` (computed if not given). With kernel groups, the
+        kernels are fake-quantized by the program the evaluations run, and the step is the float
+        graph's on those values, whose gradient the straight-through estimator passes to the kernels
+        unchanged: the step compiles what the float model's step compiles, the quantizer apart.
 
         >>> JaxTrainer.micro_step  # doctest: +ELLIPSIS
         <function JaxTrainer.micro_step at ...>
         """
         config = self.finetune_config
         windows = self.ids[np.asarray(starts)[:, None] + np.arange(config.block + 1)].astype(np.int32)
-        return _micro_step(self.params, self.frozen, self.teacher_state, _sharded(self.mesh, windows),
-                           graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
-                           weight=config.distill_weight(), scale=1.0 / (config.batch_size * config.block *
-                                                                        config.accumulate), groups=self.groups)
+        return _micro_step(self.eval_states()[1] if trained is None else trained, self.frozen, self.teacher_state,
+                           _sharded(self.mesh, windows), graphdef=self.graphdef, teacher=self.teacher,
+                           temperature=config.temperature, weight=config.distill_weight(),
+                           scale=1.0 / (config.batch_size * config.block * config.accumulate))
 
     def step(self):
         """One optimizer step; returns its loss (the micro-batches' values summed)."""
         config = self.finetune_config
         value, total = 0.0, None
+        trained = self.eval_states()[1]  # the kernels do not move within a step
         for _ in range(config.accumulate):
-            loss, grads = self.micro_step(self._next_starts(config.batch_size))
+            loss, grads = self.micro_step(self._next_starts(config.batch_size), trained)
             loss = float(loss)
             if not math.isfinite(loss):
                 raise self.diverged(f"the training loss became {loss}")
