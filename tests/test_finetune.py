@@ -276,11 +276,11 @@ def test_max_minutes_schedule_is_fitted_to_the_pace_after_the_first_step():
 def test_a_budgeted_runs_warm_up_is_five_percent_of_the_steps_that_fit():
     """With --max-minutes, --steps is only a cap: the warm-up is 5% of the schedule the budget fitted
     (700 steps: 35), not of --steps (100,000: 5,000 steps, a run that would never leave its warm-up)."""
-    schedule = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5).warmup_steps())
+    schedule = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5).warmup)
     assert [schedule(step, 700) for step in (0, 33, 34)] == [1 / 35, 34 / 35, 1.0]
     assert schedule(266, 700) == 0.5 * (1 + math.cos(math.pi * (266 - 35) / (700 - 1 - 35)))
     assert schedule(0, 100_000) == 1 / 5_000  # before the fit, the cap's
-    fixed = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5, warmup=7).warmup_steps())
+    fixed = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5, warmup=7).warmup)
     assert fixed(6, 700) == 1.0 and fixed(5, 700) == 6 / 7
     assert steps_that_fit(60.0, 4, 70.0, (1, 7.0), steps=1000, warmup=0) == 5  # no fixed warm-up to outlast
 

@@ -475,18 +475,6 @@ class FinetuneConfig:
         except ValueError as err:
             raise ValueError(f"--learned-scales with --target {self.target}: {err}") from None
 
-    def warmup_steps(self):
-        """The warm-up steps: ``warmup``, or 5% of the steps (at least 1); None with ``max_minutes``
-        and no ``warmup``: 5% of the steps that fit the budget (``mixle.lm.training.warmup_cosine``),
-        not of ``steps``, which is then only a cap.
-
-        >>> FinetuneConfig(model="m", out="o", steps=100).warmup_steps()
-        5
-        """
-        if self.warmup is not None:
-            return self.warmup
-        return None if self.max_minutes is not None else max(1, self.steps // 20)
-
     def distill_weight(self):
         """w of ``mixle.lm.distill.distill_row_loss``: 1 for ``kl``, 0 for ``ce``, ``mix_weight`` for ``mix``.
 

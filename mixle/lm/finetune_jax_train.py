@@ -44,7 +44,6 @@ from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_train import loop_config
 from mixle.lm.loop import Trainer, TrainState
-from mixle.lm.training import warmup_cosine
 
 __all__ = ["data_mesh", "token_loss", "held_out_loss", "JaxTrainer", "BETAS", "EPS", "reused_graphdef"]
 
@@ -235,7 +234,6 @@ class JaxTrainer(Trainer):
         self.config = loop_config(config)
         self.curve_windows, self.family = data.curve_windows, None
         self.state = TrainState(horizon=config.steps)
-        self.schedule = warmup_cosine(config.warmup_steps(), floor=0.0)
         wanted = set(trained)
         split = (lambda path, _: ".".join(map(str, path)) in wanted, ...)
         graphdef, params, frozen = nnx.split(student, *split)
@@ -328,7 +326,7 @@ class JaxTrainer(Trainer):
         if not bool(jnp.isfinite(norm)):
             raise self.diverged(f"the gradient norm became {float(norm)}")
         step = self.state.step + 1  # AdamW's step count: the steps done, this one included
-        lr = config.lr * self.schedule(self.state.step, self.state.horizon)  # LambdaLR's rate of this step
+        lr = config.lr * self.config.schedule(self.state.step, self.state.horizon)  # LambdaLR's rate of this step
         correction1, correction2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
         self.params, self.exp_avg, self.exp_avg_sq = _adamw(
             self.params, total, self.exp_avg, self.exp_avg_sq, norm, math.inf if config.grad_clip is None else

@@ -99,10 +99,10 @@ def loop_config(config):
               + (", use --dtype float32" if config.dtype == "bfloat16" else "")
               + (", set --grad-clip" if config.grad_clip is None else "") + ", or check the data")
     return LoopConfig(steps=config.steps, batch_size=config.batch_size, tokens_per_window=config.block,
-                      accumulate=config.accumulate, schedule=warmup_cosine(config.warmup_steps(), floor=0.0),
+                      accumulate=config.accumulate, schedule=warmup_cosine(config.warmup, floor=0.0),
                       grad_clip=config.grad_clip, check_gradient=True, curve_every=config.curve_every,
                       curve_tenths=True, eval_batch=config.batch_size, autocast=config.dtype, stop_on_signals=True,
-                      max_minutes=config.max_minutes, warmup_steps=config.warmup_steps() or 0,
+                      max_minutes=config.max_minutes, warmup_steps=config.warmup or 0,
                       checkpoint_every=config.checkpoint_every, trim_memory=True, advice=advice,
                       label=f"finetune {config.target}")
 
