@@ -235,9 +235,14 @@ def time_jax_steps(args):
     data = prepare_finetune_data(config, loaded.tokenizer, TRANSFORMERS.context_length(loaded.model))
     mesh = data_mesh(args.batch_size)
     mix = parse_mix(args.target)
-    student = nnx.clone(float_model)
-    apply_qat(student, example_inputs=(jnp.zeros((1, 4), jnp.int32),),
-              **({"gguf_mix": mix} if mix else {"spec": parse_target(args.target), "exclude": flax_exclude(student)}))
+
+    def qat(**extra):
+        student = nnx.clone(float_model)
+        target = {"gguf_mix": mix} if mix else {"spec": parse_target(args.target), "exclude": flax_exclude(student)}
+        apply_qat(student, example_inputs=(jnp.zeros((1, 4), jnp.int32),), **target, **extra)
+        return student
+
+    student = qat()
     trained = get_qat_report(student).wrapped
     students = {"float (no fake-quant)": nnx.clone(float_model), f"mixle QAT {args.target}": student}
     importance = _step_importance(args, loaded)
@@ -245,12 +250,8 @@ def time_jax_steps(args):
         from mixle.flax_backend.gguf_tensors import flax_path
         from mixle.lm.finetune import EXCLUDE
 
-        weighted = nnx.clone(float_model)
         kept = {flax_path(p): v for p, v in importance.items() if mix or p not in EXCLUDE}
-        apply_qat(weighted, example_inputs=(jnp.zeros((1, 4), jnp.int32),), importance=kept,
-                  **({"gguf_mix": mix} if mix else {"spec": parse_target(args.target),
-                                                    "exclude": flax_exclude(weighted)}))
-        students[f"mixle QAT {args.target} imatrix"] = weighted
+        students[f"mixle QAT {args.target} imatrix"] = qat(importance=kept)
     trainers, first = {}, {}
     for name, model in students.items():
         trainers[name] = JaxTrainer(model, float_model, data, config, trained, mesh)
