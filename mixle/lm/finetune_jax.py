@@ -255,6 +255,7 @@ class JaxRun(FinetuneRun):
                 self.importance = _calibrate(self.flax_model, self.model, self.data, config, self.out)
                 self.peaks.end("importance matrix")
             student = self._student()
+            self.peaks.end("wrapping the student")
             if self.qat_importance() is None:
                 ptq, evaluated = student, student
             else:
@@ -263,6 +264,7 @@ class JaxRun(FinetuneRun):
             rows.append(self._row(evaluated, {"method": PTQ, "spec": spec}))
             if self.outputs["gguf"] and evaluator.llama_cpp:
                 evaluator.gguf(ptq, os.path.join(scratch, "ptq.gguf"), config.float_storage(), rows[-1], mix=mix)
+            self.peaks.end("PTQ evaluation")
         if self.importance is not None:
             if self.qat_importance() is not None:
                 weighted, evaluated = student, student
@@ -274,7 +276,7 @@ class JaxRun(FinetuneRun):
             values = baselines.target_importance(self.importance, config, ("lm_head",)) if mix else None
             evaluator.gguf(weighted, os.path.join(self.out, baselines.PTQ_IMATRIX_FILE), config.float_storage(),
                            rows[-1], mix=mix, importance=values)
-        self.peaks.end("PTQ evaluation")
+            self.peaks.end("PTQ imatrix evaluation")
         return rows
 
     def _float_copy(self):
