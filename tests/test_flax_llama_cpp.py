@@ -241,3 +241,38 @@ def test_importance_weighted_qat_from_flax_writes_the_torch_file(tmp_path):
     (tmp_path / "converted").mkdir()
     save_gguf(convert(flax_model), tmp_path / "converted" / "m.gguf")  # convert keeps the weighted codes
     assert (tmp_path / "converted" / "m.gguf").read_bytes() == (tmp_path / "torch" / "m.gguf").read_bytes()
+
+
+def test_apply_qat_checks_every_kernels_importance_though_it_traces_one_search_per_shape():
+    # apply_qat's probe traces the weighted search once for kernels alike (the second layer's is
+    # not traced again); the second layer's importance is still checked, and a refusal leaves
+    # the model as it was.
+    from mixle.flax_backend.qat import qat_state
+    from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+
+    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 16, "hidden_size": 32,
+                                       "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2})
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    good = np.abs(np.random.default_rng(1).standard_normal(64)).astype(np.float32)
+    negative = good.copy()
+    negative[5] = -1.0
+    before = type(model.layers[1].mlp.down_proj)
+    for second, message in ((negative, "importance[5] = -1.0"), (good[:63], "importance has shape (63,)")):
+        importance = {"layers.0.mlp.down_proj": good, "layers.1.mlp.down_proj": second}
+        with pytest.raises(ValueError) as raised:
+            apply_qat(model, grid="q4_0", patterns=(r".*down_proj",), importance=importance,
+                      example_inputs=(jnp.zeros((1, 4), jnp.int32),))
+        assert "layers.1.mlp.down_proj" in str(raised.value) and message in str(raised.value)
+        assert type(model.layers[1].mlp.down_proj) is before and qat_state(model) is None
+    importance["layers.1.mlp.down_proj"] = good[::-1].copy()
+    reference = nnx.clone(model)
+    apply_qat(model, grid="q4_0", patterns=(r".*down_proj",), importance=importance,
+              example_inputs=(jnp.zeros((1, 4), jnp.int32),))
+    for layer in (0, 1):  # outside the probe, each kernel is searched with its own importance
+        kernel = np.asarray(reference.layers[layer].mlp.down_proj.kernel[...])
+        values = importance[f"layers.{layer}.mlp.down_proj"]
+        stored = quantize_array(kernel.T.copy(), QuantSpec(grid="q4_0"), importance=values).dequantize().T
+        reference.layers[layer].mlp.down_proj.kernel[...] = jnp.asarray(stored)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 16, (2, 8)), jnp.int32)
+    forward = nnx.jit(lambda model: model(ids))  # both compiled: XLA fuses both alike
+    np.testing.assert_array_equal(np.asarray(forward(model)), np.asarray(forward(reference)))

@@ -415,7 +415,11 @@ def _apply_nnx(model, selector, reconfigure, inputs, importance=None):
             qwix_seam.mark_nnx_module(module, path, rngs)
         probe_state = FlaxQATState(float_class, qat_class, off_class, provider, None, {}, variants)
         _set_module_classes(model, probe_state, True)
-        _probe_nnx(model, inputs)
+        provider.probing = True
+        try:
+            _probe_nnx(model, inputs)
+        finally:
+            provider.probing = False
         _check_integer_products(plan.specs, provider)
         _check_patterns_ran(plan, provider, rules)
         previous = state.specs if state else {}
