@@ -2,7 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
-        [--variants NAME...] [--no-serving] [--hlo]
+        [--variants NAME...] [--no-serving] [--hlo] [--search]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -157,6 +157,8 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
     parser.add_argument("--no-serving", action="store_true")
     parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
+    parser.add_argument("--search", action="store_true",
+                        help="time the jax finetune job's per-step q4_0 searches per way of summing (search_speed.py)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -180,6 +182,12 @@ def main(argv=None):
                 results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)
                 print_serving(size, results[f"serving {size}"])
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.search:
+        from search_speed import print_search, time_search
+
+        results["search"] = time_search(args.rounds)
+        print_search(results["search"], 30, args.rounds)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if not args.skip_numerics:  # after the timings: its compiles of every grid take a while
         results["numerics"] = numerics_probe()
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -57,6 +57,22 @@ def test_importance_weighted_search_equals_numpys(grid):
     assert not np.array_equal(want, quantize_dequantize_array(w.T.copy(), spec).T)  # the weights matter
 
 
+@pytest.mark.parametrize("how", ["lanes", "unrolled"])
+@pytest.mark.parametrize("grid", ["q4_0", "q5_1"])
+def test_every_way_of_running_cs_sums_gives_numpys_search(monkeypatch, grid, how):
+    # ORDERED_SUMS picks per platform how JaxC runs C's running sums; each must be the same
+    # in-order float32 additions. 128 kernel rows: the blocks' count divides into 128 lanes.
+    from mixle.core import c_arith
+
+    monkeypatch.setitem(c_arith.ORDERED_SUMS, jax.default_backend(), how)
+    w = _kernel(shape=(256, 128), seed=3)
+    importance = np.abs(np.random.default_rng(4).standard_normal(256)).astype(np.float32)
+    spec = QuantSpec(grid=grid)
+    want = quantize_array(w.T.copy(), spec, importance=importance).dequantize().T
+    got = jax.jit(lambda k: fake_quantize_weight(k, (0,), spec, importance=importance))(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_blocks_equal_gguf_pys_quantizer():
     gguf = pytest.importorskip("gguf")
     from mixle.gguf.blocks import pack_array

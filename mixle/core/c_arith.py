@@ -17,7 +17,7 @@ import numpy as np
 
 from mixle.core.array_ops import JaxOps, NumpyOps, TorchOps, array_ops
 
-__all__ = ["NumpyC", "TorchC", "JaxC", "ieee", "c_ops", "float_blocks", "nearest_int", "c_int", "reciprocal", "to_half",
+__all__ = ["ORDERED_SUMS", "NumpyC", "TorchC", "JaxC", "ieee", "c_ops", "float_blocks", "nearest_int", "c_int", "reciprocal", "to_half",
            "seq_sum", "first_absmax", "running_max", "as_numpy", "half_bytes", "half_from", "block_rows", "flat_rows"]
 
 
@@ -107,6 +107,12 @@ class TorchC(TorchOps):
         return a
 
 
+# How JaxC runs C's running sums on each XLA platform (the values are the same): a step of a
+# ``fori_loop`` costs a TPU more than a CPU, and a row of an (elements, blocks) array spans a TPU's
+# (8, 128) tiles; ``benchmarks/tpu_check.py --search`` times the three side by side.
+ORDERED_SUMS = {"cpu": "loop", "gpu": "loop", "tpu": "loop"}
+
+
 class JaxC(JaxOps):
     """jax.numpy ops with the same extensions, exact on every XLA backend: constants are numpy
     float32 scalars (sums of constants are computed here, in float32), quotients go through
@@ -147,10 +153,22 @@ class JaxC(JaxOps):
     # unrolled chain of selects, fused with what reads it, took minutes to compile), same values.
 
     def ordered_sum(self, terms, axis):
-        """C's ``s = 0; for (i...) s += terms[i]`` along ``axis``, in order (one loop, not unrolled)."""
+        """C's ``s = 0; for (i...) s += terms[i]`` along ``axis``, in order, as ``ORDERED_SUMS`` says for
+        the default backend: ``"loop"`` (one ``fori_loop`` over the elements), ``"lanes"`` (the same
+        loop over a ``(elements, -1, 128)`` view, whose every step reads whole TPU tiles) or
+        ``"unrolled"`` (one chain of adds, which XLA fuses with what computes the terms)."""
         terms = self.xp.moveaxis(self.rounded(terms), axis, 0)
+        first = self.c(0.0) + terms[0]
+        how = ORDERED_SUMS.get(self.jax.default_backend(), "loop")
+        if how == "unrolled":
+            for i in range(1, terms.shape[0]):
+                first = first + terms[i]
+            return first
+        shape = first.shape
+        if how == "lanes" and first.size % 128 == 0:
+            terms, first = terms.reshape(terms.shape[0], -1, 128), first.reshape(-1, 128)
         body = lambda i, acc: acc + self.jax.lax.dynamic_index_in_dim(terms, i, keepdims=False)  # noqa: E731
-        return self.jax.lax.fori_loop(1, terms.shape[0], body, self.c(0.0) + terms[0])
+        return self.jax.lax.fori_loop(1, terms.shape[0], body, first).reshape(shape)
 
     def first_of(self, x, index, axis=-1):
         return self.xp.take_along_axis(x, self.xp.expand_dims(index, axis), axis=axis).squeeze(axis)
