@@ -17,8 +17,9 @@ import numpy as np
 
 from mixle.core.array_ops import JaxOps, NumpyOps, TorchOps, array_ops
 
-__all__ = ["ORDERED_SUMS", "NumpyC", "TorchC", "JaxC", "ieee", "c_ops", "float_blocks", "nearest_int", "c_int", "reciprocal", "to_half",
-           "seq_sum", "first_absmax", "running_max", "as_numpy", "half_bytes", "half_from", "block_rows", "flat_rows"]
+__all__ = ["ORDERED_SUMS", "NumpyC", "TorchC", "JaxC", "ieee", "c_ops", "float_blocks", "nearest_int", "c_int",
+           "reciprocal", "to_half", "seq_sum", "first_absmax", "running_max", "as_numpy", "half_bytes", "half_from",
+           "block_rows", "flat_rows"]
 
 
 class NumpyC(NumpyOps):
