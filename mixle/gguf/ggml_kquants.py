@@ -156,22 +156,28 @@ def make_qx_quants_rmse1(o, x, nmax, qw=None):
     wl = xl * xl if qw is None else o.leading(qw)
     wx = wl * xl
 
-    def sums(numerator):
-        levels = o.clip(nearest_int(o, o.divide(numerator, vmax) * xl), -nmax, nmax - 1)
-        lf = o.to_named(levels, "float32")
-        return levels, _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
+    def levels_of(numerator):
+        return o.clip(nearest_int(o, o.divide(numerator, vmax) * xl), -nmax, nmax - 1)
 
+    def sums(numerator):
+        lf = o.to_named(levels_of(numerator), "float32")
+        return _lead_sum(o, wx * lf), _lead_sum(o, (wl * lf) * lf)
+
+    # Each block keeps its best trial's numerator, not its codes: a trial then writes no array of
+    # the weights' size, and the codes are computed once from it (the same quotients, so the same codes).
     def trial(numerator, carry):
         scale, best, chosen = carry
-        levels, sumlx, suml2 = sums(numerator)
+        sumlx, suml2 = sums(numerator)
         take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         scale = o.where(take, o.divide(sumlx, suml2), scale)
-        return scale, o.where(take, scale * sumlx, best), o.where(take, levels, chosen)
+        return scale, o.where(take, scale * sumlx, best), o.where(take, numerator, chosen)
 
-    chosen, sumlx, suml2 = sums(o.c(float(-nmax)))  # is = 0
+    first = o.c(float(-nmax))  # is = 0
+    sumlx, suml2 = sums(first)
     scale = o.where(suml2 != 0, o.divide(sumlx, suml2), o.zeros(sumlx))
     numerators = [-(o.c(float(nmax)) + o.c(0.1) * o.c(float(s))) for s in range(-9, 10) if s]
-    scale, _, chosen = _trials(o, numerators, trial, (scale, scale * sumlx, chosen))
+    scale, _, numerator = _trials(o, numerators, trial, (scale, scale * sumlx, o.zeros(sumlx) + first))
+    chosen = levels_of(numerator)
     zero = amax < o.c(GROUP_MAX_EPS)
     chosen = o.where(zero, o.zeros(chosen, "int32") - nmax, chosen)
     return o.where(zero, o.zeros(scale), scale), o.trailing(chosen) + nmax
