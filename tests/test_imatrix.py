@@ -112,7 +112,7 @@ def reference():
 
 def fixture_imatrix(arrays, case, which):
     prefix = f"{case}/{which}/"
-    names = {k[len(prefix):].rsplit("/", 1)[0] for k in arrays if k.startswith(prefix)}
+    names = sorted({k[len(prefix):].rsplit("/", 1)[0] for k in arrays if k.startswith(prefix)})  # one order every run
     return Imatrix({n: arrays[f"{prefix}{n}/sums"] for n in names}, {n: arrays[f"{prefix}{n}/counts"] for n in names})
 
 
