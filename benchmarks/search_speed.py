@@ -59,10 +59,11 @@ def time_search(rounds=5, layers=30, batch=16, block=128):
     results["float forward + backward"] = {"compile_s": time.perf_counter() - began,
                                            "median_s": _timed(lambda: step(model), rounds)}
     rng = np.random.default_rng(1)
+    inputs = {name: SMOLLM2["hidden_size"] for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
+    inputs["mlp.down_proj"] = SMOLLM2["intermediate_size"]  # each kernel's importance: one value per input
     importance = {f"layers.{i}.{name}": rng.random(size).astype(np.float32) + 0.01 for i in range(layers)
-                  for name, size in (("self_attn.q_proj", 576), ("self_attn.k_proj", 576), ("self_attn.v_proj", 576),
-                                     ("self_attn.o_proj", 576), ("mlp.gate_proj", 576), ("mlp.up_proj", 576),
-                                     ("mlp.down_proj", 1536))}
+                  for name, size in inputs.items()}
     platform = jax.default_backend()
     saved = c_arith.ORDERED_SUMS.get(platform)
     try:

@@ -159,17 +159,17 @@ class JaxC(JaxOps):
         loop over a ``(elements, -1, 128)`` view, whose every step reads whole TPU tiles) or
         ``"unrolled"`` (one chain of adds, which XLA fuses with what computes the terms)."""
         terms = self.xp.moveaxis(self.rounded(terms), axis, 0)
-        first = self.c(0.0) + terms[0]
+        total = self.c(0.0) + terms[0]
         how = ORDERED_SUMS.get(self.jax.default_backend(), "loop")
         if how == "unrolled":
             for i in range(1, terms.shape[0]):
-                first = first + terms[i]
-            return first
-        shape = first.shape
-        if how == "lanes" and first.size % 128 == 0:
-            terms, first = terms.reshape(terms.shape[0], -1, 128), first.reshape(-1, 128)
+                total = total + terms[i]
+            return total
+        shape = total.shape
+        if how == "lanes" and total.size % 128 == 0:
+            terms, total = terms.reshape(terms.shape[0], -1, 128), total.reshape(-1, 128)
         body = lambda i, acc: acc + self.jax.lax.dynamic_index_in_dim(terms, i, keepdims=False)  # noqa: E731
-        return self.jax.lax.fori_loop(1, terms.shape[0], body, first).reshape(shape)
+        return self.jax.lax.fori_loop(1, terms.shape[0], body, total).reshape(shape)
 
     def first_of(self, x, index, axis=-1):
         return self.xp.take_along_axis(x, self.xp.expand_dims(index, axis), axis=axis).squeeze(axis)

@@ -109,9 +109,9 @@ _SEARCH_WEIGHTS = 2**24
 def _search_batch(count, size):
     """How many of ``count`` kernels of ``size`` weights one step of the loop searches together: the
     most that divide ``count`` (no remainder compiled apart) within ``_SEARCH_WEIGHTS``. Each of the
-    search's ordered sums is a loop over a block's elements, and a TPU pays per loop step, not per
-    weight (searched one kernel at a time, SmolLM2's QAT step took 0.42 s on a TPU v5e; on a CPU,
-    batches take the same time as single kernels).
+    search's ordered sums is a loop over a block's elements, run once a batch instead of once a kernel.
+    Measured, it saved nothing: SmolLM2's QAT step took 0.42 s on a TPU v5e either way, and on a CPU
+    batches take the same time as single kernels (``benchmarks/search_speed.py`` times the search).
 
     >>> _search_batch(60, 576 * 1536), _search_batch(60, 64 * 64), _search_batch(7, 2**24)
     (15, 60, 1)
