@@ -111,7 +111,7 @@ class TorchC(TorchOps):
 # How JaxC runs C's running sums on each XLA platform (the values are the same): a step of a
 # ``fori_loop`` costs a TPU more than a CPU, and a row of an (elements, blocks) array spans a TPU's
 # (8, 128) tiles; ``benchmarks/tpu_check.py --search`` times the three side by side.
-ORDERED_SUMS = {"cpu": "loop", "gpu": "loop", "tpu": "loop"}
+ORDERED_SUMS = {"cpu": "loop", "gpu": "loop", "tpu": "unrolled"}
 
 
 class JaxC(JaxOps):
