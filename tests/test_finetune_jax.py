@@ -302,3 +302,33 @@ def test_qat_on_the_weighted_search_trains_the_values_its_file_stores(llama, tmp
         assert tensor.tensor_type.name == "Q4_0"
         stored = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         np.testing.assert_array_equal(stored.reshape(seen["values"][path].T.shape), seen["values"][path].T)
+
+
+def test_the_step_is_compiled_before_the_time_budgets_clock_starts(llama, tmp_path, monkeypatch):
+    """``--max-minutes`` counts steps, not compiling: ``prepare()`` compiles the micro-step and AdamW (with
+    the arguments the steps pass), so the first step compiles neither (XLA's log of its compiles, in order)."""
+    import logging
+
+    from mixle.lm.finetune_jax_train import JaxTrainer
+
+    events = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling "):
+                events.append(record.getMessage().split(" with ")[0])
+
+    prepare = JaxTrainer.prepare
+    monkeypatch.setattr(JaxTrainer, "prepare", lambda self: (prepare(self), events.append("prepared")))
+    handler, logger = Compiles(), logging.getLogger("jax._src.interpreters.pxla")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):  # a micro-batch shape of its own: no earlier test compiled this step
+            run_finetune(_config(llama, tmp_path / "run", steps=1, batch_size=3, block=12, max_minutes=5.0,
+                                 eval_windows=2), progress=False, callback=lambda trainer: events.append("step"))
+    finally:
+        logger.removeHandler(handler)
+    prepared, stepped = events.index("prepared"), events.index("step")
+    assert "Compiling jit(_micro_step)" in events[:prepared]
+    assert not [event for event in events[prepared:stepped] if event.split("(")[-1] in
+                ("_micro_step)", "quantized_state)", "_adamw)", "_grad_norm)")]

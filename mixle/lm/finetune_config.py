@@ -195,8 +195,9 @@ class FinetuneConfig:
                                  "Q8_0, Q4_0: every matrix on the block type llama.cpp gives it, embedding included), "
                                  "or int4 / int8 [/channel|/tensor|/group<N>][/symmetric|/qwix] (default: q4_0)")
     steps: int = option(240, "optimizer steps (default: 240)", type=positive_int)
-    max_minutes: float | None = option(None, "stop training after this many minutes (the learning-rate schedule "
-                                             "is fitted to the steps that fit)")
+    max_minutes: float | None = option(None, "stop training after this many minutes of steps (the learning-rate "
+                                             "schedule is fitted to the steps that fit; compiling the step and the "
+                                             "first curve point are not counted)")
     batch_size: int = option(4, "windows per micro-batch (default: 4)", type=positive_int)
     block: int = option(128, "tokens predicted per window (default: 128)", type=positive_int)
     accumulate: int = option(1, "micro-batches per optimizer step (gradient accumulation)", type=positive_int)

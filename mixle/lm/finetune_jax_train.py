@@ -303,12 +303,27 @@ class JaxTrainer(Trainer):
         >>> JaxTrainer.micro_step  # doctest: +ELLIPSIS
         <function JaxTrainer.micro_step at ...>
         """
+        windows = self.ids[np.asarray(starts)[:, None] + np.arange(self.finetune_config.block + 1)].astype(np.int32)
+        args, static = self._micro_step_arguments(windows, trained)
+        return _micro_step(*args, **static)
+
+    def _micro_step_arguments(self, windows, trained):
         config = self.finetune_config
-        windows = self.ids[np.asarray(starts)[:, None] + np.arange(config.block + 1)].astype(np.int32)
-        return _micro_step(self.eval_states()[1] if trained is None else trained, self.frozen, self.teacher_state,
-                           _sharded(self.mesh, windows), graphdef=self.graphdef, teacher=self.teacher,
-                           temperature=config.temperature, weight=config.distill_weight(),
-                           scale=1.0 / (config.batch_size * config.block * config.accumulate))
+        return ((self.eval_states()[1] if trained is None else trained, self.frozen, self.teacher_state,
+                 _sharded(self.mesh, windows)),
+                dict(graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
+                     weight=config.distill_weight(), scale=1.0 / (config.batch_size * config.block * config.accumulate)))
+
+    def prepare(self):
+        """Compile the kernels' fake quantization, the micro-step and AdamW before the budget's clock starts:
+        on a TPU they take a minute or two, as long as a few hundred steps of a small model. jit's own cache
+        keeps what ``lower(...).compile()`` compiled for the first step's call with the same arguments."""
+        config = self.finetune_config
+        args, static = self._micro_step_arguments(np.zeros((config.batch_size, config.block + 1), np.int32), None)
+        _micro_step.lower(*args, **static).compile()
+        grads = self.params  # a gradient has the trained tensors' shapes and sharding
+        _adamw.lower(self.params, grads, self.exp_avg, self.exp_avg_sq, _grad_norm(grads), 1.0, 1.0, 0.0, 1.0,
+                     1.0).compile()
 
     def step(self):
         """One optimizer step; returns its loss (the micro-batches' values summed)."""

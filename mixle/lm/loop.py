@@ -52,7 +52,8 @@ class LoopConfig:
         autocast: ``"bfloat16"`` or ``"float32"`` (the forwards under autocast, enabled for bfloat16),
             or None (no autocast context).
         stop_on_signals: Ctrl-C and SIGTERM stop after the current step with a checkpoint (``Stopped``).
-        max_minutes: a time budget for the steps, or None; warmup_steps: the schedule's fixed warm-up, kept when
+        max_minutes: a time budget for the steps and the curve's evaluations between them (not ``prepare()``
+            nor the step-0 evaluation), or None; warmup_steps: the schedule's fixed warm-up, kept when
             fitting (0: a warm-up that scales with the fitted schedule).
         checkpoint_every: save every this many steps (None: never).
         trim_memory: give the C heap's free pages back after each step (``return_free_memory``).
@@ -371,6 +372,9 @@ class Trainer:
         state, config = self.state, self.config
         state.horizon = steps_that_fit(budget, state.step, state.seconds, since, config.steps, config.warmup_steps)
 
+    def prepare(self):
+        """Compile what a step runs, before the budget's clock starts (a torch step compiles nothing)."""
+
     def train(self, save=None, progress=False, callback=None):
         """Run steps until the schedule's end (or ``max_minutes``); ``save()`` writes a checkpoint.
 
@@ -401,9 +405,10 @@ class Trainer:
         state, config = self.state, self.config
         budget = None if config.max_minutes is None else 60.0 * config.max_minutes
         tokens_per_step = config.batch_size * config.tokens_per_window * config.accumulate
-        began, base = time.perf_counter(), state.seconds
+        self.prepare()
         if state.step == 0 and not state.curve["eval_step"]:
             self.evaluate_curve()
+        began, base = time.perf_counter(), state.seconds  # the budget counts the steps and the curve between them
         while state.step < state.horizon:
             if budget is not None and state.seconds >= budget:
                 state.stopped_by = "max_minutes"
