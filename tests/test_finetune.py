@@ -5,6 +5,7 @@ tokenizer trained here with the ``tokenizers`` library; the numbers the job repo
 against references computed here from the models' logits, the files' weights and llama.cpp.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -283,6 +284,51 @@ def test_a_budgeted_runs_warm_up_is_five_percent_of_the_steps_that_fit():
     fixed = warmup_cosine(FinetuneConfig(model="m", out="o", steps=100_000, max_minutes=5, warmup=7).warmup)
     assert fixed(6, 700) == 1.0 and fixed(5, 700) == 6 / 7
     assert steps_that_fit(60.0, 4, 70.0, (1, 7.0), steps=1000, warmup=0) == 5  # no fixed warm-up to outlast
+
+
+def test_a_budgeted_run_stopped_before_its_schedule_was_fitted_fits_it_when_resumed():
+    """A run stopped (SIGTERM, a call's time limit) before ``--max-minutes`` fitted its schedule fits it
+    when resumed, timing the pace from the resumed call's first step; a run stopped after the fit keeps
+    the schedule it was fitted to. An unfitted resume would run the cap's schedule (100,000 steps: a
+    warm-up of 5,000 steps, the learning rate a fraction of its peak for the whole budget)."""
+    from mixle.lm.loop import _PROBE_STEPS, LoopConfig, Trainer
+
+    class Halt(Exception):
+        pass
+
+    x = torch.linspace(-1, 1, 8)[:, None]
+
+    def run(stop_at, payload=None):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(1, 1)
+        trainer = Trainer(layer, list(layer.named_parameters()), torch.optim.SGD(layer.parameters(), lr=0.01),
+                          lambda starts: ((layer(x[starts]) - 2 * x[starts]) ** 2).mean(),
+                          lambda state, count: torch.arange(count),
+                          LoopConfig(steps=100_000, batch_size=8, tokens_per_window=1, max_minutes=0.003,
+                                     schedule=warmup_cosine(None, floor=0.0)))
+        if payload is not None:
+            trainer.load_state_dict(payload, "checkpoint")
+        horizons = {}
+
+        def watch(trainer):
+            horizons[trainer.state.step] = trainer.state.horizon
+            if trainer.state.step == stop_at:
+                raise Halt
+
+        with contextlib.suppress(Halt):
+            trainer.train(callback=watch)
+        return trainer.state_dict(), horizons
+
+    payload, early = run(stop_at=2)  # before the fit (after 1 + _PROBE_STEPS steps)
+    assert set(early.values()) == {100_000}
+    _, resumed = run(stop_at=None, payload=payload)
+    fit_step = 3 + _PROBE_STEPS  # the resumed call's first step (3), then the probe's steps
+    assert resumed[fit_step - 1] == 100_000 and resumed[fit_step] < 100_000
+
+    payload, fitted = run(stop_at=1 + _PROBE_STEPS + 2)  # after the fit
+    assert fitted[1 + _PROBE_STEPS] < 100_000
+    _, kept = run(stop_at=None, payload=payload)
+    assert set(kept.values()) == {payload["state"]["horizon"]}
 
 
 def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):

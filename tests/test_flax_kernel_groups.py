@@ -108,4 +108,5 @@ def test_a_stacked_groups_gradient_takes_memory_in_proportion_to_its_kernels():
 
         compiled = jax.jit(jax.grad(squares)).lower(state).compile()
         ratios.append(compiled.memory_analysis().temp_size_in_bytes / (count * 64 * 96 * 4))
-    assert ratios[1] < 1.5 * ratios[0], ratios  # four times the kernels: the same temporaries per kernel
+    # Four times the kernels: the same temporaries per kernel (the TPU's compiler needs none here: 0 and 0).
+    assert ratios[1] <= 1.5 * ratios[0], ratios

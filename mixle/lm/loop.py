@@ -155,7 +155,8 @@ class StopSignals(contextlib.AbstractContextManager):
 
 @dataclass
 class TrainState:
-    """The counters of a run: steps done, the schedule's length, data position, time, the curve."""
+    """The counters of a run: steps done, the schedule's length (``fitted`` once a time budget set it),
+    data position, time, the curve."""
 
     step: int = 0
     horizon: int = 1
@@ -164,6 +165,7 @@ class TrainState:
     seconds: float = 0.0
     tokens: int = 0
     stopped_by: str | None = None
+    fitted: bool = False
     curve: dict = field(default_factory=lambda: {"step": [], "train_loss": [], "eval_step": [], "held_out_loss": []})
 
 
@@ -371,6 +373,7 @@ class Trainer:
         """A ``--max-minutes`` run's schedule length, from ``steps_that_fit``."""
         state, config = self.state, self.config
         state.horizon = steps_that_fit(budget, state.step, state.seconds, since, config.steps, config.warmup_steps)
+        state.fitted = True
 
     def prepare(self):
         """Compile what a step runs, before the budget's clock starts (a torch step compiles nothing)."""
@@ -409,6 +412,8 @@ class Trainer:
         if state.step == 0 and not state.curve["eval_step"]:
             self.evaluate_curve()
         began, base = time.perf_counter(), state.seconds  # the budget counts the steps and the curve between them
+        # A run stopped before its schedule was fitted fits it when resumed; a fitted one keeps it.
+        fitting, since = budget is not None and not state.fitted, None
         while state.step < state.horizon:
             if budget is not None and state.seconds >= budget:
                 state.stopped_by = "max_minutes"
@@ -419,14 +424,13 @@ class Trainer:
             state.curve["step"].append(config.start + state.step)
             state.curve["train_loss"].append(loss * config.record_scale)
             state.seconds = self.ranks.slowest(base + time.perf_counter() - began)  # one clock for all
-            fitting = budget is not None and base == 0.0  # a resumed run keeps its schedule
-            if fitting and state.step == 1:
+            if fitting and since is None:  # the pace is timed from the end of this call's first step
                 since = (state.step, state.seconds)
-            if fitting and state.step == 1 + _PROBE_STEPS:
+            elif fitting and state.step == since[0] + _PROBE_STEPS:
                 self._fit_horizon(budget, since)
             if self._curve_due():
                 self.evaluate_curve()
-                if fitting and state.step > 1 + _PROBE_STEPS and state.step < state.horizon:
+                if fitting and state.step > since[0] + _PROBE_STEPS and state.step < state.horizon:
                     state.seconds = self.ranks.slowest(base + time.perf_counter() - began)
                     self._fit_horizon(budget, since)  # refitted to the pace seen so far
             if bar is not None:
