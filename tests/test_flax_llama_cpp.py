@@ -114,8 +114,8 @@ def test_qat_forward_runs_on_the_rows_and_the_gradient_is_straight_through(grid)
 
 def test_qwix_only_options_are_refused_on_llama_cpp_grids():
     net = _Net()
-    with pytest.raises(ValueError, match=r"module 'fc'.*llama.cpp's Q4_K.*act_bits"):
-        apply_qat(net, grid="q4_k", act_bits=8, example_inputs=(jnp.ones((2, 256)),))
+    with pytest.raises(ValueError, match=r"module 'fc'.*llama.cpp's Q4_K.*bwd_bits"):
+        apply_qat(net, grid="q4_k", bwd_bits=8, example_inputs=(jnp.ones((2, 256)),))
     with pytest.raises(ValueError, match=r"grid='nf4'.*not supported by the flax backend"):
         apply_qat(net, grid="nf4", example_inputs=(jnp.ones((2, 256)),))
 

@@ -215,8 +215,10 @@ def stored_scale(ops, scale, spec, name=None):
 def _round_half_away(ops, scaled, lo, hi):
     # floor(|x|) + floor(2 (|x| - floor|x|)) is exact in floating point (|x| + 0.5 is not);
     # adding 0 turns a -0.0 code into 0.0, as an integer code dequantizes. ``scaled`` is
-    # round_codes' own temporary: the in-place steps may overwrite it.
-    magnitude = abs(scaled)
+    # round_codes' own temporary: the in-place steps may overwrite it. Magnitudes past the codes
+    # are clipped first: an infinite one (a block whose scale's reciprocal overflows float32,
+    # values near 1e-39) would make inf - inf, where the code is the range's end.
+    magnitude = ops.clip_(abs(scaled), 0, max(-lo, hi) + 1)
     whole = ops.floor(magnitude)
     halves = ops.floor_(ops.mul_(ops.sub_(magnitude, whole), 2))
     codes = ops.mul_(ops.sign_(scaled), ops.add_(whole, halves))

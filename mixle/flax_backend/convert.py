@@ -218,6 +218,12 @@ def _quantized_kernels(state, what):
                 f"convert supports integer weights with mixle's grids (channel, group, tensor, "
                 f"clip_percentile); apply_qat without those options for the layers you export"
             )
+        if spec.act_bits is not None:
+            raise ValueError(
+                f"{what}: kernel {decision.path!r} trains as {spec.short()} with act_bits={spec.act_bits}, the "
+                f"rounding of its input llama.cpp applies, which convert's layers (a float input times the "
+                f"stored weight) do not: write the model with save_gguf, whose llama.cpp applies it, or "
+                f"apply_qat without act_bits for the layers you convert")
         layout = state.provider.layouts.get((owner, name))
         if layout is None:
             raise ValueError(f"{what}: kernel {decision.path!r} was reported quantized but its input axes were "

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from mixle.core.stored import QuantizedArray
+from mixle.flax_backend.activations import qwix_options
 from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue
 
 __all__ = ["torch_path", "flax_path", "torch_config", "float_tensors", "stored_arrays"]
@@ -117,9 +118,9 @@ def stored_arrays(model):
     kernels = quantized_kernels(model)
     for kernel in kernels:
         spec = kernel.spec
-        if spec.qwix_only_options():
+        if qwix_options(spec):
             raise ValueError(f"kernel {kernel.owner}.{kernel.name} trains as {spec.short()}, whose forward is Qwix's "
-                             f"own quantizer ({spec.qwix_only_options()}): its codes are not mixle's, so no file can "
+                             f"own quantizer ({qwix_options(spec)}): its codes are not mixle's, so no file can "
                              f"hold them")
     # numpy's numerics: the jax ones give the same codes (exactly), and numpy's run without compiling; one
     # kernel a thread (numpy lets go of the GIL in its array operations: ggml's searches take minutes in one)

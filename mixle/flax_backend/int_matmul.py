@@ -47,6 +47,7 @@ def applies(spec, lhs, rhs, dimension_numbers, side):
             and not lhs_b and not rhs_b and spec.act_bits is not None and spec.weight_format == "int"
             and spec.calibration is None and spec.clip_percentile is None and spec.bwd_stochastic_rounding is None
             and spec.act_symmetric and spec.grid_record.numerics is None and spec.grid_record.offset is None
+            and spec.grid_record.activation_grid is None  # llama.cpp's grids round their inputs to its blocks
             and spec.grid_record.scale_rule == "absmax" and spec.code_min == -spec.code_max)
 
 

@@ -16,7 +16,9 @@ each with its own importance: ggml's weighted search row by row, as each kernel'
 per-tensor scales, Qwix's own quantizers for ``act_bits`` / ``bwd_bits`` / fp8, kernels of more
 than two axes); ``fake_quantize_groups`` maps a state of the kernels to their fake-quantized
 values; ``float_graphdef`` is the graph of the model's float classes, which runs the forward with
-those values in place of the kernels (what a wrapped forward computes, with nothing intercepted).
+those values in place of the kernels (what a wrapped forward computes, with nothing intercepted;
+with ``act_bits`` on llama.cpp's grids each quantized Linear first rounds its input as llama.cpp does,
+``round_product_inputs``).
 """
 
 import dataclasses
@@ -29,11 +31,13 @@ import numpy as np
 from flax import nnx
 
 from mixle.core.numerics import quantize_array
+from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.provider import straight_through, uses_mixle_numerics
-from mixle.flax_backend.qat import qat_state, quantized_kernels, restore_float_classes
+from mixle.flax_backend.qat import float_class_of, qat_state, quantized_kernels, restore_float_classes
 
-__all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef"]
+__all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef",
+           "round_product_inputs"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,11 +66,59 @@ class KernelGroup:
         return 1 - self.layout[0]
 
 
-def _groupable(kernel, value):
+def _groupable(kernel, value, owner):
     spec = kernel.spec
     stacked = kernel.importance is not None  # its straight-through gradient has no clip mask
-    return (value.ndim == 2 and len(kernel.layout) == 1 and uses_mixle_numerics(spec)
+    rounded = spec.act_bits is None or _product_kind(float_class_of(owner), kernel.name) is not None
+    return (value.ndim == 2 and len(kernel.layout) == 1 and uses_mixle_numerics(spec) and rounded
             and spec.granularity != "tensor" and not (stacked and spec.clip_gradient))
+
+
+# The layer kinds whose product input ``act_bits`` rounds in the float graph: (the method taking that
+# input, the weight it multiplies). An Embed's lookup multiplies nothing; its ``attend`` (a tied head) does.
+PRODUCT_INPUTS = {nnx.Linear: ("__call__", "kernel"), nnx.Embed: ("attend", "embedding")}
+
+
+def _product_kind(cls, name):
+    return next((kind for kind, (_, weight) in PRODUCT_INPUTS.items() if issubclass(cls, kind) and name == weight),
+                None)
+
+
+@functools.cache
+def _rounding_class(cls, kind):
+    """``cls`` whose product method (``PRODUCT_INPUTS[kind]``) first rounds its input as llama.cpp rounds
+    the input of the product (``product_input_spec``, a static attribute)."""
+    method = PRODUCT_INPUTS[kind][0]
+    original = getattr(cls, method)
+
+    def rounded(self, inputs, *args, **kwargs):
+        return original(self, round_product_input(inputs, self.product_input_spec), *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {method: rounded, "__module__": cls.__module__})
+
+
+def round_product_inputs(model, wrapped):
+    """Give the modules of ``model`` (a float copy of the QAT-wrapped ``wrapped``, in the user's classes)
+    that own a kernel ``wrapped`` quantizes with ``act_bits`` the rounding of their product's input
+    llama.cpp applies (``round_product_input``), so the float graph computes what the wrapped forward does.
+
+    Raises:
+        ValueError: such a kernel's module is of no kind in ``PRODUCT_INPUTS``.
+
+    >>> round_product_inputs(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    """
+    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
+    for kernel in quantized_kernels(wrapped):
+        if kernel.spec.act_bits is None:
+            continue
+        module = modules[kernel.owner]
+        kind = _product_kind(type(module), kernel.name)
+        if kind is None:
+            raise ValueError(f"module {kernel.owner!r} ({type(module).__name__}): act_bits rounds the product input "
+                             f"of {[k.__name__ for k in PRODUCT_INPUTS]} layers here; evaluate the QAT-wrapped "
+                             f"model itself instead")
+        object.__setattr__(module, "__class__", _rounding_class(type(module), kind))
+        module.product_input_spec = kernel.spec
 
 
 def kernel_groups(model):
@@ -80,10 +132,10 @@ def kernel_groups(model):
     kernels = quantized_kernels(model)
     if not kernels:
         return None
-    grouped = {}
+    grouped, modules = {}, dict((".".join(str(p) for p in path), m) for path, m in nnx.iter_modules(model))
     for kernel in kernels:
         value = kernel.param.get_raw_value()
-        if not _groupable(kernel, value):
+        if not _groupable(kernel, value, modules[kernel.owner]):
             return None
         layout = tuple(int(a) for a in kernel.layout)
         weighted = kernel.importance is not None
@@ -184,4 +236,5 @@ def float_graphdef(model, *filters):
     copy = nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
     if qat_state(model) is not None:
         restore_float_classes(copy, qat_state(model))
+        round_product_inputs(copy, model)
     return nnx.split(copy, *filters)[0]

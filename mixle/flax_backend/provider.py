@@ -40,6 +40,7 @@ from mixle.core.checks import check_array
 from mixle.core.imatrix import check_importance
 from mixle.core.numerics import block_shape, clip_threshold
 from mixle.flax_backend import int_matmul, qwix_seam
+from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
 from mixle.flax_backend.rules import range_calibration
 
@@ -63,7 +64,9 @@ def uses_mixle_numerics(spec):
     integer weights with mixle's calibration, no activation and no gradient quantization.
 
     Qwix's quantizer is used for what mixle's numerics have no form of: fp8 weights, Qwix
-    ``calibration`` methods, ``act_bits`` (Qwix multiplies the two integer operands) and
+    ``calibration`` methods, ``act_bits`` off llama.cpp's grids (Qwix multiplies the two integer
+    operands; on llama.cpp's grids the input is rounded as llama.cpp rounds it,
+    ``round_product_input``, and the product stays float) and
     ``bwd_bits`` (Qwix's backward multiplies the gradient, shifted by the weight's scales,
     with the weight's integer codes, which needs its own quantized weight as the residual).
 
@@ -71,11 +74,23 @@ def uses_mixle_numerics(spec):
     >>> uses_mixle_numerics(QuantSpec(bits=4, group_size=32)), uses_mixle_numerics(QuantSpec(bits=4, bwd_bits=8))
     (True, False)
     """
-    return (spec.weight_format == "int" and spec.calibration is None and spec.act_bits is None
-            and spec.bwd_bits is None)
+    return (spec.weight_format == "int" and spec.calibration is None and spec.bwd_bits is None
+            and (spec.act_bits is None or spec.grid_record.activation_grid is not None))
 
 QUANTIZED = "quantized"
 FLOAT = "float"
+
+
+def _rounded_input(x, contracting, spec, label):
+    """The activation operand of a product with a ``spec`` weight, rounded as llama.cpp rounds it
+    (``act_bits`` on its grids; ``x`` itself otherwise), along its contracted last axis."""
+    if spec.act_bits is None:
+        return x
+    if tuple(contracting) != (x.ndim - 1,):
+        raise ValueError(f"{label}: act_bits rounds the input along the axis the product contracts, which "
+                         f"must be its last axis as in a Linear (this one contracts axes {tuple(contracting)} "
+                         f"of {tuple(x.shape)}): leave act_bits out for this layer")
+    return round_product_input(x, spec)
 
 
 @jax.custom_vjp
@@ -319,8 +334,9 @@ class QATProvider(qwix_seam.QtProviderBase):
                 else:
                     w = _fake_quantize_jitted(master, contracting, spec, label, importance=importance).astype(w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
-                lhs, rhs = (w, rhs) if side == "lhs" else (lhs, w)
-                # Nothing else is quantized: the plain product (its backward is the textbook STE).
+                lhs, rhs = (w, _rounded_input(rhs, rhs_ca, spec, label)) if side == "lhs" else (
+                    _rounded_input(lhs, lhs_ca, spec, label), w)
+                # The plain product of the two (its backward is the textbook STE).
                 return jax.lax.dot_general(lhs, rhs, dimension_numbers, **plain.keywords)
             else:
                 if spec.clip_percentile is not None and spec.clip_percentile < 100:
@@ -429,6 +445,9 @@ class QATProvider(qwix_seam.QtProviderBase):
         _check_conv_dtypes(spec, path, name)
         weight_qtype = rule.weight_qtype
         if uses_mixle_numerics(spec):
+            if spec.act_bits is not None:
+                raise ValueError(f"module {path!r}: act_bits on {spec.grid!r} rounds the inputs of matmuls as "
+                                 f"llama.cpp does; a convolution has no llama.cpp product: leave act_bits out")
             rhs, weight_qtype = _fake_quantize_jitted(rhs, inputs, spec, f"module {path!r}, weight {name!r}"), None
             if rule.bwd_qtype is None:
                 return plain(rhs)
@@ -503,8 +522,9 @@ class QATProvider(qwix_seam.QtProviderBase):
             self._record(path, "embedding", QUANTIZED, layout=(1,))
             self.tied.add(path)
             # flax's own attend computation on the fake-quantized table: what the converted model runs.
-            return _dot_transposed(query, _fake_quantize_jitted(table, (1,), rule.spec, f"module {path!r}, embedding"),
-                                   **kwargs)
+            label = f"module {path!r}, embedding"
+            return _dot_transposed(_rounded_input(query, (query.ndim - 1,), rule.spec, label),
+                                   _fake_quantize_jitted(table, (1,), rule.spec, label), **kwargs)
         numbers = (((query.ndim - 1,), (1,)), ((), ()))
         plain = functools.partial(jax.lax.dot_general, query, table, numbers)
         out = self._quantized_dot(rule, query, table, numbers, plain, weight=("rhs", "embedding"))

@@ -35,6 +35,7 @@ from flax import linen as nn
 from flax import nnx
 
 from mixle.flax_backend import qwix_seam
+from mixle.flax_backend.activations import qwix_options
 from mixle.flax_backend.fake_quant import from_matrix, kernel_rows, weight_layout
 from mixle.flax_backend.provider import FLOAT, QUANTIZED, QATProvider, dotted_path
 from mixle.core.grids import importance_grid
@@ -152,12 +153,12 @@ def _check_grids(specs):
             spec.check_backend("flax", SPEC_FIELDS, "quantizes through Qwix")
         except ValueError as err:
             raise ValueError(f"module {path or '<root>'!r}: {err}") from None
-        options = spec.qwix_only_options()
+        options = qwix_options(spec)
         if spec.grid_record.ggml_type is not None and options:
             raise ValueError(
                 f"module {path or '<root>'!r}: {spec.short()} is llama.cpp's {spec.grid_record.ggml_type}, which Flax "
                 f"trains through mixle's block numerics (the blocks llama-quantize writes), but {options} would "
-                f"run Qwix's own quantizer: drop them (act_bits on llama.cpp's grids is torch only for now)")
+                f"run Qwix's own quantizer: drop them")
 
 
 def _check_integer_products(specs, provider):

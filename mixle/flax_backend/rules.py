@@ -8,7 +8,8 @@
 | ``grid='qwix'``                 | ``'absmax'``, or ``calibration`` as given                   |
 | ``granularity='group'``         | ``tile_size=group_size`` (on the last contracting axis)     |
 | ``granularity='tensor'``        | ``disable_channelwise_axes=True``                           |
-| ``act_bits``                    | ``act_qtype`` (dynamic, one scale per token, same grid)     |
+| ``act_bits``                    | ``act_qtype`` (dynamic, one scale per token, same grid); on |
+|                                 | llama.cpp's grids none: mixle rounds the input itself       |
 | ``bwd_bits``, ``bwd_stochastic_rounding`` | ``bwd_qtype``, ``bwd_stochastic_rounding``        |
 | (always)                        | ``additional_qt_config={'use_original_residuals': False}``  |
 | ``clip_percentile=p``           | ``weight_calibration_method='percentile,p'`` (see below)    |
@@ -136,7 +137,7 @@ def qwix_rule(spec, module_path=".*"):
         additional_qt_config={"use_original_residuals": False},
         spec=spec,
     )
-    if spec.act_bits is not None:
+    if spec.act_bits is not None and spec.grid_record.activation_grid is None:  # llama.cpp's: mixle rounds them
         fields.update(act_qtype=_int_qtype(spec.act_bits), act_calibration_method=activation_calibration(spec))
     if spec.bwd_bits is not None:
         fields.update(bwd_qtype=_int_qtype(spec.bwd_bits), bwd_stochastic_rounding=spec.bwd_stochastic_rounding)

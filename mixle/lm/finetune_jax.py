@@ -65,7 +65,7 @@ def _qat_arguments(model, config, importance=None):
     from mixle.flax_backend.gguf_tensors import flax_path
 
     mix = config.mix()
-    arguments = {"gguf_mix": mix} if mix else {"spec": config.spec(), "exclude": flax_exclude(model)}
+    arguments = {"gguf_mix": mix, **config.act_fields()} if mix else {"spec": config.spec(), "exclude": flax_exclude(model)}
     if importance is not None:
         values = baselines.target_importance(importance, config, ("lm_head",))
         arguments["importance"] = {flax_path(path): v for path, v in values.items()}
@@ -105,10 +105,11 @@ def _with_stored_values(model, quantized):
     float model's compiled forward instead of a graph with the quantizer in it. The values come from
     one compiled quantizer call per group of kernels (``kernel_groups``), or numpy's numerics where
     the kernels do not group; the two give the same values."""
-    from mixle.flax_backend.kernel_groups import kernel_groups, quantized_state
+    from mixle.flax_backend.kernel_groups import kernel_groups, quantized_state, round_product_inputs
     from mixle.flax_backend.qat import quantized_kernels
 
     copy = nnx.clone(model)
+    round_product_inputs(copy, quantized)  # --act-bits: each quantized Linear rounds its input as llama.cpp
     groups = kernel_groups(quantized)
     if groups is not None:
         paths = {path for group in groups for path in group.paths}

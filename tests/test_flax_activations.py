@@ -1,0 +1,125 @@
+"""act_bits=8 on llama.cpp's grids in Flax: each quantized product's input rounded as llama.cpp's CPU path
+rounds it (Q8_0 blocks of 32, Q8_K blocks of 256), checked against gguf-py's Q8_0 and a numpy
+transcription of ggml's ``quantize_row_q8_K``; a Linear then computes ``rounded input @ its weight's
+blocks``, and the float graph the finetune job runs (kernel groups) rounds what the wrapped forward
+rounds, exactly.
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+pytest.importorskip("qwix")
+pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+import jax.numpy as jnp  # noqa: E402
+
+import mixle  # noqa: E402
+from mixle.core.array_ops import JaxOps  # noqa: E402
+from mixle.core.numerics import quantize_dequantize_array  # noqa: E402
+from mixle.core.spec import QuantSpec  # noqa: E402
+from mixle.flax_backend.activations import round_product_input  # noqa: E402
+from mixle.flax_backend.kernel_groups import float_graphdef, kernel_groups, quantized_state  # noqa: E402
+from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig  # noqa: E402
+from tests.test_flax_fake_quant import _tpu_like_quotient, stand_in  # noqa: E402
+from tests.test_gguf_grids import gguf_round_trip  # noqa: E402
+from tests.test_kquant_activations import _tokens, np_q8_0, np_q8_k  # noqa: E402
+
+# (weight grid, bits) -> the numpy reference of its product input
+REFERENCES = {("q4_0", 4): np_q8_0, ("q5_1", 5): np_q8_0, ("q4_k", 4): np_q8_k, ("q6_k", 6): np_q8_k}
+
+
+def _inputs(grid):
+    x = np.concatenate([_tokens(), _tokens()[::-1]], axis=1)  # two blocks of 256 per token
+    return x[5:] if REFERENCES[grid] is np_q8_0 else x  # Q8_0: scales within float16's range
+
+
+@pytest.mark.parametrize("grid, bits", list(REFERENCES))
+def test_product_inputs_are_llama_cpps_blocks_bit_for_bit(grid, bits):
+    x, spec = _inputs((grid, bits)), QuantSpec(bits=bits, grid=grid, act_bits=8)
+    want = REFERENCES[grid, bits](x)
+    np.testing.assert_array_equal(np.asarray(round_product_input(x, spec)), want)  # eager: numpy's operations
+    jitted = jax.jit(lambda v: round_product_input(v, spec))
+    np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(x))), want)
+    bf16 = jnp.asarray(x).astype(jnp.bfloat16)  # rounded in float32, cast back
+    np.testing.assert_array_equal(np.asarray(jitted(bf16)).astype(np.float32),
+                                  np.asarray(jnp.asarray(REFERENCES[grid, bits](np.asarray(bf16, np.float32)))
+                                             .astype(jnp.bfloat16)).astype(np.float32))
+
+
+@stand_in
+def test_q8_k_blocks_stay_exact_with_the_tpus_kind_of_division(monkeypatch):
+    x, spec = _inputs(("q4_k", 4)), QuantSpec(bits=4, grid="q4_k", act_bits=8)
+    monkeypatch.setattr(JaxOps, "quotient", _tpu_like_quotient)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: round_product_input(v, spec))(jnp.asarray(x))),
+                                  np_q8_k(x))
+
+
+def test_the_gradient_is_straight_through_and_bad_widths_are_refused():
+    spec = QuantSpec(bits=4, grid="q4_0", act_bits=8)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda v: (round_product_input(v, spec) * 3.0).sum())(x)),
+                                  np.full((3, 64), 3.0, np.float32))
+    with pytest.raises(ValueError, match="48 values per token does not split into q8_0 blocks of 32"):
+        round_product_input(jnp.ones((1, 48)), spec)
+    with pytest.raises(ValueError, match="act_bits=8 with grid='symmetric'"):
+        round_product_input(jnp.ones((1, 32)), QuantSpec(bits=4, act_bits=8))
+
+
+@pytest.mark.parametrize("grid, bits", [("q4_0", 4), ("q4_k", 4)])
+def test_a_linear_multiplies_the_rounded_input_by_its_weights_blocks(grid, bits):
+    """``y = rounded(x) @ dequantized(W) + b``: gguf-py's Q4_0 blocks, mixle's Q4_K ones (checked
+    against llama-quantize elsewhere), and llama.cpp's rounding of the input."""
+    rng = np.random.default_rng(1)
+    layer = nnx.Linear(256, 8, rngs=nnx.Rngs(0))
+    layer.bias[...] = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    plain = nnx.clone(layer)
+    mixle.apply_qat(layer, grid=grid, bits=bits, act_bits=8, example_inputs=(jnp.asarray(x),))
+    mixle.apply_qat(plain, grid=grid, bits=bits, example_inputs=(jnp.asarray(x),))
+    rows = np.asarray(layer.kernel[...]).T  # (out, in)
+    blocks = gguf_round_trip(rows, grid) if grid == "q4_0" else quantize_dequantize_array(rows, QuantSpec(bits=bits,
+                                                                                                          grid=grid))
+    want = REFERENCES[grid, bits](x) @ blocks.T + np.asarray(layer.bias[...])
+    tolerance = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(blocks).T).max()  # 256-term float32 sums
+    for forward in (lambda: layer(jnp.asarray(x)), lambda: jax.jit(lambda m, v: m(v))(layer, jnp.asarray(x))):
+        np.testing.assert_allclose(np.asarray(forward()), want, rtol=0, atol=tolerance)
+    assert np.abs(np.asarray(plain(jnp.asarray(x))) - want).max() > 10 * tolerance  # the rounding matters
+
+
+def _lm():
+    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2})
+    return CausalLM(config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("arguments", [dict(grid="q4_0", exclude=("embed_tokens",)), dict(gguf_mix="Q4_K_M")])
+def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(arguments):
+    """The finetune job's step runs the float graph on the kernels' fake-quantized values, and its PTQ
+    rows a float copy holding them: with act_bits both round each quantized product's input (a Linear's;
+    under the mix the tied embedding's ``attend`` too), so their logits are the wrapped forward's,
+    exactly (and not those without the rounding)."""
+    from mixle.lm.finetune_jax import _with_stored_values
+
+    ids = jnp.asarray(np.arange(12).reshape(2, 6) % 64, jnp.int32)
+    model, logits = _lm(), {}
+    for act_bits in (8, None):
+        wrapped = nnx.clone(model)
+        mixle.apply_qat(wrapped, act_bits=act_bits, example_inputs=(ids[:, :4],), **arguments)
+        groups = kernel_groups(wrapped)
+        assert groups is not None
+        state = quantized_state(groups, nnx.state(wrapped))
+        got = jax.jit(lambda s, graphdef=float_graphdef(wrapped): nnx.merge(graphdef, s)(ids))(state)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda m: m(ids))(wrapped)))
+        logits[act_bits] = np.asarray(wrapped(ids))  # eager, as the stored values' model below
+        np.testing.assert_array_equal(np.asarray(_with_stored_values(model, wrapped)(ids)), logits[act_bits])
+    assert not np.array_equal(logits[8], logits[None])
+
+
+def test_convert_refuses_act_bits_on_llama_cpps_grids():
+    layer = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+    mixle.apply_qat(layer, grid="q4_0", act_bits=8, example_inputs=(jnp.ones((1, 64)),))
+    with pytest.raises(ValueError, match="act_bits=8, the rounding of its input llama.cpp applies"):
+        mixle.convert(layer)
