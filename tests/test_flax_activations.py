@@ -89,33 +89,30 @@ def test_a_linear_multiplies_the_rounded_input_by_its_weights_blocks(grid, bits)
     assert np.abs(np.asarray(plain(jnp.asarray(x))) - want).max() > 10 * tolerance  # the rounding matters
 
 
-def _lm():
-    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
-                                       "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2})
-    return CausalLM(config, rngs=nnx.Rngs(0))
-
-
-@pytest.mark.parametrize("arguments", [dict(grid="q4_0", exclude=("embed_tokens",)), dict(gguf_mix="Q4_K_M")])
-def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(arguments):
+def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds():
     """The finetune job's step runs the float graph on the kernels' fake-quantized values, and its PTQ
-    rows a float copy holding them: with act_bits both round each quantized product's input (a Linear's;
-    under the mix the tied embedding's ``attend`` too), so their logits are the wrapped forward's,
-    exactly (and not those without the rounding)."""
+    rows a float copy holding them: with act_bits both round each quantized product's input (the Q5_0
+    and Q8_0 Linears of the Q4_K_M mix at this width, and the tied embedding's ``attend``), so their
+    logits are the wrapped forward's, exactly, and not those of the same values without the rounding."""
     from mixle.lm.finetune_jax import _with_stored_values
 
+    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "tie_word_embeddings": True})
+    model = CausalLM(config, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.arange(12).reshape(2, 6) % 64, jnp.int32)
-    model, logits = _lm(), {}
-    for act_bits in (8, None):
-        wrapped = nnx.clone(model)
-        mixle.apply_qat(wrapped, act_bits=act_bits, example_inputs=(ids[:, :4],), **arguments)
-        groups = kernel_groups(wrapped)
-        assert groups is not None
-        state = quantized_state(groups, nnx.state(wrapped))
-        got = jax.jit(lambda s, graphdef=float_graphdef(wrapped): nnx.merge(graphdef, s)(ids))(state)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda m: m(ids))(wrapped)))
-        logits[act_bits] = np.asarray(wrapped(ids))  # eager, as the stored values' model below
-        np.testing.assert_array_equal(np.asarray(_with_stored_values(model, wrapped)(ids)), logits[act_bits])
-    assert not np.array_equal(logits[8], logits[None])
+    wrapped = nnx.clone(model)
+    mixle.apply_qat(wrapped, gguf_mix="Q4_K_M", act_bits=8, example_inputs=(ids[:, :4],))
+    groups = kernel_groups(wrapped)
+    assert {group.spec.grid for group in groups} == {"q5_0", "q8_0"} and any(
+        path.startswith("embed_tokens") for group in groups for path in group.paths)
+    state = quantized_state(groups, nnx.state(wrapped))
+    got = jax.jit(lambda s, graphdef=float_graphdef(wrapped): nnx.merge(graphdef, s)(ids))(state)
+    forward = jax.jit(lambda m: m(ids))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(forward(wrapped)))
+    np.testing.assert_array_equal(np.asarray(forward(_with_stored_values(model, wrapped))), np.asarray(got))
+    unrounded = forward(nnx.merge(nnx.graphdef(model), state))
+    assert np.abs(np.asarray(unrounded) - np.asarray(got)).max() > 1e-4
 
 
 def test_convert_refuses_act_bits_on_llama_cpps_grids():

@@ -115,8 +115,8 @@ def round_product_input(x, spec):
 
     >>> x = jnp.linspace(-1, 1, 32)[None]
     >>> y = round_product_input(x, QuantSpec(bits=4, grid="q4_0", act_bits=8))
-    >>> round(float(y[0, 1]), 6)  # code -123 times float16(1 / 127)
-    -0.935532
+    >>> round(float(y[0, 1]), 6)  # -0.9355 to code -119 times float16(1 / 127)
+    -0.936951
     """
     if spec.act_bits is None:
         return x
