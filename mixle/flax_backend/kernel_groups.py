@@ -33,7 +33,7 @@ from flax import nnx
 from mixle.core.numerics import quantize_array
 from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
-from mixle.flax_backend.provider import straight_through, uses_mixle_numerics
+from mixle.flax_backend.provider import dotted_path, straight_through, uses_mixle_numerics
 from mixle.flax_backend.qat import float_class_of, qat_state, quantized_kernels, restore_float_classes
 
 __all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef",
@@ -107,7 +107,7 @@ def round_product_inputs(model, wrapped):
 
     >>> round_product_inputs(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     """
-    modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
+    modules = {dotted_path(path): module for path, module in nnx.iter_modules(model)}
     for kernel in quantized_kernels(wrapped):
         if kernel.spec.act_bits is None:
             continue
@@ -132,7 +132,7 @@ def kernel_groups(model):
     kernels = quantized_kernels(model)
     if not kernels:
         return None
-    grouped, modules = {}, dict((".".join(str(p) for p in path), m) for path, m in nnx.iter_modules(model))
+    grouped, modules = {}, {dotted_path(path): module for path, module in nnx.iter_modules(model)}
     for kernel in kernels:
         value = kernel.param.get_raw_value()
         if not _groupable(kernel, value, modules[kernel.owner]):

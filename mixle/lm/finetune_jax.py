@@ -65,7 +65,10 @@ def _qat_arguments(model, config, importance=None):
     from mixle.flax_backend.gguf_tensors import flax_path
 
     mix = config.mix()
-    arguments = {"gguf_mix": mix, **config.act_fields()} if mix else {"spec": config.spec(), "exclude": flax_exclude(model)}
+    if mix:
+        arguments = {"gguf_mix": mix, **config.act_fields()}
+    else:
+        arguments = {"spec": config.spec(), "exclude": flax_exclude(model)}
     if importance is not None:
         values = baselines.target_importance(importance, config, ("lm_head",))
         arguments["importance"] = {flax_path(path): v for path, v in values.items()}
