@@ -12,7 +12,7 @@ from mixle.core.report import LayerDecision, QATReport
 from mixle.core.selection import LayerSelector
 from mixle.core.spec import QuantSpec, resolve_spec
 from mixle.gguf.imatrix_file import importance_by_layer, model_imatrix_names
-from mixle.gguf.mix_selection import mix_importance, mix_selection
+from mixle.gguf.mix_selection import default_fields, mix_importance, mix_selection
 
 __all__ = [
     "QuantSpec",
@@ -72,7 +72,8 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             Qwix subclass of theirs); Linen modules come back as a new module using the same params.
         gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
             the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``;
-            it takes one spec field, ``act_bits=8`` (inputs rounded as llama.cpp rounds them).
+            it takes two spec fields, ``act_bits=8`` (inputs rounded as llama.cpp rounds them) and
+            ``act_rounding`` (which llama.cpp build's rounding).
         importance: an importance matrix as ``quantize_model`` takes it, fixed from calibration:
             each linear layer with an entry fake-quantizes by ggml's weighted search (STE
             backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice QAT
@@ -99,8 +100,8 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
     if importance is not None or gguf_mix is not None:
         patterns, opt_in, values = _llama_cpp_choices(model, gguf_mix, importance, spec, spec_fields, patterns,
                                                       exclude, opt_in)
-    return _apply(model, resolve_spec(spec, spec_fields), patterns, exclude, opt_in, reconfigure, example_inputs,
-                  values)
+    default = resolve_spec(spec, spec_fields if gguf_mix is None else default_fields(spec_fields))
+    return _apply(model, default, patterns, exclude, opt_in, reconfigure, example_inputs, values)
 
 
 def _apply(model, spec, patterns, exclude, opt_in, reconfigure, example_inputs, values):
@@ -309,6 +310,7 @@ def quantize_model(model, spec=None, *, patterns=(".*",), exclude=(), opt_in=(),
         return _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, importance, spec_fields)
     if gguf_mix is not None:
         patterns, opt_in = mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in)
+        spec_fields = default_fields(spec_fields)
     return backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, example_inputs=example_inputs, **spec_fields)
 
@@ -325,6 +327,7 @@ def _quantize_with_importance(model, spec, patterns, exclude, opt_in, gguf_mix, 
         patterns, opt_in = mix_selection(plan, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
                                          importance=values)
         values = mix_importance(plan, gguf_mix, values)
+        spec_fields = default_fields(spec_fields)
     converted = backends.for_model(model, "quantize_model").quantize_model(
         model, spec, patterns=patterns, exclude=exclude, opt_in=opt_in, **spec_fields)
     return with_importance(converted, model, values)

@@ -120,3 +120,32 @@ def test_convert_refuses_act_bits_on_llama_cpps_grids():
     mixle.apply_qat(layer, grid="q4_0", act_bits=8, example_inputs=(jnp.ones((1, 64)),))
     with pytest.raises(ValueError, match="act_bits=8, the rounding of its input llama.cpp applies"):
         mixle.convert(layer)
+
+
+@pytest.mark.parametrize("build", ["reference", "x86", "arm"])
+def test_each_llama_cpp_builds_q8_0_rounding_is_its_c_loop_bit_for_bit(build, monkeypatch):
+    """``act_rounding`` in jax, eager, jit, and jit with the TPU's kind of division (on other backends)."""
+    from tests.test_act_rounding import c_q8_0, tie_tokens
+
+    x, spec = tie_tokens(16), QuantSpec(bits=4, grid="q4_0", act_bits=8, act_rounding=build)
+    want = c_q8_0(x, build)
+    np.testing.assert_array_equal(np.asarray(round_product_input(x, spec)), want)
+    jitted = jax.jit(lambda v: round_product_input(v, spec))
+    np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(x))), want)
+    if jax.default_backend() != "tpu":
+        monkeypatch.setattr(JaxOps, "quotient", _tpu_like_quotient)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: round_product_input(v, spec))(jnp.asarray(x))),
+                                      want)
+
+
+def test_a_linear_trains_on_the_x86_builds_rounding_of_its_input():
+    from tests.test_act_rounding import c_q8_0, tie_tokens
+
+    x = tie_tokens(3)
+    layer = nnx.Linear(256, 8, rngs=nnx.Rngs(0))
+    mixle.apply_qat(layer, grid="q4_0", act_bits=8, act_rounding="x86", example_inputs=(jnp.asarray(x),))
+    blocks = gguf_round_trip(np.asarray(layer.kernel[...]).T, "q4_0")
+    tolerance = 256 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(blocks).T).max()  # 256-term float32 sums
+    got = np.asarray(jax.jit(lambda m, v: m(v))(layer, jnp.asarray(x)))
+    np.testing.assert_allclose(got, c_q8_0(x, "x86") @ blocks.T + np.asarray(layer.bias[...]), rtol=0, atol=tolerance)
+    assert np.abs(got - (c_q8_0(x, "reference") @ blocks.T + np.asarray(layer.bias[...]))).max() > 10 * tolerance

@@ -13,6 +13,7 @@ weight per input column, quantized by ggml's importance-weighted search as ``lla
 --imatrix`` does (``mixle.gguf.ggml_weighted``).
 """
 
+import functools
 import math
 
 import numpy as np
@@ -41,6 +42,8 @@ __all__ = [
     "widened",
     "NARROW_FLOATS",
     "round_codes",
+    "round_half_away",
+    "round_q8_0_input",
     "quantize_blocks",
     "quantize_linear_weight",
     "quantize_conv_weight",
@@ -212,7 +215,12 @@ def stored_scale(ops, scale, spec, name=None):
     return ops.to_dtype(narrow, scale)
 
 
-def _round_half_away(ops, scaled, lo, hi):
+def round_half_away(ops, scaled, lo, hi):
+    """``scaled`` rounded half away from zero (C's ``roundf``) and clipped to ``[lo, hi]``, as floats.
+
+    >>> round_half_away(array_ops(np.zeros(1)), np.array([2.5, -0.5, 9.0]), -7, 7).tolist()
+    [3.0, -1.0, 7.0]
+    """
     # floor(|x|) + floor(2 (|x| - floor|x|)) is exact in floating point (|x| + 0.5 is not);
     # adding 0 turns a -0.0 code into 0.0, as an integer code dequantizes. ``scaled`` is
     # round_codes' own temporary: the in-place steps may overwrite it. Magnitudes past the codes
@@ -234,7 +242,7 @@ def _round_offset_trunc(ops, scaled, lo, hi):
 
 
 # Rounding rules (see mixle.core.grids) of the grids that multiply by the scale's reciprocal.
-_RECIPROCAL_ROUNDINGS = {"half_away": _round_half_away, "offset_trunc": _round_offset_trunc}
+_RECIPROCAL_ROUNDINGS = {"half_away": round_half_away, "offset_trunc": _round_offset_trunc}
 
 
 def round_codes(ops, blocks, scale, spec):
@@ -260,6 +268,52 @@ def round_codes(ops, blocks, scale, spec):
     nonzero = ops.where(scale == 0, ops.scalar(1.0, scale), scale)
     inverse = ops.where(scale == 0, ops.scalar(0.0, scale), ops.divide(ops.scalar(1.0, nonzero), nonzero))
     return _RECIPROCAL_ROUNDINGS[rounding](ops, ops.rounded(blocks * inverse), spec.code_min, spec.code_max)
+
+
+def round_q8_0_input(ops, rows, rounding, name="activations"):
+    """``rows`` (``(tokens, inputs)``, float32) rounded to Q8_0 blocks of 32 along each row as the
+    llama.cpp build ``rounding`` (``mixle.core.product_inputs``) rounds a product's input:
+    ``code * float16(max / 127)``.
+
+    Args:
+        ops: ``array_ops`` of ``rows`` (its ``divide`` is IEEE's on every backend).
+        rows: the product's input, one token a row, its width a multiple of 32.
+        rounding: a ``ProductInputRounding``.
+        name: what a scale overflow error calls the rows.
+
+    Returns:
+        The rounded values, shaped and typed like ``rows``.
+
+    Raises:
+        ScaleOverflowError: a block's scale does not fit float16 (llama.cpp would compute infinity).
+
+    >>> from mixle.core.product_inputs import ACT_ROUNDINGS
+    >>> x = np.full((1, 32), 8.5 / 16, np.float32); x[0, 0] = 127 / 16  # x * 127 / max = 8.5: a tie
+    >>> [float(round_q8_0_input(array_ops(x), x, ACT_ROUNDINGS[r])[0, 1] * 16) for r in ("x86", "reference")]
+    [8.0, 9.0]
+    """
+    spec = _q8_0_spec()
+    grid = spec.grid_record
+    blocks = rows.reshape(rows.shape[0], -1, grid.block)
+    top = _absmax_top(ops, blocks, ops.absmax(blocks, -1), -1)
+    divisor = ops.divisor(grid.divisor[8], top)
+    scale = ops.divide(top, divisor)
+    stored = stored_scale(ops, scale, spec, name)
+    # A block whose stored scale is 0 comes back as zeros; its multiplier may overflow (x * inf = NaN at 0).
+    empty = stored == 0
+    if rounding.inverse == "quotient":
+        inverse = ops.divide(divisor, ops.where(empty, ops.scalar(1.0, top), top))
+    else:
+        inverse = ops.divide(ops.scalar(1.0, scale), ops.where(empty, ops.scalar(1.0, scale), scale))
+    scaled = ops.rounded(blocks * ops.where(empty, ops.scalar(0.0, inverse), inverse))
+    lo, hi = grid.code_range(8)
+    codes = round_half_away(ops, scaled, lo, hi) if rounding.ties == "away" else ops.round_clip(scaled, lo, hi)
+    return (codes * stored).reshape(rows.shape)
+
+
+@functools.cache
+def _q8_0_spec():
+    return QuantSpec(bits=8, grid="q8_0")  # llama.cpp's grids are registered after this module is imported
 
 
 def quantize_blocks(ops, blocks, spec, axis=-1, name=None):

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mixle.core.grids import GRIDS, grid_named
+from mixle.core.product_inputs import act_rounding_named
 
 GRANULARITIES = ("tensor", "channel", "group")
 # The widths of the plain grids (symmetric, qwix); a grid's own widths are its ``codes`` keys.
@@ -20,7 +21,7 @@ WEIGHT_FIELDS = ("bits", "grid", "granularity", "group_size", "clip_percentile",
 # Options only the Flax (Qwix) backend honours; every other backend refuses them when set.
 QWIX_ONLY_FIELDS = ("act_bits", "weight_format", "bwd_bits", "bwd_stochastic_rounding", "calibration")
 # The activation options the torch backend honours (mixle.torch_backend.layers.activations).
-ACTIVATION_FIELDS = ("act_bits", "act_symmetric")
+ACTIVATION_FIELDS = ("act_bits", "act_symmetric", "act_rounding")
 SCALE_MODES = ("absmax", "learned")
 
 
@@ -75,6 +76,11 @@ class QuantSpec:
             token); False uses an asymmetric per-token range with a zero point (codes
             -2^(b-1)..2^(b-1)-1, scale = (max - min) / (2^b - 1), as torchao's 8da4w). Torch
             backend only (Qwix calibrates activations by absmax); needs ``act_bits``.
+        act_rounding: on llama.cpp's grids, which of its CPU builds' rounding of a product's input
+            to Q8_0 blocks ``act_bits=8`` trains on (``mixle.core.product_inputs``): ``"reference"``
+            (the default: ggml's C code and gguf-py, half away from zero), ``"x86"`` (AVX, AVX2
+            and AVX-512 builds: ``127 / max``, ties to even) or ``"arm"`` (NEON builds: ties to
+            even). Torch and Flax; needs ``act_bits``.
         act_static_scale: refused: static activation scales need a calibration pass.
         kv_cache_bits: refused: Qwix's training provider has no KV-cache seam.
 
@@ -96,6 +102,7 @@ class QuantSpec:
     act_static_scale: bool = False
     kv_cache_bits: int | None = None
     act_symmetric: bool = True
+    act_rounding: str = "reference"
     scale: str = "absmax"
 
     def __post_init__(self):
@@ -109,6 +116,7 @@ class QuantSpec:
         self._check_qwix_options(calibration)
         self._check_act_symmetric()
         self._check_activation_grid(grid)
+        self._check_act_rounding(grid)
         self._check_scale(grid)
 
     def _check_bits(self):
@@ -181,6 +189,18 @@ class QuantSpec:
             f"(Grid.activation_grid): no llama.cpp product reads it, so there is no input rounding to "
             f"reproduce; leave act_bits=None"
         )
+
+    def _check_act_rounding(self, grid):
+        """Validate ``act_rounding``: a known llama.cpp build, chosen only for llama.cpp's products."""
+        act_rounding_named(self.act_rounding)
+        if self.act_rounding == "reference":
+            return
+        if self.act_bits is None:
+            raise ValueError(f"act_rounding={self.act_rounding!r} chooses how llama.cpp rounds each product's input, "
+                             f"but act_bits is None: set act_bits=8 too, or drop act_rounding")
+        if grid.activation_grid is None:
+            raise ValueError(f"act_rounding={self.act_rounding!r} with grid={grid.name!r}: only llama.cpp's grids "
+                             f"have products whose input a llama.cpp build rounds; drop act_rounding")
 
     def _check_act_symmetric(self):
         """Validate ``act_symmetric``, which only means something with ``act_bits``."""
@@ -335,7 +355,7 @@ class QuantSpec:
         names = [f.name for f in dataclasses.fields(self)]
         base = QuantSpec.__dataclass_fields__
         shown = [n for n in names if n not in QWIX_ONLY_FIELDS + ("act_static_scale", "kv_cache_bits", "act_symmetric",
-                                                                  "scale")
+                                                                  "act_rounding", "scale")
                  or getattr(self, n) != base[n].default]
         return "QuantSpec(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in shown) + ")"
 

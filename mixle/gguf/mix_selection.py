@@ -8,16 +8,18 @@ mix quantizes with. ``mixle.gguf.writer`` (and torch) is imported only when a mi
 
 import re
 
-__all__ = ["mix_selection", "mix_importance"]
+__all__ = ["mix_selection", "mix_importance", "default_fields", "MIX_FIELDS"]
+
+MIX_FIELDS = ("act_bits", "act_rounding")
 
 
 def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in, importance=None):
     """``(patterns, opt_in)`` selecting every layer of ``model`` on its grid in ``gguf_mix``
     (with ``importance``: the types ``llama-quantize --imatrix`` gives, ``gguf_mix_specs``).
 
-    ``act_bits`` is the one spec field a mix takes: every layer's spec gets it, so that each product's
-    input is rounded as llama.cpp's CPU path rounds it on that layer's block type (``Grid.activation_grid``:
-    Q8_0 or Q8_K blocks); it changes no stored weight.
+    ``act_bits`` (and ``act_rounding``) are the spec fields a mix takes (``MIX_FIELDS``): every layer's spec
+    gets them, so that each product's input is rounded as llama.cpp's CPU path rounds it on that layer's block
+    type (``Grid.activation_grid``: Q8_0 or Q8_K blocks); they change no stored weight.
 
     Raises:
         ValueError: ``gguf_mix`` together with a spec, other spec fields, patterns, exclude or opt_in:
@@ -25,7 +27,7 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
     """
     given = [name for name, value in (("spec", spec), ("patterns", patterns if tuple(patterns) != (".*",) else None),
                                       ("exclude", tuple(exclude) or None), ("opt_in", tuple(opt_in) or None))
-             if value is not None] + sorted(set(spec_fields) - {"act_bits"})
+             if value is not None] + sorted(set(spec_fields) - set(MIX_FIELDS))
     if given:
         raise ValueError(f"gguf_mix={gguf_mix!r} decides every layer's grid (the block type llama.cpp's quantizer "
                          f"gives it), so it cannot be combined with {given}: pass gguf_mix alone, or drop it and "
@@ -40,9 +42,9 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
     plan = plan_of(model, "apply_qat(gguf_mix=...)")
     model = plan.model
     specs = gguf_mix_specs(plan, gguf_mix, importance=importance)
-    if spec_fields.get("act_bits") is not None:
-        specs = {path: None if spec is None else spec.replace(act_bits=spec_fields["act_bits"])
-                 for path, spec in specs.items()}
+    act = {name: spec_fields[name] for name in MIX_FIELDS if spec_fields.get(name) is not None}
+    if act:
+        specs = {path: None if spec is None else spec.replace(**act) for path, spec in specs.items()}
     if flax_model is not None:
         return [(re.escape(path), spec) for path, spec in flax_specs(flax_model, specs).items()], ()
     modules = dict(model.named_modules())
@@ -50,6 +52,16 @@ def mix_selection(model, gguf_mix, spec, spec_fields, patterns, exclude, opt_in,
                                           or type(modules[path]).__name__.endswith("ScaledWordEmbedding"))
                     for path, spec in specs.items())
     return [(re.escape(path), spec) for path, spec in specs.items()], ("embedding",) if embedding else ()
+
+
+def default_fields(spec_fields):
+    """The spec fields of a mix call's default spec: none of ``MIX_FIELDS``, which each layer's spec carries
+    (the mix's patterns select every layer, so the default spec quantizes nothing).
+
+    >>> default_fields({"act_bits": 8, "act_rounding": "x86"})
+    {}
+    """
+    return {name: value for name, value in spec_fields.items() if name not in MIX_FIELDS}
 
 
 def mix_importance(model, gguf_mix, values):

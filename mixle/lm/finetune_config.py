@@ -16,6 +16,7 @@ from mixle.core.gptq import check_gptq_spec
 from mixle.core.grids import GRIDS
 from mixle.gguf.mixes import GGUF_MIXES, grid_of_type
 from mixle.core.spec import QuantSpec
+from mixle.core.product_inputs import ACT_ROUNDINGS
 from mixle.lm.flags import option, positive_int
 
 __all__ = ["FinetuneConfig", "parse_target", "parse_mix", "OBJECTIVES", "DTYPES", "GPTQ_MODES", "IMATRIX_MODES",
@@ -139,6 +140,8 @@ class FinetuneConfig:
             ``scale_lr`` (default 10 x ``lr``).
         act_bits: 8 rounds each product's input as llama.cpp's CPU path does, in QAT and in the
             PTQ rows (``QuantSpec.act_bits``: Q8_0 or Q8_K blocks); llama.cpp targets only.
+        act_rounding: the llama.cpp build whose Q8_0 rounding ``act_bits`` reproduces
+            (``QuantSpec.act_rounding``: reference, x86 or arm).
         dtype: ``float32``, or ``bfloat16`` (student and teacher under bfloat16 autocast; the
             master weights and the evaluation stay float32).
         device: a torch device (``cpu``, ``cuda``, ``cuda:1``).
@@ -217,6 +220,9 @@ class FinetuneConfig:
     act_bits: int | None = option(None, "8: QAT and PTQ also round each product's input as llama.cpp's CPU path does "
                                         "(Q8_0 blocks of 32, Q8_K blocks of 256 before K-quant products); llama.cpp "
                                         "targets only", type=positive_int)
+    act_rounding: str = option("reference", "with --act-bits 8: round Q8_0 inputs as this llama.cpp build does: "
+                                            "reference (ggml's C code, gguf-py), x86 (AVX/AVX2/AVX-512 builds) or "
+                                            "arm (NEON builds) (default: reference)", choices=tuple(ACT_ROUNDINGS))
     tie_margin: float = option(0.0, "before the first step, move every quantized weight this fraction of the way to "
                                     "the value PTQ stores for it (the stored values stay the same): a weight on a "
                                     "rounding tie of the target, as in a dequantized llama.cpp file whose lattice "
@@ -357,6 +363,9 @@ class FinetuneConfig:
     def _check_act_bits(self):
         """``act_bits`` is 8 on a llama.cpp target (whose products llama.cpp feeds Q8_0 / Q8_K blocks)."""
         if self.act_bits is None:
+            if self.act_rounding != "reference":
+                raise ValueError(f"--act-rounding {self.act_rounding} chooses how --act-bits 8 rounds each product's "
+                                 f"input, but --act-bits is not set: add --act-bits 8, or drop --act-rounding")
             return
         if self.act_bits != 8:
             raise ValueError(f"act_bits={self.act_bits!r}: llama.cpp rounds the input of its products to 8 bits; "
@@ -449,12 +458,15 @@ class FinetuneConfig:
         return None if self.mix() else self.float_matrices or "q8_0"
 
     def act_fields(self):
-        """The ``act_bits`` keyword of ``apply_qat`` / ``quantize_model`` for a mix target ({} when unset).
+        """The ``act_bits`` and ``act_rounding`` keywords of ``apply_qat`` / ``quantize_model`` ({} when unset).
 
-        >>> FinetuneConfig(model="m", out="o", target="Q4_K_M", act_bits=8).act_fields()
-        {'act_bits': 8}
+        >>> FinetuneConfig(model="m", out="o", target="Q4_K_M", act_bits=8, act_rounding="x86").act_fields()
+        {'act_bits': 8, 'act_rounding': 'x86'}
         """
-        return {} if self.act_bits is None else {"act_bits": self.act_bits}
+        if self.act_bits is None:
+            return {}
+        return {"act_bits": self.act_bits, **({} if self.act_rounding == "reference" else
+                                              {"act_rounding": self.act_rounding})}
 
     def spec(self):
         """The QuantSpec QAT trains on: the target's, with act_bits and learned scales if asked; None for a mix
@@ -466,8 +478,7 @@ class FinetuneConfig:
         if self.mix() is not None:
             return None
         spec = parse_target(self.target)
-        if self.act_bits is not None:
-            spec = spec.replace(act_bits=self.act_bits)
+        spec = spec.replace(**self.act_fields())
         if not self.learned_scales:
             return spec
         try:

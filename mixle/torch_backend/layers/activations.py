@@ -5,10 +5,11 @@ from the token itself at run time. On llama.cpp's grids (a grid whose ``activati
 set) the activations take exactly the form llama.cpp's CPU path gives the input of the product,
 along each token's inputs:
 
-* Q8_0 blocks of 32 (``q4_0``, ``q8_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``mxfp4``; ggml's
-  reference ``quantize_row_q8_0``, which gguf-py's Q8_0 quantizer reproduces): ``d = max|x| / 127``
-  in the activations' dtype, code ``round_half_away(x * (1/d))`` (0 where d is 0), scale stored
-  as ``float16(d)``, value ``code * float16(d)``; a scale above float16's range is an error;
+* Q8_0 blocks of 32 (``q4_0``, ``q8_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``mxfp4``): ``d = max|x| / 127``
+  in the activations' dtype, code ``round_half_away(x * (1/d))`` (ggml's reference
+  ``quantize_row_q8_0``, which gguf-py's Q8_0 quantizer reproduces; ``QuantSpec.act_rounding``
+  picks the x86 or ARM builds' rounding instead) or 0 where d is 0, scale stored as
+  ``float16(d)``, value ``code * float16(d)``; a scale above float16's range is an error;
 * Q8_K blocks of 256 (the K-quants; ``quantize_row_q8_K``): ``m`` the block's first value of
   largest magnitude, ``inverse = -127 / m``, code ``min(127, nearest_int(x * inverse))`` (round
   half to even), value ``code * (1 / inverse)`` in float32; a block of zeros (or one whose
@@ -40,7 +41,9 @@ the activations, which torch runs vectorised; ``benchmarks/overhead.py`` measure
 import torch
 
 from mixle.core.checks import ScaleOverflowError
-from mixle.core.numerics import fake_quant_forward
+from mixle.core.array_ops import array_ops
+from mixle.core.numerics import fake_quant_forward, round_q8_0_input
+from mixle.core.product_inputs import act_rounding_named
 from mixle.core.spec import ACTIVATION_FIELDS, QuantSpec
 
 __all__ = ["fake_quant_activations", "check_activation_spec", "ACTIVATION_FIELDS"]
@@ -110,38 +113,48 @@ def _check_width(x, grid):
     return width
 
 
-def _blocks(x, bits, grid):
-    """Blocks of ``grid.block`` along each token's inputs on ``grid`` (llama.cpp's Q8_0 activations)."""
+def _grid_blocks(rows, spec, grid):
+    return fake_quant_forward(rows, _block_spec(grid.name, spec.act_bits), out_ndim=1)[0]
+
+
+def _q8_0(rows, spec, grid):
+    """llama.cpp's Q8_0 blocks, as the build ``spec.act_rounding`` rounds them."""
+    return round_q8_0_input(array_ops(rows), rows, act_rounding_named(spec.act_rounding))
+
+
+def _q8_k(rows, spec, grid):
+    """llama.cpp's Q8_K blocks (see the module docstring)."""
+    blocks = rows.reshape(rows.shape[0], -1, grid.block)
+    top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the first largest |x|, signed
+    inverse = torch.full((), grid.divisor[spec.act_bits], dtype=rows.dtype, device=rows.device) / top
+    scale = torch.where(torch.isinf(inverse), 0.0, 1 / inverse)  # ggml: 1 / inf = 0 (a block of zeros too)
+    codes = torch.clamp(torch.round(blocks * torch.where(scale == 0, 0.0, inverse)),
+                        max=grid.code_range(spec.act_bits)[1])
+    return (codes * scale).reshape(rows.shape)
+
+
+# (scale rule, rounding) of activation grids with a rounding of their own: Q8_0's depends on the
+# llama.cpp build, Q8_K's inverse scale and nearest_int; the others run mixle.core.numerics' block rules.
+_OWN_BLOCKS = {("absmax", "half_away"): _q8_0, ("signed_max", "nearest_int"): _q8_k}
+
+
+def _blocks(x, spec, grid):
+    """Blocks of ``grid.block`` along each token's inputs on the activation grid ``grid``."""
     width = _check_width(x, grid)
     try:
-        out, _ = fake_quant_forward(x.reshape(-1, width), _block_spec(grid.name, bits), out_ndim=1)
+        out = _OWN_BLOCKS.get((grid.scale_rule, grid.rounding), _grid_blocks)(x.reshape(-1, width), spec, grid)
     except ScaleOverflowError:
         largest = float(x.detach().abs().amax())
         if not torch.isfinite(x).all():
             raise ValueError("the activations contain NaN or infinity: training diverged (lower the learning "
                              "rate) or the input is corrupt") from None
+        bits = spec.act_bits
         raise ValueError(
             f"the activations reach {largest:.6g}: their {grid.name} block scale (max / {grid.divisor[bits]:g}) "
             f"does not fit float16, so llama.cpp would compute infinity; keep activations below "
             f"{grid.divisor[bits] * 65504:.6g} (e.g. normalise the input) or leave act_bits=None"
         ) from None
     return out.reshape(x.shape)
-
-
-def _q8_k(x, bits, grid):
-    """llama.cpp's Q8_K blocks along each token's inputs (see the module docstring)."""
-    width = _check_width(x, grid)
-    blocks = x.reshape(-1, width // grid.block, grid.block)
-    top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the first largest |x|, signed
-    inverse = torch.full((), grid.divisor[bits], dtype=x.dtype, device=x.device) / top
-    scale = torch.where(torch.isinf(inverse), 0.0, 1 / inverse)  # ggml: 1 / inf = 0 (a block of zeros too)
-    codes = torch.clamp(torch.round(blocks * torch.where(scale == 0, 0.0, inverse)), max=grid.code_range(bits)[1])
-    return (codes * scale).reshape(x.shape)
-
-
-# (scale rule, rounding) of activation grids with a torch rounding of their own (Q8_K's inverse
-# scale and nearest_int); the others run mixle.core.numerics' block rules.
-_OWN_BLOCKS = {("signed_max", "nearest_int"): _q8_k}
 
 
 def quantize_dequantize_activations(x, spec):
@@ -159,7 +172,7 @@ def quantize_dequantize_activations(x, spec):
     act = spec.grid_record.activation_record()
     work = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     if act.block is not None:
-        out = _OWN_BLOCKS.get((act.scale_rule, act.rounding), _blocks)(work, spec.act_bits, act)
+        out = _blocks(work, spec, act)
     elif spec.act_symmetric:
         out = _symmetric(work, spec.act_bits, spec.grid_record)
     else:
