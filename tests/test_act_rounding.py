@@ -2,8 +2,9 @@
 
 The oracle is a numpy transcription of ggml-cpu's ``quantize_row_q8_0`` per build (the reference C
 loop, the AVX/AVX2 loop of ``arch/x86/quants.c``, the NEON loop of ``arch/arm/quants.c``), one block at
-a time, then ``code * float16(d)``; the reference build is also gguf-py's Q8_0. The inputs put many
-values on (or an ulp from) a rounding tie, where the builds differ.
+a time, then ``code * float16(d)``; the reference build is also gguf-py's Q8_0, and with llama-cpp-python the
+machine's own llama.cpp build (its ggml-cpu ``quantize_row_q8_0``, through ctypes) is this CPU's record. The
+inputs put many values on (or an ulp from) a rounding tie, where the builds differ.
 """
 
 import numpy as np
@@ -97,3 +98,44 @@ def test_the_finetune_flag_needs_act_bits_and_reaches_the_spec():
     config = FinetuneConfig(model="m", out="o", target="q4_0", act_bits=8, act_rounding="arm")
     assert (config.spec().act_bits, config.spec().act_rounding) == (8, "arm")
     assert FinetuneConfig(model="m", out="o", target="Q4_0", act_bits=8).act_fields() == {"act_bits": 8}
+
+
+def _ggml_quantize_row_q8_0():
+    """This machine's llama.cpp build's own ``quantize_row_q8_0`` (ggml-cpu's Q8_0 ``from_float``, what its
+    products run on their input), through ctypes; skips without llama-cpp-python."""
+    import ctypes
+    import os
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    folder = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
+    names = [next(iter(sorted(folder.glob(f"libggml-{part}.*"))), None) for part in ("base", "cpu")]
+    if None in names:
+        pytest.skip(f"no libggml-base / libggml-cpu in {folder}")
+    cpu = [ctypes.CDLL(str(name), mode=ctypes.RTLD_GLOBAL) for name in names][-1]  # base first: cpu needs it
+    row = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    cpu.ggml_cpu_init()
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(row)  # the struct's first field: from_float
+    from_float = cpu.ggml_get_type_traits_cpu(8)[0]  # GGML_TYPE_Q8_0
+
+    def quantize(x):
+        x = np.ascontiguousarray(x, np.float32)
+        blocks = np.zeros(x.size // 32, np.dtype([("d", "<f2"), ("qs", "i1", 32)]))
+        from_float(x.ctypes.data, blocks.ctypes.data, x.size)
+        return (blocks["qs"].astype(np.float32) * blocks["d"].astype(np.float32)[:, None]).reshape(x.shape)
+
+    return quantize
+
+
+def test_live_llama_cpp_rounds_product_inputs_as_this_cpus_build_record():
+    import platform
+
+    quantize = _ggml_quantize_row_q8_0()
+    build = {"x86_64": "x86", "AMD64": "x86", "aarch64": "arm", "arm64": "arm"}.get(platform.machine())
+    if build is None:
+        pytest.skip(f"no record says how llama.cpp rounds on {platform.machine()}")
+    x = tie_tokens()
+    got = quantize(x)
+    spec = QuantSpec(bits=4, grid="q4_0", act_bits=8, act_rounding=build)
+    np.testing.assert_array_equal(quantize_dequantize_activations(torch.from_numpy(x), spec).numpy(), got)
+    assert (c_q8_0(x, "reference") != got).sum() > 100  # the reference rounding is not what this build runs

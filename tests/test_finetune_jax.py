@@ -220,16 +220,17 @@ def test_a_ptq_row_evaluated_from_its_stored_values_is_its_fake_quantized_forwar
 def test_act_bits_8_rounds_each_products_input_in_qat_and_the_ptq_rows(llama, tmp_path):
     """--act-bits 8 on the Q4_K_M mix (this model's rows: Q5_0 / Q8_0 kernels, a Q8_0 tied embedding):
     the PTQ and QAT rows round the input of each quantized product as llama.cpp's CPU path does (Q8_0
-    blocks; the tied head's too), so their losses move and the float row's does not; the files hold
-    the same block types. With llama-cpp-python, mixle's losses move onto llama.cpp's (measured: PTQ
+    blocks, as llama.cpp's x86 builds round them; the tied head's too), so their losses move and the float
+    row's does not; the files hold the same block types. With llama-cpp-python, mixle's losses move onto llama.cpp's (measured: PTQ
     2.7e-6 against 6.6e-5, QAT 2e-7 against 7.7e-5)."""
     from mixle.lm.llama_cpp_eval import llama_cpp_module
 
     live, runs, types = llama_cpp_module() is not None, {}, {}
-    for name, changes in (("act", dict(act_bits=8)), ("plain", {})):
+    for name, changes in (("act", dict(act_bits=8, act_rounding="x86")), ("plain", {})):
         results = run_finetune(_config(llama, tmp_path / name, target="Q4_K_M", llama_cpp=live, **changes),
                                progress=False)
         assert results["config"]["act_bits"] == changes.get("act_bits")
+        assert results["config"]["act_rounding"] == changes.get("act_rounding", "reference")
         runs[name] = {row["method"]: row for row in results["rows"]}
         types[name] = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / name / "model.gguf").tensors}
     act, plain = runs["act"], runs["plain"]

@@ -89,7 +89,8 @@ def test_a_linear_multiplies_the_rounded_input_by_its_weights_blocks(grid, bits)
     assert np.abs(np.asarray(plain(jnp.asarray(x))) - want).max() > 10 * tolerance  # the rounding matters
 
 
-def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds():
+@pytest.mark.parametrize("act_rounding", ["reference", "x86"])
+def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(act_rounding):
     """The finetune job's step runs the float graph on the kernels' fake-quantized values, and its PTQ
     rows a float copy holding them: with act_bits both round each quantized product's input (the Q5_0
     and Q8_0 Linears of the Q4_K_M mix at this width, and the tied embedding's ``attend``), so their
@@ -102,8 +103,9 @@ def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(
     model = CausalLM(config, rngs=nnx.Rngs(0))
     ids = jnp.asarray(np.arange(12).reshape(2, 6) % 64, jnp.int32)
     wrapped = nnx.clone(model)
-    mixle.apply_qat(wrapped, gguf_mix="Q4_K_M", act_bits=8, example_inputs=(ids[:, :4],))
+    mixle.apply_qat(wrapped, gguf_mix="Q4_K_M", act_bits=8, act_rounding=act_rounding, example_inputs=(ids[:, :4],))
     groups = kernel_groups(wrapped)
+    assert {group.spec.act_rounding for group in groups} == {act_rounding}
     assert {group.spec.grid for group in groups} == {"q5_0", "q8_0"} and any(
         path.startswith("embed_tokens") for group in groups for path in group.paths)
     state = quantized_state(groups, nnx.state(wrapped))
