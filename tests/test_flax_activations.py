@@ -151,3 +151,22 @@ def test_a_linear_trains_on_the_x86_builds_rounding_of_its_input():
     got = np.asarray(jax.jit(lambda m, v: m(v))(layer, jnp.asarray(x)))
     np.testing.assert_allclose(got, c_q8_0(x, "x86") @ blocks.T + np.asarray(layer.bias[...]), rtol=0, atol=tolerance)
     assert np.abs(got - (c_q8_0(x, "reference") @ blocks.T + np.asarray(layer.bias[...]))).max() > 10 * tolerance
+
+
+def test_projections_reading_one_input_share_its_rounding(monkeypatch):
+    """q, k and v (gate and up) read the same tracer: the compiled forward rounds it once, so a layer
+    holds four roundings (q/k/v, o, gate/up, down), not seven, plus the tied head's."""
+    from mixle.flax_backend import activations
+
+    config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                       "tie_word_embeddings": True})
+    ids = jnp.asarray(np.arange(12).reshape(2, 6) % 64, jnp.int32)
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    mixle.apply_qat(model, gguf_mix="Q4_0", act_bits=8, example_inputs=(ids[:, :4],))
+    rounded, original = [], activations._rounded
+    monkeypatch.setattr(activations, "_rounded", lambda x, spec: rounded.append(x.shape) or original(x, spec))
+    graphdef, state = float_graphdef(model), quantized_state(kernel_groups(model), nnx.state(model))
+    got = jax.jit(lambda s: nnx.merge(graphdef, s)(ids))(state)
+    assert len(rounded) == 4 * 2 + 1, rounded
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda m: m(ids))(model)))
