@@ -358,3 +358,18 @@ def test_the_step_is_compiled_before_the_time_budgets_clock_starts(llama, tmp_pa
     assert "Compiling jit(_micro_step)" in events[:prepared]
     assert not [event for event in events[prepared:stepped] if event.split("(")[-1] in
                 ("_micro_step)", "quantized_state)", "_adamw)", "_grad_norm)")]
+
+
+def test_step_timing_times_qat_and_float_steps_and_changes_nothing_trained(llama, whole, tmp_path):
+    """--step-timing 2: two QAT and two float steps (the float model training the same tensors), interleaved,
+    their medians in results.json and the table; the run trains exactly what it trains without them."""
+    out, results, _ = whole
+    timed = run_finetune(_config(llama, tmp_path / "timed", step_timing=2), progress=False)
+    timing = timed["training"]["step_timing"]
+    assert timing["steps"] == 2 and timing["qat_ms"] > 0 and timing["float_ms"] > 0
+    assert timing["ratio"] == pytest.approx(timing["qat_ms"] / timing["float_ms"], rel=1e-12)
+    assert timing["tokens"] == 2 * 16 and "cpu" in timing["devices"]
+    assert "step: QAT" in (tmp_path / "timed" / "table.txt").read_text()
+    assert [row["loss"] for row in timed["rows"]] == [row["loss"] for row in results["rows"]]
+    with pytest.raises(ValueError, match="--step-timing with --backend torch: .*benchmarks/real_model.py"):
+        FinetuneConfig(model="m", out="o", step_timing=2)

@@ -271,6 +271,10 @@ class FinetuneConfig:
                                    "transformers Llama / Qwen2 / Mistral directory, trained data-parallel over "
                                    "jax.devices(); without --lora, --learned-scales, --gptq, --dtype bfloat16, "
                                    "--device)", choices=FRAMEWORKS)
+    step_timing: int | None = option(None, "jax backend: before training, time this many QAT steps and as many "
+                                           "steps of the float model training the same tensors on the same batch, "
+                                           "interleaved; their medians and ratio go to results.json and the table "
+                                           "(not counted in --max-minutes)", type=positive_int)
 
     def __post_init__(self):
         for name in ("model", "out"):
@@ -420,6 +424,10 @@ class FinetuneConfig:
         if self.backend not in FRAMEWORKS:
             raise ValueError(f"backend={self.backend!r} is unknown: use one of {FRAMEWORKS}")
         if self.backend != "jax":
+            if self.step_timing is not None:
+                raise ValueError(f"--step-timing with --backend {self.backend}: the torch job's steps change its "
+                                 f"model in place, so it times none apart; benchmarks/real_model.py --step-timing "
+                                 f"times torch's QAT and float steps side by side (or use --backend jax)")
             return
         refused = [(flag, why) for flag, given, why in (
             ("--lora", self.lora is not None, "it trains the quantized kernels themselves (no adapters)"),

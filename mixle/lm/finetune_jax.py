@@ -302,7 +302,8 @@ class JaxRun(FinetuneRun):
             apply_qat(student, example_inputs=_EXAMPLE, **arguments)
             self.tie_margin = pull_toward_stored(student, self.config.tie_margin)  # the teacher keeps the float ones
             self.trainer = JaxTrainer(student, teacher, self.data, self.config, get_qat_report(student).wrapped,
-                                      self.mesh, made=made)
+                                      self.mesh, made=made,
+                                      float_model=self._float_copy() if self.config.step_timing else None)
         return self.trainer.model
 
     def _row(self, model, row):

@@ -31,6 +31,7 @@ second run of the same configuration in one process, or a resumed one, compiles 
 import collections
 import functools
 import math
+import time
 from dataclasses import asdict
 
 import jax
@@ -229,13 +230,15 @@ class JaxTrainer(Trainer):
     'JaxTrainer'
     """
 
-    def __init__(self, student, teacher, data, config, trained, mesh, made=None):  # noqa: D107 (the loop's fields only)
+    def __init__(self, student, teacher, data, config, trained, mesh, made=None,  # noqa: D107 (the loop's fields)
+                 float_model=None):
         self.model, self.finetune_config, self.mesh, self.ranks = student, config, mesh, SINGLE
+        self.float_model = float_model  # for --step-timing: the float model's step, timed beside the QAT step
         self.config = loop_config(config)
         self.curve_windows, self.family = data.curve_windows, None
         self.state = TrainState(horizon=config.steps)
         wanted = set(trained)
-        split = (lambda path, _: ".".join(map(str, path)) in wanted, ...)
+        self._split = split = (lambda path, _: ".".join(map(str, path)) in wanted, ...)
         graphdef, params, frozen = nnx.split(student, *split)
         self.groups = kernel_groups(student)
         if self.groups is not None and {path for group in self.groups for path in group.paths} <= wanted:
@@ -324,6 +327,47 @@ class JaxTrainer(Trainer):
         grads = self.params  # a gradient has the trained tensors' shapes and sharding
         _adamw.lower(self.params, grads, self.exp_avg, self.exp_avg_sq, _grad_norm(grads), 1.0, 1.0, 0.0, 1.0,
                      1.0).compile()
+        if config.step_timing and self.state.step_timing is None and self.float_model is not None:
+            self.state.step_timing = self._timed_steps(config.step_timing)
+        self.float_model = None
+
+    def _timed_steps(self, count):
+        """``--step-timing``: median milliseconds of ``count`` QAT steps and of ``count`` steps of the float
+        model training the same tensors, interleaved on one batch of the training windows (each kind's
+        first call apart: it compiles); nothing they compute is kept."""
+        config = self.finetune_config
+        graphdef, params, frozen = nnx.split(self.float_model, *self._split)
+        params, frozen = _replicated(self.mesh, params), _replicated(self.mesh, frozen)
+        moments = _zeros(params), _zeros(params)
+        span = config.block + 1
+        starts = (np.arange(config.batch_size) * span) % max(1, len(self.ids) - span)
+        windows = self.ids[starts[:, None] + np.arange(span)].astype(np.int32)
+
+        def one_step(forward_params, forward_frozen, forward_graphdef, trained, exp_avg, exp_avg_sq):
+            args, static = self._micro_step_arguments(windows, forward_params)
+            total = None
+            for _ in range(config.accumulate):
+                _, grads = _micro_step(forward_params, forward_frozen, *args[2:],
+                                       **{**static, "graphdef": forward_graphdef})
+                total = grads if total is None else _add(total, grads)
+            return _adamw(trained, total, exp_avg, exp_avg_sq, _grad_norm(total), math.inf, config.lr,
+                          config.weight_decay, config.lr, 1.0)
+
+        steps = {"qat": lambda: one_step(self.eval_states()[1], self.frozen, self.graphdef, self.params, self.exp_avg,
+                                         self.exp_avg_sq),
+                 "float": lambda: one_step(params, frozen, graphdef, params, *moments)}
+        times = {name: [] for name in steps}
+        for attempt in range(count + 1):
+            for name, step in steps.items():
+                tick = time.perf_counter()
+                jax.block_until_ready(step())
+                if attempt:
+                    times[name].append(1e3 * (time.perf_counter() - tick))
+        qat, plain = (float(np.median(times[name])) for name in ("qat", "float"))
+        device = jax.devices()[0]
+        return {"steps": count, "qat_ms": qat, "float_ms": plain, "ratio": qat / plain,
+                "tokens": config.batch_size * config.block * config.accumulate,
+                "devices": f"{self.mesh.size} x {device.device_kind}"}
 
     def step(self):
         """One optimizer step; returns its loss (the micro-batches' values summed)."""

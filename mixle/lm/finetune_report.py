@@ -123,6 +123,11 @@ def format_table(results):
     data = results["data"]
     lines.append(f"held-out: {data['predicted_tokens']:,} tokens of {data['source']}; target {results['config']['target']}")
     lines += _text_lines(results)
+    timing = results.get("training", {}).get("step_timing")
+    if timing:
+        lines.append(f"step: QAT {timing['qat_ms']:.1f} ms, float {timing['float_ms']:.1f} ms ({timing['ratio']:.2f}x; "
+                     f"medians of {timing['steps']} each, interleaved, {timing['tokens']:,} tokens a step, "
+                     f"{timing['devices']})")
     return "\n".join(lines)
 
 
@@ -276,7 +281,8 @@ def _training_info(state, config):
     return {"steps_done": state.step, "steps_planned": state.horizon, "stopped_by": state.stopped_by,
             "seconds": round(state.seconds, 2), "tokens": state.tokens,
             "seconds_per_step": state.seconds / max(1, state.step),
-            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds)}
+            "tokens_per_second": tokens_per_step * state.step / max(1e-9, state.seconds),
+            **({} if state.step_timing is None else {"step_timing": state.step_timing})}
 
 
 def finish_run(config, run, rows, row, files, state, model_info, environment, began, hf=None):

@@ -156,7 +156,7 @@ class StopSignals(contextlib.AbstractContextManager):
 @dataclass
 class TrainState:
     """The counters of a run: steps done, the schedule's length (``fitted`` once a time budget set it),
-    data position, time, the curve."""
+    data position, time, the curve, and the QAT and float steps' timing if one was asked for."""
 
     step: int = 0
     horizon: int = 1
@@ -166,6 +166,7 @@ class TrainState:
     tokens: int = 0
     stopped_by: str | None = None
     fitted: bool = False
+    step_timing: dict | None = None
     curve: dict = field(default_factory=lambda: {"step": [], "train_loss": [], "eval_step": [], "held_out_loss": []})
 
 
