@@ -2,7 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
-        [--variants NAME...] [--no-serving] [--hlo] [--search]
+        [--variants NAME...] [--no-serving] [--hlo] [--search] [--act-compile]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -159,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
     parser.add_argument("--search", action="store_true",
                         help="time the jax finetune job's per-step q4_0 searches per way of summing (search_speed.py)")
+    parser.add_argument("--act-compile", action="store_true",
+                        help="time the compile of act_bits=8's product-input roundings (act_bits_compile.py)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -187,6 +189,12 @@ def main(argv=None):
 
         results["search"] = time_search(args.rounds)
         print_search(results["search"], 30, args.rounds)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.act_compile:
+        from act_bits_compile import print_compiles, time_compiles
+
+        results["act compile"] = time_compiles(args.rounds)
+        print_compiles(results["act compile"], 30, args.rounds)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if not args.skip_numerics:  # after the timings: its compiles of every grid take a while
         results["numerics"] = numerics_probe()

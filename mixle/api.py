@@ -72,8 +72,7 @@ def apply_qat(model, *, spec=None, patterns=(".*",), exclude=(), opt_in=(), reco
             Qwix subclass of theirs); Linen modules come back as a new module using the same params.
         gguf_mix: a llama.cpp mix (``mixle.GGUF_MIXES``, e.g. ``"Q4_K_M"``): each weight trains on
             the block type llama.cpp's quantizer gives it (``gguf_mix_specs``), for ``save_gguf``;
-            it takes two spec fields, ``act_bits=8`` (inputs rounded as llama.cpp rounds them) and
-            ``act_rounding`` (which llama.cpp build's rounding).
+            it takes ``act_bits=8`` and ``act_rounding`` (inputs rounded as a llama.cpp build does).
         importance: an importance matrix as ``quantize_model`` takes it, fixed from calibration:
             each linear layer with an entry fake-quantizes by ggml's weighted search (STE
             backward), so ``llama-quantize --imatrix`` of the trained weights is the lattice QAT
