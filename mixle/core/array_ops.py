@@ -261,8 +261,9 @@ class JaxOps(NumpyOps):
             toward = xp.where((remainder > 0) == (b > 0), xp.inf, -xp.inf).astype(xp.float32)
             neighbour = xp.nextafter(q, toward)
             # a - neighbour * b = remainder - gap * b, every step exact: the gap is a power of two
-            # (Sterbenz), so is its product with b, and the difference is a representable remainder.
-            neighbour_remainder = remainder - self.rounded(self.rounded(neighbour - q) * b)
+            # (Sterbenz), so is its product with b, and the difference is a representable remainder
+            # (so a fused multiply-add gives the same value: no rounding barrier needed).
+            neighbour_remainder = remainder - (neighbour - q) * b
             better = finite & (abs(neighbour_remainder) < abs(remainder))
             q = xp.where(better, neighbour, q)
             remainder = xp.where(better, neighbour_remainder, remainder)
