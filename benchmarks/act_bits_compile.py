@@ -10,13 +10,12 @@ HLO that jax lowers the forward to, XLA's compile time, and the median of ``--ro
 forward without the flag; the variants run one after another in one process.
 """
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 
-from search_speed import SMOLLM2
+from search_speed import SMOLLM2, run_sized
 
 VARIANTS = {"no act_bits": {}, "act_bits=8 (reference)": {"act_bits": 8},
             "act_bits=8, act_rounding=x86": {"act_bits": 8, "act_rounding": "x86"}}
@@ -70,11 +69,7 @@ def print_compiles(results, layers, rounds):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=30)
-    args = parser.parse_args(argv)
-    print_compiles(time_compiles(args.rounds, args.layers), args.layers, args.rounds)
+    run_sized(__doc__, argv, time_compiles, print_compiles)
 
 
 if __name__ == "__main__":

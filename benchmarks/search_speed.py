@@ -97,12 +97,17 @@ def print_search(results, layers, rounds):
         print(f"{name:<34}{entry['compile_s']:>10.1f}{entry['median_s'] * 1e3:>11.1f}{entry['median_s'] / base:>9.2f}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_sized(doc, argv, measure, show):
+    """Parse ``--rounds`` / ``--layers`` (a SmolLM2-shaped benchmark's command line), time, print."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args(argv)
-    print_search(time_search(args.rounds, args.layers), args.layers, args.rounds)
+    show(measure(args.rounds, args.layers), args.layers, args.rounds)
+
+
+def main(argv=None):
+    run_sized(__doc__, argv, time_search, print_search)
 
 
 if __name__ == "__main__":
