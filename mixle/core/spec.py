@@ -434,6 +434,8 @@ class QuantSpec:
 
         >>> QuantSpec(bits=4, group_size=32, clip_percentile=99.5).short()
         'int4/group32/symmetric/p99.5'
+        >>> QuantSpec(grid="q4_0", act_bits=8, act_rounding="x86").short()
+        'int4/group32/q4_0/a8-x86'
         """
         gran = f"group{self.group_size}" if self.granularity == "group" else self.granularity
         label = f"int{self.bits}/{gran}/{self.grid}"
@@ -447,6 +449,7 @@ class QuantSpec:
             label += "/learned"
         if self.act_bits is not None:
             label += f"/a{self.act_bits}" + ("" if self.act_symmetric else "asym")
+            label += "" if self.act_rounding == "reference" else f"-{self.act_rounding}"
         if self.bwd_bits is not None:
             label += f"/g{self.bwd_bits}" + ("sr" if self.bwd_stochastic_rounding else "")
         return label
