@@ -20,6 +20,7 @@ import numpy as np
 
 from mixle.core.array_ops import array_kind, array_ops, is_tracer  # noqa: F401
 from mixle.core.checks import ScaleOverflowError, check_array, check_block_max, not_finite_error, require_finite  # noqa: F401,E501
+from mixle.core.product_inputs import act_rounding_named
 from mixle.core.spec import QuantSpec, block_shape, resolve_spec  # noqa: F401
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "round_codes",
     "round_half_away",
     "round_q8_0_input",
+    "round_q8_k_input",
+    "PRODUCT_INPUT_ROUNDINGS",
     "quantize_blocks",
     "quantize_linear_weight",
     "quantize_conv_weight",
@@ -314,6 +317,36 @@ def round_q8_0_input(ops, rows, rounding, name="activations"):
 @functools.cache
 def _q8_0_spec():
     return QuantSpec(bits=8, grid="q8_0")  # llama.cpp's grids are registered after this module is imported
+
+
+def round_q8_k_input(ops, rows, grid):
+    """``rows`` (``(tokens, inputs)``, float32) rounded to llama.cpp's Q8_K blocks (``grid``, 256 values)
+    along each row, as ggml's ``quantize_row_q8_K``: ``m`` the block's first value of largest magnitude,
+    ``inverse = -127 / m``, codes ``nearest_int(x * inverse)`` (ties to even) at most 127, value
+    ``code * (1 / inverse)`` in float32; a block whose ``inverse`` overflows (zeros, subnormals) gives zeros.
+
+    >>> from mixle.core.grids import ACTIVATION_GRIDS
+    >>> x = np.linspace(-1, 2, 256, dtype=np.float32)[None]
+    >>> float(round_q8_k_input(array_ops(x), x, ACTIVATION_GRIDS["q8_k"])[0, 0] * 127 / 2)  # 63.5 rounds to code 64; 1 / inverse = -2 / 127
+    -64.0
+    """
+    blocks = rows.reshape(rows.shape[0], -1, grid.block)
+    top = ops.signed_max(blocks, -1)
+    with np.errstate(over="ignore", divide="ignore"):  # numpy's: the overflowing inverses are the empty blocks
+        inverse = ops.divide(ops.divisor(grid.divisor[8], top), top)
+        empty = abs(inverse) == math.inf
+        scale = ops.where(empty, ops.scalar(0.0, inverse), ops.divide(ops.scalar(1.0, inverse), inverse))
+    scaled = ops.rounded(blocks * ops.where(empty, ops.scalar(0.0, inverse), inverse))
+    return (ops.round_clip(scaled, *grid.code_range(8)) * scale).reshape(rows.shape)
+
+
+# How llama.cpp rounds a product's input, by its activation grid's (scale rule, rounding): Q8_0 as the
+# build ``spec.act_rounding`` names, Q8_K as every build. ``(ops, rows, spec, grid, name)``.
+PRODUCT_INPUT_ROUNDINGS = {
+    ("absmax", "half_away"): lambda ops, rows, spec, grid, name: round_q8_0_input(
+        ops, rows, act_rounding_named(spec.act_rounding), name),
+    ("signed_max", "nearest_int"): lambda ops, rows, spec, grid, name: round_q8_k_input(ops, rows, grid),
+}
 
 
 def quantize_blocks(ops, blocks, spec, axis=-1, name=None):

@@ -3,14 +3,11 @@
 llama.cpp's CPU path rounds the input of a product with a quantized weight before multiplying, along
 each token's inputs: to Q8_0 blocks of 32 before ``q4_0``, ``q8_0``, ``q4_1``, ``q5_0`` and ``q5_1``
 weights, to Q8_K blocks of 256 before the K-quants. ``round_product_input`` gives a jax array those
-values (``Grid.activation_record``), as the torch backend's ``fake_quant_activations`` does:
-
-* Q8_0 through ``mixle.core.numerics.round_q8_0_input`` (exact on every XLA backend), as the llama.cpp
-  build ``QuantSpec.act_rounding`` names rounds it (ggml's reference C code unless set);
-* Q8_K as ggml's ``quantize_row_q8_K``: ``m`` the block's first value of largest magnitude,
-  ``inverse = -127 / m``, codes ``min(127, nearest_int(x * inverse))``, value ``code * (1 / inverse)``,
-  with the two divisions rounded as IEEE rounds them (``JaxOps.divide``); a block whose ``inverse``
-  overflows (zeros, subnormals) comes back as zeros.
+values (``Grid.activation_record``) through the functions the torch backend's ``fake_quant_activations``
+runs (``mixle.core.numerics.PRODUCT_INPUT_ROUNDINGS``): Q8_0 as the llama.cpp build
+``QuantSpec.act_rounding`` names rounds it (ggml's reference C code unless set), Q8_K as ggml's
+``quantize_row_q8_K``, their divisions rounded as IEEE rounds them on every XLA backend
+(``JaxOps.divide``).
 
 bfloat16 / float16 inputs are rounded in float32 and cast back. The gradient is the straight-through
 estimator (identity). A concrete array (eager) runs numpy's operations, whose values the traced path
@@ -25,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixle.core.array_ops import JaxOps, NumpyOps, is_tracer
-from mixle.core.numerics import fake_quant_forward, round_q8_0_input
-from mixle.core.product_inputs import act_rounding_named
+from mixle.core.numerics import PRODUCT_INPUT_ROUNDINGS, fake_quant_forward
 from mixle.core.spec import QuantSpec
 
 __all__ = ["product_input_grid", "round_product_input", "qwix_options"]
@@ -63,21 +59,6 @@ def qwix_options(spec):
     return options
 
 
-def _q8_k(rows, spec, grid, traced):
-    xp, divide = (jnp, JaxOps().divide) if traced else (np, _numpy_divide)
-    blocks = rows.reshape(rows.shape[0], -1, grid.block)
-    top = xp.take_along_axis(blocks, xp.argmax(abs(blocks), axis=-1)[..., None], axis=-1)  # first largest |x|
-    inverse = divide(xp.full_like(top, grid.divisor[8]), top)
-    scale = xp.where(xp.isinf(inverse), xp.float32(0), divide(xp.ones_like(inverse), inverse))
-    codes = xp.minimum(xp.round(blocks * xp.where(scale == 0, xp.float32(0), inverse)), grid.code_range(8)[1])
-    return (codes * scale).reshape(rows.shape)
-
-
-def _numpy_divide(a, b):
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        return np.divide(a, b)
-
-
 def _rounded(x, spec):
     grid = product_input_grid(spec)
     width = x.shape[-1]
@@ -87,27 +68,17 @@ def _rounded(x, spec):
     traced = is_tracer(x)
     xp = jnp if traced else np
     rows = xp.asarray(x).astype(np.float32).reshape(-1, width)
-    out = _OWN_BLOCKS.get((grid.scale_rule, grid.rounding), _grid_blocks)(rows, spec, grid, traced)
+    rule = PRODUCT_INPUT_ROUNDINGS.get((grid.scale_rule, grid.rounding))
+    if rule is None:
+        out = fake_quant_forward(rows, _block_spec(grid.name), out_ndim=1)[0]
+    else:
+        out = rule(JaxOps() if traced else NumpyOps(), rows, spec, grid, "a product's input")
     return jnp.asarray(out.reshape(x.shape)).astype(x.dtype)
-
-
-def _q8_0(rows, spec, grid, traced):
-    ops = JaxOps() if traced else NumpyOps()
-    return round_q8_0_input(ops, rows, act_rounding_named(spec.act_rounding), name="a product's input")
-
-
-def _grid_blocks(rows, spec, grid, traced):
-    return fake_quant_forward(rows, _block_spec(grid.name), out_ndim=1)[0]
 
 
 @functools.cache
 def _block_spec(grid):
     return QuantSpec(bits=8, grid=grid)
-
-
-# (scale rule, rounding) of the activation grids rounded by a function of their own (Q8_0's depends on
-# the llama.cpp build, Q8_K's is ggml's quantize_row_q8_K); others run the core numerics' block rules.
-_OWN_BLOCKS = {("absmax", "half_away"): _q8_0, ("signed_max", "nearest_int"): _q8_k}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -310,11 +310,13 @@ class JaxTrainer(Trainer):
         args, static = self._micro_step_arguments(windows, trained)
         return _micro_step(*args, **static)
 
-    def _micro_step_arguments(self, windows, trained):
+    def _micro_step_arguments(self, windows, trained, float_forward=None):
+        """``_micro_step``'s arguments: the student's forward, or ``float_forward`` (graphdef, params, frozen)."""
         config = self.finetune_config
-        return ((self.eval_states()[1] if trained is None else trained, self.frozen, self.teacher_state,
-                 _sharded(self.mesh, windows)),
-                dict(graphdef=self.graphdef, teacher=self.teacher, temperature=config.temperature,
+        graphdef, trained, frozen = float_forward or (
+            self.graphdef, self.eval_states()[1] if trained is None else trained, self.frozen)
+        return ((trained, frozen, self.teacher_state, _sharded(self.mesh, windows)),
+                dict(graphdef=graphdef, teacher=self.teacher, temperature=config.temperature,
                      weight=config.distill_weight(), scale=1.0 / (config.batch_size * config.block * config.accumulate)))
 
     def prepare(self):
@@ -343,19 +345,17 @@ class JaxTrainer(Trainer):
         starts = (np.arange(config.batch_size) * span) % max(1, len(self.ids) - span)
         windows = self.ids[starts[:, None] + np.arange(span)].astype(np.int32)
 
-        def one_step(forward_params, forward_frozen, forward_graphdef, trained, exp_avg, exp_avg_sq):
-            args, static = self._micro_step_arguments(windows, forward_params)
+        def one_step(float_forward, trained, exp_avg, exp_avg_sq):
+            args, static = self._micro_step_arguments(windows, None, float_forward)
             total = None
             for _ in range(config.accumulate):
-                _, grads = _micro_step(forward_params, forward_frozen, *args[2:],
-                                       **{**static, "graphdef": forward_graphdef})
+                _, grads = _micro_step(*args, **static)
                 total = grads if total is None else _add(total, grads)
             return _adamw(trained, total, exp_avg, exp_avg_sq, _grad_norm(total), math.inf, config.lr,
                           config.weight_decay, config.lr, 1.0)
 
-        steps = {"qat": lambda: one_step(self.eval_states()[1], self.frozen, self.graphdef, self.params, self.exp_avg,
-                                         self.exp_avg_sq),
-                 "float": lambda: one_step(params, frozen, graphdef, params, *moments)}
+        steps = {"qat": lambda: one_step(None, self.params, self.exp_avg, self.exp_avg_sq),
+                 "float": lambda: one_step((graphdef, params, frozen), params, *moments)}
         times = {name: [] for name in steps}
         for attempt in range(count + 1):
             for name, step in steps.items():

@@ -42,8 +42,7 @@ import torch
 
 from mixle.core.checks import ScaleOverflowError
 from mixle.core.array_ops import array_ops
-from mixle.core.numerics import fake_quant_forward, round_q8_0_input
-from mixle.core.product_inputs import act_rounding_named
+from mixle.core.numerics import PRODUCT_INPUT_ROUNDINGS, fake_quant_forward
 from mixle.core.spec import ACTIVATION_FIELDS, QuantSpec
 
 __all__ = ["fake_quant_activations", "check_activation_spec", "ACTIVATION_FIELDS"]
@@ -117,32 +116,13 @@ def _grid_blocks(rows, spec, grid):
     return fake_quant_forward(rows, _block_spec(grid.name, spec.act_bits), out_ndim=1)[0]
 
 
-def _q8_0(rows, spec, grid):
-    """llama.cpp's Q8_0 blocks, as the build ``spec.act_rounding`` rounds them."""
-    return round_q8_0_input(array_ops(rows), rows, act_rounding_named(spec.act_rounding))
-
-
-def _q8_k(rows, spec, grid):
-    """llama.cpp's Q8_K blocks (see the module docstring)."""
-    blocks = rows.reshape(rows.shape[0], -1, grid.block)
-    top = torch.gather(blocks, -1, blocks.abs().argmax(-1, keepdim=True))  # the first largest |x|, signed
-    inverse = torch.full((), grid.divisor[spec.act_bits], dtype=rows.dtype, device=rows.device) / top
-    scale = torch.where(torch.isinf(inverse), 0.0, 1 / inverse)  # ggml: 1 / inf = 0 (a block of zeros too)
-    codes = torch.clamp(torch.round(blocks * torch.where(scale == 0, 0.0, inverse)),
-                        max=grid.code_range(spec.act_bits)[1])
-    return (codes * scale).reshape(rows.shape)
-
-
-# (scale rule, rounding) of activation grids with a rounding of their own: Q8_0's depends on the
-# llama.cpp build, Q8_K's inverse scale and nearest_int; the others run mixle.core.numerics' block rules.
-_OWN_BLOCKS = {("absmax", "half_away"): _q8_0, ("signed_max", "nearest_int"): _q8_k}
-
-
 def _blocks(x, spec, grid):
     """Blocks of ``grid.block`` along each token's inputs on the activation grid ``grid``."""
     width = _check_width(x, grid)
     try:
-        out = _OWN_BLOCKS.get((grid.scale_rule, grid.rounding), _grid_blocks)(x.reshape(-1, width), spec, grid)
+        rows = x.reshape(-1, width)
+        rule = PRODUCT_INPUT_ROUNDINGS.get((grid.scale_rule, grid.rounding))
+        out = _grid_blocks(rows, spec, grid) if rule is None else rule(array_ops(rows), rows, spec, grid, "activations")
     except ScaleOverflowError:
         largest = float(x.detach().abs().amax())
         if not torch.isfinite(x).all():
