@@ -80,6 +80,8 @@ def _known_flags():
     for script in [*(ROOT / "benchmarks").glob("*.py"), ROOT / ".ci" / "latest"]:
         flags |= set(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", script.read_text()))
         flags |= set(re.findall(r"""== ["'](--[a-z][a-z0-9-]*)""", script.read_text()))
+    for script in (ROOT / "benchmarks").glob("*.sh"):  # a bash script's flags are its case labels
+        flags |= set(re.findall(r"^(--[a-z][a-z0-9-]*)\)", script.read_text(), re.M))
     return flags
 
 

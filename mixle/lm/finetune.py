@@ -55,6 +55,7 @@ from mixle.lm.finetune_checkpoint import CHECKPOINT, check_backend, check_new_ou
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_chat import chat_answers
 from mixle.lm.finetune_data import prepare_finetune_data
+from mixle.lm.finetune_generated import generated_data
 from mixle.lm.finetune_distributed import processes
 from mixle.lm.finetune_hf import check_hf_checkpoint, write_hf_checkpoint
 from mixle.lm.finetune_load import check_vocabulary, load_model
@@ -520,6 +521,10 @@ class FinetuneRun:
         self.importance = self._importance_at_start()
         self.data = prepare_finetune_data(config, self.loaded.tokenizer, TRANSFORMERS.context_length(self.model))
         check_output_room(self.out, needed_bytes(self.model, self.outputs, config))
+        if config.generated_tokens:
+            self.peaks.end("loading")
+            self.data = generated_data(self)
+            self.peaks.end("sampled text")
         self.inputs_digest = {"data": self.data.digest, "model": model_digest(self.model)}
         digests = self.digests()
         if self.payload is not None and self.payload.get("digests") != digests:

@@ -197,6 +197,11 @@ def save_plot(results, path):
     return path
 
 
+def _generated_words(data):
+    generated = data.get("generated")
+    return f" and {generated['tokens']:,} tokens the float model sampled itself" if generated else ""
+
+
 def model_card(results):
     """A short ``README.md`` for the output directory: base model, data, target, steps, the numbers.
 
@@ -210,13 +215,15 @@ def model_card(results):
     '# m, quantization-aware fine-tuned for q4_0'
     """
     config, data, model, training = results["config"], results["data"], results["model"], results["training"]
-    objective = {"kl": "distillation from the float model (KL, T = 1)", "ce": "next-token cross-entropy",
+    objective = {"kl": f"distillation from the float model (KL, T = {config.get('temperature', 1.0):g})",
+                 "ce": "next-token cross-entropy",
                  "mix": "cross-entropy mixed with distillation"}.get(config["objective"], config["objective"])
     lines = [f"# {model['source']}, quantization-aware fine-tuned for {config['target']}", "",
              f"Base model: `{model['source']}` ({model['class']}, {model['parameters']:,} parameters).",
              f"Trained by `python -m mixle finetune` for {training['steps_done']} steps "
              f"({training['seconds']:.0f} s) of {config['accumulate']} x {config['batch_size']} windows of "
-             f"{config['block']} tokens on {data['source']} ({data['train_tokens']:,} training tokens), objective: "
+             f"{config['block']} tokens on {data['source']}{_generated_words(data)} ({data['train_tokens']:,} "
+             f"training tokens), objective: "
              f"{objective}, AdamW at lr {config['lr']:g} with warm-up and cosine decay"
              + (f", LoRA rank {config['lora']} (merged and requantized)" if config.get("lora") else "") + ".", "",
              "## Files", ""]
