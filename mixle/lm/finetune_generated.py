@@ -19,6 +19,7 @@ it trains on exactly the same windows. The importance matrix (``--imatrix calibr
 on the training split with them.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -90,7 +91,7 @@ def _sample_batch(torch, model, generator, start_stop, length, dtype, bar):
     ``bar`` counts the tokens kept."""
     start, stop = start_stop
     device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _nothing()
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     tokens = torch.full((BATCH, 1), start, dtype=torch.long, device=device)
     # transformers 5.x renamed the key-value cache's argument and output from past_key_values to cache
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -107,14 +108,6 @@ def _sample_batch(torch, model, generator, start_stop, length, dtype, bar):
             if not going.any():
                 break
     return torch.cat(drawn, dim=1).cpu().numpy()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def read_generated(path, vocab):
@@ -165,8 +158,6 @@ def generated_data(run):
     >>> generated_data  # doctest: +ELLIPSIS
     <function generated_data at ...>
     """
-    from mixle.lm.finetune_data import bos_of
-
     config, tokenizer, data = run.config, run.loaded.tokenizer, run.data
     stop = getattr(tokenizer, "eos_token_id", None)
     stop = start_token(tokenizer) if stop is None else int(stop)
@@ -175,8 +166,7 @@ def generated_data(run):
         ids = read_generated(path, len(tokenizer))
     else:
         torch = require("torch", extra="torch", purpose="mixle finetune --generated-tokens")
-        start = bos_of(tokenizer)
-        start = start_token(tokenizer) if start is None else start
+        start = start_token(tokenizer)
 
         def sample():
             run.model.to(run.device)
