@@ -2,10 +2,12 @@
 # `mixle finetune --backend jax` on the lent TPU machine, for a model larger than one call's 64 MiB:
 # the model travels in parts over several calls of one warm machine and is put together there.
 #
-# Here (the repository root):
+# Here (the repository root; LLAMA_LIBS: a folder of libllama.so and libggml*.so built for x86-64
+# without AVX-512, LLAMA_PY: the folder holding llama-cpp-python's llama_cpp package):
 #   bash benchmarks/tpu_finetune.sh --prepare MODEL.gguf SIZE_MB...   # .tpu-m1, .tpu-m2, ...: parts of these sizes
-#                                                                     # (the last takes the rest), .tpu-llama: the
-#                                                                     # llama.cpp bindings and libraries (LLAMA_LIBS)
+#                                                                     # (the last takes the rest); .whl-tpu, .whl-hf:
+#                                                                     # the wheels; .tpu-llama: llama.cpp's libraries,
+#                                                                     # its bindings and their needs, LICENSE.txt
 # There (each call carries what it names, --run .tpu-llama; $OUT set):
 #   bash benchmarks/tpu_finetune.sh --install         # .whl-tpu + .whl-hf wheels, torch and matplotlib of the machine
 #   bash benchmarks/tpu_finetune.sh --receive DIR     # DIR's part into /tmp/mixle-model
@@ -15,8 +17,12 @@
 #                                                     # (default 540: it writes its checkpoint); run again, the
 #                                                     # same command resumes it (--resume /tmp/ft-TAG). $OUT gets
 #                                                     # TAG-results.json, -table.txt, -finetune.png and -log.txt
-# .whl-hf holds transformers, tokenizers, gguf, sentencepiece, accelerate (transformers' GGUF loader needs it)
-# and their needs at .ci/constraints.txt's versions (those not in .whl-tpu; no numpy: the machine's stays).
+# The first call carries .whl-tpu, .whl-hf and .tpu-m1 (with SmolLM2's 98 MB file: sizes 20 58, three
+# parts; the checkout and a call's carry must stay under 64 MiB), the last --receive call .tpu-llama too,
+# which then runs. .whl-tpu holds flax, qwix, optax and what they import that the machine lacks; .whl-hf
+# transformers, tokenizers, gguf, sentencepiece, accelerate (transformers' GGUF loader needs it) and their
+# needs; both at .ci/constraints.txt's versions, and no numpy: the machine's stays. --eval-data
+# .tpu-llama/LICENSE.txt is CPython's licence, the second text of docs/results/smollm2.rst.
 set -euo pipefail
 MODEL=/tmp/mixle-model
 case "${1:-}" in
@@ -35,8 +41,24 @@ case "${1:-}" in
     libs=${LLAMA_LIBS:?set LLAMA_LIBS to a folder of libllama.so and libggml*.so built for x86-64 without AVX-512}
     for lib in "$libs"/lib*.so "$libs"/lib*.so.0; do cp -L "$lib" .tpu-llama/; done
     cp -r "${LLAMA_PY:?set LLAMA_PY to the folder holding the llama_cpp package}"/. .tpu-llama/py
-    for d in .tpu-m* .tpu-llama; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
-    du -sh .tpu-m* .tpu-llama
+    cp "$(python3 -c 'import os, sysconfig; print(os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt"))')" .tpu-llama/
+    wheels() {  # the machine's Python is CPython 3.11 on x86-64
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            --platform any -c .ci/constraints.txt "$@"
+    }
+    rm -rf .whl-tpu .whl-hf
+    wheels -d .whl-tpu flax qwix optax absl-py etils msgpack pyyaml rich treescope typing_extensions \
+        markdown-it-py mdurl pygments safetensors
+    wheels -d .whl-hf transformers tokenizers gguf sentencepiece accelerate huggingface-hub hf-xet click filelock \
+        fsspec httpx2 httpcore2 h11 anyio idna certifi packaging regex tqdm typer shellingham kernels psutil \
+        requests urllib3 charset-normalizer annotated-doc pydantic pydantic-core annotated-types typing-inspection \
+        tomlkit truststore
+    wheels -d .tpu-llama/wheels diskcache jinja2 markupsafe  # llama_cpp's own imports
+    python3 -m pip install -q --no-deps --no-compile --target .tpu-llama/py .tpu-llama/wheels/*.whl
+    rm -r .tpu-llama/wheels
+    for d in .tpu-m* .tpu-llama .whl-tpu .whl-hf; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+    du -sh .tpu-m* .tpu-llama .whl-tpu .whl-hf
     ;;
 --install)
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -184,10 +184,10 @@ def save_plot(results, path):
     for i, (key, label) in enumerate(keys):
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
         bars = right.bar(xs, [r[f"{key}perplexity"] for r in rows], width, label=label)
-        right.bar_label(bars, fmt="%.2f", fontsize=7)
+        right.bar_label(bars, fmt="%.2f", fontsize=7, rotation=90, padding=2)  # side by side: upright, they overlap
     values = [r[f"{key}perplexity"] for key, _ in keys for r in rows]
     low, high = min(values), max(values)
-    right.set_ylim(max(0.0, low - 0.5 * (high - low) - 1e-3), high + 0.25 * (high - low) + 1e-3)
+    right.set_ylim(max(0.0, low - 0.5 * (high - low) - 1e-3), high + 0.4 * (high - low) + 1e-3)
     right.set_xticks(range(len(rows)), [r["method"] for r in rows])
     right.set_ylabel("perplexity (lower is better)")
     right.set_title("perplexity of each row", fontsize=10)
