@@ -30,6 +30,7 @@ from mixle import quantize_model, save_gguf  # noqa: E402
 from mixle.gguf.writer import load_gguf_weights  # noqa: E402
 from mixle.lm import cli  # noqa: E402
 from mixle.lm.data import default_text  # noqa: E402
+from mixle.lm.cpu_bfloat16 import SLOW  # noqa: E402
 from mixle.lm.finetune import shared_teacher  # noqa: E402
 from mixle.lm.finetune_run import run_finetune  # noqa: E402
 from mixle.lm.finetune_checkpoint import read_checkpoint  # noqa: E402
@@ -341,8 +342,12 @@ def test_gguf_input_lora_bfloat16(assets, tmp_path, capsys):
     status = finetune("--model", str(source), "--data", str(assets["data"]), "--out", str(out),
                       "--target", "q8_0", "--lora", "4", "--dtype", "bfloat16", "--steps", "4", "--no-llama-cpp",
                       *FAST)
-    assert status == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert status == 0, err
     results = results_of(out)
+    # the CPU's bfloat16 products timed beside float32's: the note shows exactly when they are slower
+    ratio = results["environment"]["bfloat16_products_vs_float32"]
+    assert ratio > 0 and ("note: --dtype bfloat16" in err) == (ratio > SLOW)
     float_model = transformers.AutoModelForCausalLM.from_pretrained(assets["llama"])
     assert results["rows"][0]["loss"] == pytest.approx(cross_entropy(float_model, held_out(assets)), rel=1e-6)
     shapes = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # q k v o gate up down

@@ -51,6 +51,7 @@ from pathlib import Path
 from mixle._optional import require
 from mixle.lm.family import TRANSFORMERS
 from mixle.lm import finetune_baselines as baselines
+from mixle.lm.cpu_bfloat16 import check_bfloat16
 from mixle.lm.finetune_checkpoint import CHECKPOINT, check_backend, check_new_out, read_checkpoint, write_checkpoint
 from mixle.lm.finetune_config import FinetuneConfig
 from mixle.lm.finetune_chat import chat_answers
@@ -666,6 +667,7 @@ def run_finetune_torch(config, *, resume=False, progress=True, callback=None):
     torch = require("torch", extra="torch", purpose="mixle finetune")
     began = time.perf_counter()
     with _threads(torch, config.threads) as threads, processes(config) as ranks:
+        bfloat16 = check_bfloat16(torch, config, echo=ranks.main)
         run = FinetuneRun(config, resume, progress, ranks)
         rows = run.before()
         student, state, model_info = run.train(rows, callback)
@@ -674,6 +676,5 @@ def run_finetune_torch(config, *, resume=False, progress=True, callback=None):
         row, files, hf = _evaluate_after(student, config, run.outputs, run.evaluator, run.out, run.qat_importance())
         run.peaks.end("QAT evaluation and files")
     environment = {"python": platform.python_version(), "torch": torch.__version__, "threads": threads,
-                   "device": config.device, "platform": platform.platform()}
-    return finish_run(config, run, rows, row, files, state, model_info, environment, began,
-                      hf=hf)
+                   "device": config.device, "platform": platform.platform(), **bfloat16}
+    return finish_run(config, run, rows, row, files, state, model_info, environment, began, hf=hf)
