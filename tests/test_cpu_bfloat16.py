@@ -44,4 +44,3 @@ def test_a_fast_cpu_and_other_runs_get_no_note(monkeypatch, capsys):
                                                                          device="cuda")):
         assert cpu_bfloat16.check_bfloat16(torch, config, echo=True) == {}
     assert asked == []  # nothing timed: float32, or not the CPU
-

@@ -47,8 +47,7 @@ def bfloat16_note(ratio):
     if ratio <= SLOW:
         return None
     return (f"note: --dtype bfloat16: this CPU's bfloat16 matrix products take {ratio:.1f}x the time of "
-            f"float32's (it has no bfloat16 instructions); --dtype float32 trains faster here, bfloat16 "
-            f"only saves memory")
+            f"float32's; --dtype float32 trains faster here, bfloat16 only saves memory")
 
 
 def check_bfloat16(torch, config, echo):
@@ -62,8 +61,8 @@ def check_bfloat16(torch, config, echo):
     """
     if config.dtype != "bfloat16" or config.device != "cpu":
         return {}
-    ratio = product_seconds(torch, torch.bfloat16) / product_seconds(torch, torch.float32)
+    ratio = round(product_seconds(torch, torch.bfloat16) / product_seconds(torch, torch.float32), 2)
     note = bfloat16_note(ratio)
     if echo and note is not None:
         print(note, file=sys.stderr, flush=True)
-    return {"bfloat16_products_vs_float32": round(ratio, 2)}
+    return {"bfloat16_products_vs_float32": ratio}
