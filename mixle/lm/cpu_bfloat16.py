@@ -1,6 +1,6 @@
 """Whether bfloat16 autocast pays on this CPU: its matrix products timed beside float32's.
 
-CPUs without bfloat16 instructions (x86 before AVX512_BF16 or AMX, many Arm cores) run torch's
+CPUs without bfloat16 instructions (on x86: neither AVX512_BF16 nor AMX) run torch's
 bfloat16 products through conversions: on a 2-core Xeon with AVX-512 but neither, a 512 x 640 x
 2048 product took 29.2 ms in bfloat16 against 8.4 ms in float32, and Gemma 3 270M's finetune
 step 26 s against 15 s. There ``--dtype bfloat16`` saves memory and costs time, so ``mixle
