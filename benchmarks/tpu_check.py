@@ -157,6 +157,7 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
     parser.add_argument("--no-serving", action="store_true")
     parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
+    parser.add_argument("--profile", action="store_true", help="also write a profiler trace of two steps per variant")
     parser.add_argument("--search", action="store_true",
                         help="time the jax finetune job's per-step q4_0 searches per way of summing (search_speed.py)")
     parser.add_argument("--act-compile", action="store_true",
@@ -177,7 +178,8 @@ def main(argv=None):
 
         for size in args.speed:
             results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants,
-                                                          hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None)
+                                                          hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None,
+                                                          profile_dir=args.out / f"profile-{size}" if args.profile else None)
             print_training(size, results[f"training {size}"])
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
             if not size.endswith("-b4") and not args.no_serving:

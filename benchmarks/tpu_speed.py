@@ -168,11 +168,13 @@ def compiled_step(model, optimizer, ids, hlo_path=None):
     return {"temp_gib": memory.temp_size_in_bytes / 2**30, "args_gib": memory.argument_size_in_bytes / 2**30}
 
 
-def time_training(size, rounds, pipeline, names=None, hlo_dir=None):
+def time_training(size, rounds, pipeline, names=None, hlo_dir=None, profile_dir=None):
     """``{variant: {"ms", "ratio", "ratio_range"} or {"error"}}``, one variant on the chip at a time.
 
     A 470M model with AdamW holds ~5.6 GB, so variants cannot stay resident side by side: each is
-    built, compiled, timed and freed in turn, float first and last, in one process.
+    built, compiled, timed and freed in turn, float first and last, in one process. With
+    ``profile_dir``, a profiler trace of two more steps of each variant is written to
+    ``profile_dir/variant`` (``xprof``'s ``hlo_stats`` tool reads each fusion's time off it).
     """
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, size.vocab, (size.batch, size.seq + 1)), jnp.int32)
@@ -188,6 +190,10 @@ def time_training(size, rounds, pipeline, names=None, hlo_dir=None):
             step = nnx.jit(_train_step, donate_argnums=(0, 1))
             step(model, optimizer, ids).block_until_ready()  # compile
             times.setdefault(name, []).extend(_timed(lambda: step(model, optimizer, ids), rounds, pipeline))
+            trace = None if profile_dir is None else Path(profile_dir) / name.replace(" ", "_")
+            if trace is not None and not trace.exists():  # float: its first run only
+                with jax.profiler.trace(str(trace)):
+                    _timed(lambda: step(model, optimizer, ids), 1, 2)
         except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
             times[name] = _error(err)
         if hlo_dir is not None and not isinstance(times[name], str):
@@ -274,11 +280,13 @@ def main(argv=None):
     parser.add_argument("--pipeline", type=int, default=8)
     parser.add_argument("--no-serving", action="store_true")
     parser.add_argument("--hlo", type=Path, help="write each variant's optimized step HLO and memory estimate here")
+    parser.add_argument("--profile", type=Path, help="write a profiler trace of two steps per variant here")
     args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if args.hlo:
         args.hlo.mkdir(parents=True, exist_ok=True)
-    out = {"training": time_training(SIZES[args.size], args.rounds, args.pipeline, hlo_dir=args.hlo)}
+    out = {"training": time_training(SIZES[args.size], args.rounds, args.pipeline, hlo_dir=args.hlo,
+                                         profile_dir=args.profile)}
     print_training(args.size, out["training"])
     if not args.no_serving:
         out["serving"] = time_serving(SIZES[args.size], args.rounds, args.pipeline)

@@ -199,3 +199,45 @@ def test_kernel_blocks_are_reshapes_of_adjacent_input_axes():
     assert kernel_blocks((4, 16, 6, 8), (0, 2), QuantSpec(bits=4)) is None
     with pytest.raises(ValueError, match="group_size=48 does not divide the input size 64"):
         kernel_blocks((40, 64), (1,), QuantSpec(bits=4, group_size=48))
+
+
+@pytest.mark.parametrize("clip_percentile", [None, 90.0])
+def test_a_bfloat16_dtype_rounds_numpys_values_once_and_passes_a_float32_gradient(clip_percentile):
+    # What a layer computing in bfloat16 gets: the float32 lattice rounded once to bfloat16, and
+    # the straight-through gradient (masked beyond the threshold with clip_gradient) in the
+    # master weight's float32.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    spec = QuantSpec(bits=4, clip_percentile=clip_percentile, clip_gradient=clip_percentile is not None)
+    w = _kernel((128, 48), seed=4)
+    r = np.random.default_rng(5).standard_normal(w.shape).astype(np.float32)
+    deq = jax.jit(lambda k: fake_quantize_weight(k, (0,), spec, dtype=jnp.bfloat16))(jnp.asarray(w))
+    grad = jax.jit(jax.grad(
+        lambda k: jnp.sum(fake_quantize_weight(k, (0,), spec, dtype=jnp.bfloat16).astype(jnp.float32) * r)))(
+        jnp.asarray(w))
+    matrix, back = _as_matrix(w, (0,))
+    codes, scale, expected = reference_codes_scales(matrix, 4, "channel", None, clip_percentile, "symmetric")
+    assert deq.dtype == jnp.bfloat16 and grad.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(deq.astype(jnp.float32)),
+                                  back(expected).astype(ml_dtypes.bfloat16).astype(np.float32))
+    # the cotangent reaching the kernel is r rounded to bfloat16 (the output's dtype)
+    passed = r.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if clip_percentile is not None:
+        s = np.sort(np.abs(matrix), axis=1)
+        pos = clip_percentile / 100 * (s.shape[1] - 1)
+        lo = int(math.floor(pos))
+        c = s[:, lo : lo + 1] + (s[:, lo + 1 : lo + 2] - s[:, lo : lo + 1]) * np.float32(pos - lo)
+        passed = np.where(back(np.abs(matrix) <= c), passed, 0)
+    np.testing.assert_array_equal(np.asarray(grad), passed)
+
+
+def test_activation_row_scales_are_numpys_quotient():
+    # XLA multiplies by the reciprocal of a constant divisor, an ulp off for some scales (4% on
+    # CPU): the row scales are the correctly rounded absmax / qmax, as numpy divides.
+    from mixle.flax_backend.int_matmul import quantize_rows
+
+    x = np.random.default_rng(6).uniform(0.1, 10, (20000, 3)).astype(np.float32)
+    for bits, axis in ((8, -1), (4, 0)):
+        qmax = np.float32(2 ** (bits - 1) - 1)
+        _, scale = jax.jit(lambda v: quantize_rows(v, bits, axis))(jnp.asarray(x))
+        expected = np.abs(x).max(axis=axis, keepdims=True) / qmax
+        np.testing.assert_array_equal(np.asarray(scale).view(np.uint32), expected.view(np.uint32))

@@ -84,7 +84,10 @@ def quantize_rows(x, bits, axis=-1):
     absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
     safe = jnp.where(absmax == 0, 1.0, absmax)
     codes = jnp.clip(jnp.round(x * (qmax / safe)), -qmax, qmax).astype(jnp.int8)
-    return codes, jnp.where(absmax == 0, 0.0, absmax / qmax)
+    # XLA multiplies by the reciprocal of a constant divisor (an ulp off for some scales): the
+    # scale is the correctly rounded quotient, one per row, as numpy divides.
+    ops = array_ops(absmax)
+    return codes, jnp.where(absmax == 0, 0.0, ops.divide(absmax, ops.divisor(qmax, absmax)))
 
 
 def _int_dot(a, b, dims):
@@ -118,20 +121,25 @@ def _product_fwd(x, w, spec):
     return _forward(x, codes, scale, spec).astype(x.dtype), (x, codes, scale, jnp.zeros((0,), w.dtype))
 
 
+def _float_dot(a, b, contracting):
+    """A float product in the operands' own dtype (bfloat16 where the layer computes in it, as
+    the float model's backward), summed in float32."""
+    return jax.lax.dot_general(a, b.astype(a.dtype), (contracting, ((), ())), preferred_element_type=jnp.float32)
+
+
 def _product_bwd(spec, residuals, g):
     x, codes, scale, w_marker = residuals
     k, n = x.shape[-1], g.shape[-1]
-    xs, gs = x.reshape(-1, k).astype(jnp.float32), g.reshape(-1, n).astype(jnp.float32)
-    weight = (codes.astype(jnp.float32) * scale).reshape(k, n)
-    if spec.bwd_bits is None:
-        dx = gs @ weight.T
-        dw = xs.T @ gs
+    xs, gs = x.reshape(-1, k), g.reshape(-1, n)
+    if spec.bwd_bits is None or codes.ndim == 3:
+        weight = (codes.astype(jnp.float32) * scale).reshape(k, n)
+        dx = _float_dot(gs, weight, ((1,), (1,)))
     else:
-        if codes.ndim == 3:
-            dx = gs @ weight.T
-        else:
-            qg, sg = quantize_rows(gs * scale.reshape(1, -1), spec.bwd_bits)
-            dx = _int_dot(qg, codes, (((1,), (1,)), ((), ()))) * sg
+        qg, sg = quantize_rows(gs.astype(jnp.float32) * scale.reshape(1, -1), spec.bwd_bits)
+        dx = _int_dot(qg, codes, (((1,), (1,)), ((), ()))) * sg
+    if spec.bwd_bits is None:
+        dw = _float_dot(xs, gs, ((0,), (0,)))
+    else:
         qxc, sxc = quantize_rows(xs, spec.bwd_bits, axis=0)
         qgc, sgc = quantize_rows(gs, spec.bwd_bits, axis=0)
         dw = _int_dot(qxc, qgc, (((0,), (0,)), ((), ()))) * sxc.reshape(-1, 1) * sgc

@@ -332,7 +332,7 @@ class QATProvider(qwix_seam.QtProviderBase):
                 if self._probe_traced(master, contracting, spec, label, importance):
                     w = master.astype(w.dtype)
                 else:
-                    w = _fake_quantize_jitted(master, contracting, spec, label, importance=importance).astype(w.dtype)
+                    w = _fake_quantize_jitted(master, contracting, spec, label, importance=importance, dtype=w.dtype)
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, _rounded_input(rhs, rhs_ca, spec, label)) if side == "lhs" else (
                     _rounded_input(lhs, lhs_ca, spec, label), w)
