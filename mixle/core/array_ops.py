@@ -351,8 +351,8 @@ class JaxOps(NumpyOps):
         otherwise keeps its sign. numpy's quotient is ``h`` itself, a tie rounded to even, when
         ``|r|`` is under half the float spacing at ``h`` times the scale (the spacing just below
         0.5 is half as wide, but there both answers are 0; a quotient of floats is never exactly
-        halfway between two floats). About 20 operations a weight, every product exact, so a
-        fused multiply-add computes the same values.
+        halfway between two floats). About 20 operations a weight; the remainder's products are
+        exact, so a fused multiply-add computes the same remainder.
         """
         xp, lax = self.xp, self.jax.lax
         if blocks.dtype != xp.float32 or max(abs(lo), abs(hi)) >= 2**11 - 1:
