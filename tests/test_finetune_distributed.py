@@ -10,10 +10,13 @@ sums are split: each process sums the loss and the gradient over its window of a
 and the two partial sums are added (FSDP's reduce-scatter, the loss's all-reduce). Reordering a
 float32 sum of ``L`` terms changes it by at most ``L * eps32`` relative (per term bounded), with
 ``L = BATCH * BLOCK = 32`` predicted tokens per micro-batch: ``RTOL = 32 * eps32 = 3.8e-6``. The
-training losses are such sums. The held-out losses are computed by the same float ops on
-weights that can differ only through those gradient sums, which AdamW turns into updates that
-differ by about ``lr * RTOL`` per step, far below a q4_0 grid step: they agree to ``RTOL`` as
-well (measured: bit for bit; the training losses differ by up to 1.2e-10 absolute, 1e-6 relative).
+training losses are distillation KLs, sums of ``p * (log p - log q)`` whose two parts are each
+about the model's loss per token in size, so a KL far smaller than the loss changes by up to
+``RTOL * loss`` absolute, not ``RTOL`` relative (measured: 1.1e-7 on a KL of 2.1e-3 on an AVX2
+CPU, 5e-5 relative). The held-out losses are computed by the same float ops on weights that can
+differ only through those gradient sums, which AdamW turns into updates that differ by about
+``lr * RTOL`` per step, far below a q4_0 grid step: they agree to ``RTOL`` as
+well (measured: bit for bit).
 """
 
 import hashlib
@@ -88,8 +91,8 @@ def two_processes(assets, tmp_path_factory):
                 raise
 
 
-def assert_close(got, want):
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=0)
+def assert_close(got, want, atol=0.0):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol)
 
 
 def test_two_processes_end_with_the_one_process_perplexity(one_process, two_processes):
@@ -99,7 +102,8 @@ def test_two_processes_end_with_the_one_process_perplexity(one_process, two_proc
         assert two_rows[method] == one_rows[method]
     for key in ("loss", "perplexity", "fake_quant_loss"):
         assert_close(two_rows["QAT imatrix"][key], one_rows["QAT imatrix"][key])
-    assert_close(two["curve"]["train_loss"], one_process["curve"]["train_loss"])
+    # KLs: differences of two cross-entropies of about the float model's loss each (module docstring)
+    assert_close(two["curve"]["train_loss"], one_process["curve"]["train_loss"], atol=RTOL * one_rows["float"]["loss"])
     assert_close(two["curve"]["held_out_loss"], one_process["curve"]["held_out_loss"])
     # Guard: training moved the QAT loss far more than the tolerance, so a run that trained on other
     # windows (or fewer of them) could not pass.
