@@ -9,9 +9,11 @@ weight (``convert`` of the QAT model, packed by ``mixle.gguf.blocks.pack_array``
 guarantee: llama-quantize's quantizer is the lattice QAT trains on, so the trained float weights
 are all llama.cpp's tools need, for any architecture they convert.
 
-Training runs in float64 and the model is then cast to float32, the master weights written and
-quantized: float64's summation-order differences between CPUs vanish in that rounding, so the
-float32 weights, and the fixture's hashes, are the same on every machine.
+Training runs in float64, its loss included (transformers' own loss upcasts the logits to float32 only,
+whose summation order differs between AVX2 and AVX-512 CPUs and once changed the trained weights), and
+the model is then cast to float32, the master weights written and quantized: float64's summation-order
+differences between CPUs vanish in that rounding (weights perturbed by 2e-16 relative train to the same
+float32 weights), so the float32 weights, and the fixture's hashes, are the same on every machine.
 
 CI has neither tool: ``benchmarks/make_hf_llama_cpp_fixtures.py`` ran them once and stored
 llama.cpp's blocks' hashes (``tests/fixtures/hf_llama_cpp_reference.json``); the live test reruns
@@ -64,7 +66,8 @@ def trained(file_type, steps=STEPS):
     ids = torch.tensor(np.random.default_rng(SEED + 1).integers(0, CONFIG["vocab_size"], (4, 16)))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(steps):
-        model(ids, labels=ids).loss.backward()
+        logits = model(ids).logits[:, :-1]
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.float()
