@@ -15,8 +15,8 @@ about the model's loss per token in size, so a KL far smaller than the loss chan
 ``RTOL * loss`` absolute, not ``RTOL`` relative (measured: 1.1e-7 on a KL of 2.1e-3 on an AVX2
 CPU, 5e-5 relative). The held-out losses are computed by the same float ops on weights that can
 differ only through those gradient sums, which AdamW turns into updates that differ by about
-``lr * RTOL`` per step, far below a q4_0 grid step: they agree to ``RTOL`` as
-well (measured: bit for bit).
+``lr * RTOL`` per step, far below a q4_0 grid step: they agree to ``RTOL`` as well (measured:
+bit for bit).
 """
 
 import hashlib

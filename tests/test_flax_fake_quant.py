@@ -175,6 +175,16 @@ def test_jax_order_statistics_equal_a_sort_along_any_axis(count, percentile, axi
         np.testing.assert_array_equal(np.asarray(value), np.take(expected, [k], axis=axis))
 
 
+def _within_clip(matrix, percentile):
+    """numpy: ``|w| <= c`` per row of the (out, in) matrix, ``c`` the row's percentile of ``|w|``
+    (linear interpolation between the two order statistics around it): where the STE passes."""
+    s = np.sort(np.abs(matrix), axis=1)
+    pos = percentile / 100 * (s.shape[1] - 1)
+    lo = int(math.floor(pos))
+    c = s[:, lo : lo + 1] + (s[:, lo + 1 : lo + 2] - s[:, lo : lo + 1]) * np.float32(pos - lo)
+    return np.abs(matrix) <= c
+
+
 @pytest.mark.parametrize("shape,input_axes", LAYOUTS[:3])
 def test_clip_gradient_masks_weights_beyond_the_threshold_under_jit(shape, input_axes):
     spec = QuantSpec(bits=4, clip_percentile=90.0, clip_gradient=True)
@@ -182,11 +192,7 @@ def test_clip_gradient_masks_weights_beyond_the_threshold_under_jit(shape, input
     r = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
     grad = jax.jit(jax.grad(lambda k: jnp.sum(fake_quantize_weight(k, input_axes, spec) * r)))(jnp.asarray(w))
     matrix, back = _as_matrix(w, input_axes)
-    s = np.sort(np.abs(matrix), axis=1)
-    pos = 0.9 * (s.shape[1] - 1)
-    lo = int(math.floor(pos))
-    c = s[:, lo : lo + 1] + (s[:, lo + 1 : lo + 2] - s[:, lo : lo + 1]) * np.float32(pos - lo)
-    mask = back(np.abs(matrix) <= c)
+    mask = back(_within_clip(matrix, 90.0))
     np.testing.assert_array_equal(np.asarray(grad), np.where(mask, r, 0))
     assert 0.05 < 1 - mask.mean() < 0.2
 
@@ -215,18 +221,14 @@ def test_a_bfloat16_dtype_rounds_numpys_values_once_and_passes_a_float32_gradien
         lambda k: jnp.sum(fake_quantize_weight(k, (0,), spec, dtype=jnp.bfloat16).astype(jnp.float32) * r)))(
         jnp.asarray(w))
     matrix, back = _as_matrix(w, (0,))
-    codes, scale, expected = reference_codes_scales(matrix, 4, "channel", None, clip_percentile, "symmetric")
+    expected = reference_codes_scales(matrix, 4, "channel", None, clip_percentile, "symmetric")[2]
     assert deq.dtype == jnp.bfloat16 and grad.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(deq.astype(jnp.float32)),
                                   back(expected).astype(ml_dtypes.bfloat16).astype(np.float32))
     # the cotangent reaching the kernel is r rounded to bfloat16 (the output's dtype)
     passed = r.astype(ml_dtypes.bfloat16).astype(np.float32)
     if clip_percentile is not None:
-        s = np.sort(np.abs(matrix), axis=1)
-        pos = clip_percentile / 100 * (s.shape[1] - 1)
-        lo = int(math.floor(pos))
-        c = s[:, lo : lo + 1] + (s[:, lo + 1 : lo + 2] - s[:, lo : lo + 1]) * np.float32(pos - lo)
-        passed = np.where(back(np.abs(matrix) <= c), passed, 0)
+        passed = np.where(back(_within_clip(matrix, clip_percentile)), passed, 0)
     np.testing.assert_array_equal(np.asarray(grad), passed)
 
 
