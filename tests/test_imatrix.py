@@ -38,9 +38,10 @@ VOCAB = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range
 WEIGHTED = ("q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
-def build_dir():
+def build_dir(tool="llama-quantize"):
+    """The llama.cpp build directory whose ``bin`` has ``tool`` (a build may hold only some tools)."""
     for path in (os.environ.get("MIXLE_LLAMA_CPP_BUILD"), "/tmp/llbuild"):
-        if path and os.path.exists(os.path.join(path, "bin", "llama-quantize")):
+        if path and os.path.exists(os.path.join(path, "bin", tool)):
             return path
     return None
 

@@ -159,13 +159,14 @@ def test_moe_imatrix_file_round_trip_and_refusals(tmp_path):
     assert not (tmp_path / "q.gguf").exists()
 
 
-@pytest.mark.skipif(build_dir() is None, reason="no llama.cpp build with llama-imatrix (MIXLE_LLAMA_CPP_BUILD)")
+@pytest.mark.skipif(build_dir("llama-imatrix") is None,
+                    reason="no llama.cpp build with llama-imatrix (MIXLE_LLAMA_CPP_BUILD)")
 def test_live_llama_imatrix_and_quantize_on_moe(tmp_path):
     """Fresh text: llama-imatrix on save_gguf's F32 file against calibrate_importance (on this text
     one token of layer 1 is routed to another expert by llama.cpp: its counts move by one), then
     llama-quantize --imatrix of it against mixle's PTQ with that file, Q4_0 and Q4_K_M; and
     llama-quantize --imatrix with mixle's own file (save_imatrix) against quantize_model with it."""
-    model, build = seeded_model(MOE_IMATRIX_CASE), build_dir()
+    model, build = seeded_model(MOE_IMATRIX_CASE), build_dir("llama-imatrix")
     mixle.save_gguf(model, tmp_path / "f32.gguf", float_matrices="f32", vocab=VOCAB)
     (tmp_path / "t.txt").write_text(calibration_text(words=600, seed=11))
     llama_imatrix(build, str(tmp_path / "f32.gguf"), str(tmp_path / "t.txt"), str(tmp_path / "m.imatrix.gguf"))
