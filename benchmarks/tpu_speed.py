@@ -209,13 +209,12 @@ def time_training(size, rounds, pipeline, names=None, hlo_dir=None, profile_dir=
             for name, t in times.items()}
 
 
-def time_serving(size, rounds, calls):
-    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float (one at a time)."""
+def serving_variants():
+    """name -> function(model) giving the model to serve (None: float)."""
     import qwix
 
     from mixle.api import apply_qat, convert
 
-    shapes = {"16x1": (16, 1), f"1x{size.seq}": (1, size.seq)}
     example = jnp.zeros((1, 8), jnp.int32)
 
     def converted(**fields):
@@ -225,9 +224,20 @@ def time_serving(size, rounds, calls):
         rule = qwix.QuantizationRule(module_path=LINEAR, **fields)
         return lambda model: qwix.quantize_model(model, qwix.PtqProvider([rule]), example)
 
-    makers = {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
-              "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
-              "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+    return {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
+            "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
+            "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+
+
+def serving_shapes(size):
+    """The forward's token shapes: 16 sequences of 1 token, one sequence of ``size.seq``."""
+    return {"16x1": (16, 1), f"1x{size.seq}": (1, size.seq)}
+
+
+def time_serving(size, rounds, calls):
+    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float (one at a time)."""
+    shapes = serving_shapes(size)
+    makers = serving_variants()
     forward = nnx.jit(lambda m, ids: m(ids))
     times = {}
     for name, make in makers.items():

@@ -1,0 +1,147 @@
+"""What XLA's TPU compiler makes of each training step, compiled ahead of time on a host without a TPU.
+
+The lent TPU has 30 minutes a session; compiling needs none of it. With ``libtpu`` installed
+(``pip install libtpu==0.0.42.1``, the version JAX 0.10.2 pins), JAX compiles for a TPU v5e
+topology on any x86 host. For each variant of ``benchmarks/tpu_speed.py`` this prints what the
+compiler decided: the step's temporaries and arguments (does it fit the chip's 15.75 GiB?) and
+its cost model's HBM bytes accessed, each beside the float step's. Bytes are a proxy for a
+memory-bound overhead, not a time: on the 470M model, bytes +9% came with +3.2% step time
+(int8) and +40% with +22% (int4 group 32). ``--hlo DIR`` writes each optimized program.
+
+    pip install libtpu==0.0.42.1          # in a virtual environment of its own: jax then looks for a TPU
+    python benchmarks/tpu_compile.py --size 470M --variants "mixle int8" "mixle int4 g32"
+
+Run each variant in its own process (``--variants`` one at a time) where memory is short: a 470M
+model with AdamW holds ~6.4 GB of host memory while it is built.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+# libtpu's defaults for a host without TPU hardware: one v5e chip, this host as its only worker.
+for key, value in {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_ID": "0",
+                   "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}.items():
+    os.environ.setdefault(key, value)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tpu_speed import (LM, SIZES, _train_step, parameters, serving_shapes, serving_variants,  # noqa: E402
+                       training_variants)
+
+
+def tpu_device(topology="v5e:1x1"):
+    """The first device of a TPU ``topology`` to compile for (no hardware needed)."""
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                        chips_per_host_bounds=[1, 1, 1]).devices[0]
+
+
+def _compiled_facts(function, abstract, hlo_path):
+    """Compile ``function`` for the TPU on ``abstract`` arguments: its memory and HBM bytes (GiB)."""
+    # The host's backend is the CPU; mixle picks what it traces by the backend it runs on, so the
+    # program is traced as it is on the chip.
+    with mock.patch.object(jax, "default_backend", lambda: "tpu"):
+        try:
+            compiled = function.lower(*abstract).compile()
+        except Exception as err:  # RESOURCE_EXHAUSTED: the program does not fit the chip
+            return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    if hlo_path is not None:
+        Path(hlo_path).write_text(compiled.as_text())
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"temp_gib": memory.temp_size_in_bytes / 2**30, "args_gib": memory.argument_size_in_bytes / 2**30,
+            "hbm_gib": cost.get("bytes accessed", 0.0) / 2**30}
+
+
+def _on(device, tree):
+    sharding = SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def _hlo_path(hlo_dir, *parts):
+    return None if hlo_dir is None else Path(hlo_dir) / ("_".join(parts).replace(" ", "_") + ".hlo.txt")
+
+
+def compile_step(size, name, device, hlo_dir=None):
+    """``{"step": facts}`` of one variant's training step (``_compiled_facts``, or ``{"error"}``)."""
+    ids = jnp.zeros((size.batch, size.seq + 1), jnp.int32)
+    model = LM(size, nnx.Rngs(0))
+    maker = training_variants()[name]
+    if maker is not None:
+        model = maker(model, ids[:1, :9])
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def pure(state, ids):
+        m, o = nnx.merge(graphdef, state)
+        loss = _train_step(m, o, ids)
+        return loss, nnx.state((m, o))
+
+    abstract = _on(device, (state, ids))
+    del model, optimizer, state
+    return {"step": _compiled_facts(jax.jit(pure, donate_argnums=0), abstract, _hlo_path(hlo_dir, name))}
+
+
+def compile_serving(size, name, device, hlo_dir=None):
+    """``{shape name: facts}`` of one serving variant's forward at ``serving_shapes``."""
+    model = LM(size, nnx.Rngs(0))
+    maker = serving_variants()[name]
+    if maker is not None:
+        model = maker(model)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    abstract_state = _on(device, state)
+    del model, state
+    return {shape_name: _compiled_facts(forward, (abstract_state, _on(device, jnp.zeros(shape, jnp.int32))),
+                                        _hlo_path(hlo_dir, name, shape_name))
+            for shape_name, shape in serving_shapes(size).items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--variants", nargs="+", help="variants of tpu_speed.py (default: all)")
+    parser.add_argument("--serving", action="store_true", help="the serving forward passes instead of the step")
+    parser.add_argument("--topology", default="v5e:1x1")
+    parser.add_argument("--hlo", type=Path, help="write each optimized program here")
+    args = parser.parse_args(argv)
+    variants, compile_one = (serving_variants(), compile_serving) if args.serving else (training_variants(), compile_step)
+    names = args.variants or list(variants)
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        parser.error(f"--variants {unknown}: not variants of tpu_speed.py; choose from {sorted(variants)}")
+    if args.hlo:
+        args.hlo.mkdir(parents=True, exist_ok=True)
+    device = tpu_device(args.topology)
+    size = SIZES[args.size]
+    print(f"compiled for {device.device_kind} ({args.topology}) on {os.cpu_count()} host cores, jax {jax.__version__}; "
+          f"{args.size}: {size.layers} x d{size.d_model}, mlp {size.d_ff}, seq {size.seq}, batch {size.batch}, "
+          f"{parameters(size) / 1e6:.0f}M parameters; {'serving' if args.serving else 'training step'}")
+    rows = {}
+    for name in ["float bf16", *[n for n in names if n != "float bf16"]]:
+        started = time.perf_counter()
+        rows[name] = compile_one(size, name, device, args.hlo)
+        for program, row in rows[name].items():
+            label = f"{name} {program}" if args.serving else name
+            if "error" in row:
+                print(f"  {label:28s} {row['error']}", flush=True)
+                continue
+            base = rows["float bf16"][program].get("hbm_gib")
+            ratio = f"{row['hbm_gib'] / base:.3f}x" if base else "-"
+            print(f"  {label:28s} temporaries {row['temp_gib']:6.2f} GiB  arguments {row['args_gib']:6.2f} GiB  "
+                  f"HBM bytes {row['hbm_gib']:7.2f} GiB ({ratio})", flush=True)
+        print(f"    ({time.perf_counter() - started:.0f} s to build and compile)", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
