@@ -373,3 +373,24 @@ def test_int4_kernels_unpack_without_an_axis_of_two():
     value = converted.layers[0].kernel.get_raw_value()
     assert value.codes.shape == (64, 24)  # (out, ceil(in / 2)) bytes
     np.testing.assert_array_equal(unpack_int4(value.file_codes(), (64, 48)), np.asarray(value.codes_matrix()))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=8), QuantSpec(bits=4), QuantSpec(bits=4, group_size=16)])
+def test_off_the_cpu_the_dequantized_kernel_fuses_into_its_product(monkeypatch, spec):
+    # A barrier kept the dequantized float32 kernel as its own value on every backend: a TPU then
+    # wrote and read it back at every call (the 470M model's 16 x 1 serving: 32 kernel-sized
+    # float values in the program; none for int4 per channel without it). The CPU keeps it.
+    import mixle.flax_backend.fake_quant as fake_quant
+    from mixle.flax_backend.convert import quantize_kernel
+
+    kernel = (np.random.default_rng(3).standard_normal((48, 40)) * 0.05).astype(np.float32)
+    value = quantize_kernel(jnp.asarray(kernel), (0,), spec)
+
+    def barriers():
+        return jax.jit(lambda v: v.dequantize()).lower(value).as_text().count("optimization_barrier")
+
+    on_cpu = barriers()
+    monkeypatch.setattr(fake_quant.jax, "default_backend", lambda: "tpu")
+    assert (on_cpu, barriers()) == (1, 0)
+    want = reference_codes_scales(np.ascontiguousarray(kernel.T), spec.bits, spec.granularity, spec.group_size)[2].T
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: v.dequantize())(value)), want)

@@ -40,7 +40,7 @@ from mixle.core.array_ops import is_tracer
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
-from mixle.flax_backend.fake_quant import as_matrix, from_matrix, weight_layout
+from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
 __all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "pack_int4_planar",
@@ -147,8 +147,7 @@ class QuantizedValue:
         if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
             host = jax.tree.map(np.asarray, self)
             return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
-        matrix = dequantize_array(self.quantized_array())
-        return jax.lax.optimization_barrier(from_matrix(matrix, self.shape, self.perm))  # as fake_quant's
+        return kept_on_cpu(from_matrix(dequantize_array(self.quantized_array()), self.shape, self.perm))
 
     def __jax_array__(self):
         return self.dequantize()
