@@ -1,4 +1,4 @@
-"""What XLA's TPU compiler makes of each training step, compiled ahead of time on a host without a TPU.
+"""What XLA's TPU compiler makes of each training step (or serving pass), compiled on a host without a TPU.
 
 The lent TPU has 30 minutes a session; compiling needs none of it. With ``libtpu`` installed
 (``pip install libtpu==0.0.42.1``, the version JAX 0.10.2 pins), JAX compiles for a TPU v5e
@@ -10,6 +10,7 @@ memory-bound overhead, not a time: on the 470M model, bytes +9% came with +3.2% 
 
     pip install libtpu==0.0.42.1          # in a virtual environment of its own: jax then looks for a TPU
     python benchmarks/tpu_compile.py --size 470M --variants "mixle int8" "mixle int4 g32"
+    python benchmarks/tpu_compile.py --size 470M --serving --hlo DIR   # the forward passes, programs kept
 
 Run each variant in its own process (``--variants`` one at a time) where memory is short: a 470M
 model with AdamW holds ~6.4 GB of host memory while it is built.
