@@ -36,8 +36,8 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tpu_speed import (LM, SIZES, _train_step, parameters, serving_shapes, serving_variants,  # noqa: E402
-                       training_variants)
+from tpu_speed import (LM, SIZES, error_text, parameters, pure_step, serving_shapes,  # noqa: E402
+                       serving_variants, training_variants)
 
 
 def tpu_device(topology="v5e:1x1"):
@@ -54,7 +54,7 @@ def _compiled_facts(function, abstract, hlo_path):
         try:
             compiled = function.lower(*abstract).compile()
         except Exception as err:  # RESOURCE_EXHAUSTED: the program does not fit the chip
-            return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            return {"error": error_text(err)}
     if hlo_path is not None:
         Path(hlo_path).write_text(compiled.as_text())
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -79,17 +79,10 @@ def compile_step(size, name, device, hlo_dir=None):
     maker = training_variants()[name]
     if maker is not None:
         model = maker(model, ids[:1, :9])
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    def pure(state, ids):
-        m, o = nnx.merge(graphdef, state)
-        loss = _train_step(m, o, ids)
-        return loss, nnx.state((m, o))
-
+    step, state = pure_step(model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param))
     abstract = _on(device, (state, ids))
-    del model, optimizer, state
-    return {"step": _compiled_facts(jax.jit(pure, donate_argnums=0), abstract, _hlo_path(hlo_dir, name))}
+    del model, state
+    return {"step": _compiled_facts(step, abstract, _hlo_path(hlo_dir, name))}
 
 
 def compile_serving(size, name, device, hlo_dir=None):

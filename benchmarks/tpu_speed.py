@@ -117,7 +117,7 @@ def training_variants():
     }
 
 
-def _train_step(model, optimizer, ids):
+def train_step(model, optimizer, ids):
     def loss_fn(m):
         logits = m(ids[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
@@ -139,7 +139,7 @@ def _timed(run, rounds, pipeline):
     return times
 
 
-def _error(err):
+def error_text(err):
     return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
 
 
@@ -150,17 +150,24 @@ def _summary(times, float_times):
             "ratio_range": [min(times) / base, max(times) / base]}
 
 
-def compiled_step(model, optimizer, ids, hlo_path=None):
-    """XLA's memory estimate of one training step (GiB of temporaries and arguments), and its
-    optimized HLO written gzipped to ``hlo_path`` (where the step's time goes, read off the chip)."""
+def pure_step(model, optimizer):
+    """``(step, state)``: ``train_step`` as a jitted function of the split ``(model, optimizer)``
+    state and the token ids, the state donated as the timed step donates it."""
     graphdef, state = nnx.split((model, optimizer))
 
     def pure(state, ids):
         m, o = nnx.merge(graphdef, state)
-        loss = _train_step(m, o, ids)
+        loss = train_step(m, o, ids)
         return loss, nnx.state((m, o))
 
-    compiled = jax.jit(pure, donate_argnums=0).lower(state, ids).compile()  # donated, as the timed step
+    return jax.jit(pure, donate_argnums=0), state
+
+
+def compiled_step(model, optimizer, ids, hlo_path=None):
+    """XLA's memory estimate of one training step (GiB of temporaries and arguments), and its
+    optimized HLO written gzipped to ``hlo_path`` (where the step's time goes, read off the chip)."""
+    step, state = pure_step(model, optimizer)
+    compiled = step.lower(state, ids).compile()
     if hlo_path is not None:
         with gzip.open(hlo_path, "wt") as stream:
             stream.write(compiled.as_text())
@@ -187,7 +194,7 @@ def time_training(size, rounds, pipeline, names=None, hlo_dir=None, profile_dir=
             if makers[name] is not None:
                 model = makers[name](model, ids[:, :-1])
             optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-            step = nnx.jit(_train_step, donate_argnums=(0, 1))
+            step = nnx.jit(train_step, donate_argnums=(0, 1))
             step(model, optimizer, ids).block_until_ready()  # compile
             times.setdefault(name, []).extend(_timed(lambda: step(model, optimizer, ids), rounds, pipeline))
             trace = None if profile_dir is None else Path(profile_dir) / name.replace(" ", "_")
@@ -195,12 +202,12 @@ def time_training(size, rounds, pipeline, names=None, hlo_dir=None, profile_dir=
                 with jax.profiler.trace(str(trace)):
                     _timed(lambda: step(model, optimizer, ids), 1, 2)
         except Exception as err:  # e.g. RESOURCE_EXHAUSTED: reported, the others still run
-            times[name] = _error(err)
+            times[name] = error_text(err)
         if hlo_dir is not None and not isinstance(times[name], str):
             try:  # the estimate compiles the step once more: its failure leaves the timing standing
                 memory[name] = compiled_step(model, optimizer, ids, Path(hlo_dir) / f"{name.replace(' ', '_')}.hlo.txt.gz")
             except Exception as err:
-                memory[name] = {"hlo_error": _error(err)}
+                memory[name] = {"hlo_error": error_text(err)}
         print(f"    {name}: {times[name] if isinstance(times[name], str) else f'{1e3 * statistics.median(times[name]):.2f} ms'}",
               flush=True)
         del model
@@ -250,9 +257,9 @@ def time_serving(size, rounds, calls):
                     forward(model, ids).block_until_ready()
                     times.setdefault(name, {})[shape_name] = _timed(lambda: forward(model, ids), rounds, calls)
                 except Exception as err:
-                    times.setdefault(name, {})[shape_name] = _error(err)
+                    times.setdefault(name, {})[shape_name] = error_text(err)
         except Exception as err:
-            times[name] = {shape_name: _error(err) for shape_name in shapes}
+            times[name] = {shape_name: error_text(err) for shape_name in shapes}
         del model
     results = {}
     for name, per_shape in times.items():

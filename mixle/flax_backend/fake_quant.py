@@ -232,7 +232,7 @@ def _kernel_blocks(w, input_axes, spec):
 
 
 def kept_on_cpu(kernel):
-    """``kernel`` kept as its own value (an optimization barrier) on a CPU, as it is elsewhere.
+    """``kernel`` kept as its own value (an optimization barrier) on a CPU only.
 
     Where an XLA version fused a kernel's quantizer into the matmul's operand, the CPU matmul ran
     about twice as slow. Other backends fuse it and gain (a TPU v5e: 470M model, int8, 1.032x the
