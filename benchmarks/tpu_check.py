@@ -2,7 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
-        [--variants NAME...] [--no-serving] [--hlo] [--search] [--act-compile]
+        [--variants NAME...] [--no-serving | --no-training] [--hlo] [--search] [--act-compile]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -156,6 +156,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
     parser.add_argument("--no-serving", action="store_true")
+    parser.add_argument("--no-training", action="store_true", help="with --speed: the serving passes only")
     parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
     parser.add_argument("--profile", action="store_true", help="also write a profiler trace of two steps per variant")
     parser.add_argument("--search", action="store_true",
@@ -177,11 +178,12 @@ def main(argv=None):
         from tpu_speed import SIZES, print_serving, print_training, time_serving, time_training
 
         for size in args.speed:
-            results[f"training {size}"] = time_training(SIZES[size], args.rounds, 8, args.variants,
-                                                          hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None,
-                                                          profile_dir=args.out / f"profile-{size}" if args.profile else None)
-            print_training(size, results[f"training {size}"])
-            (args.out / "results.json").write_text(json.dumps(results, indent=1))
+            if not args.no_training:
+                results[f"training {size}"] = time_training(
+                    SIZES[size], args.rounds, 8, args.variants, hlo_dir=_mkdir(args.out / f"hlo-{size}") if args.hlo else None,
+                    profile_dir=args.out / f"profile-{size}" if args.profile else None)
+                print_training(size, results[f"training {size}"])
+                (args.out / "results.json").write_text(json.dumps(results, indent=1))
             if not size.endswith("-b4") and not args.no_serving:
                 results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)
                 print_serving(size, results[f"serving {size}"])

@@ -36,8 +36,8 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tpu_speed import (LM, SIZES, error_text, parameters, pure_step, serving_shapes,  # noqa: E402
-                       serving_variants, training_variants)
+from tpu_speed import (LM, SIZES, error_text, parameters, pure_forward, pure_step,  # noqa: E402
+                       serving_shapes, serving_variants, training_variants)
 
 
 def tpu_device(topology="v5e:1x1"):
@@ -91,8 +91,7 @@ def compile_serving(size, name, device, hlo_dir=None):
     maker = serving_variants()[name]
     if maker is not None:
         model = maker(model)
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    forward, state = pure_forward(model)
     abstract_state = _on(device, state)
     del model, state
     return {shape_name: _compiled_facts(forward, (abstract_state, _on(device, jnp.zeros(shape, jnp.int32))),

@@ -1,11 +1,14 @@
 """convert() for Flax: stored integer codes + scales from a QAT model, with mixle's own numerics.
 
 Representation. A converted kernel is a ``QuantizedValue``: a jax pytree whose leaves are the
-stored ``codes`` (int4 packed two per byte as in ``mixle.core.packing``, or int8) and ``scale``
-(``(1, S, 1)``, see ``mixle.core.numerics.block_shape``) of the kernel viewed as mixle's
-``(out, in)`` matrix, and whose static part is the spec, the kernel's own shape and the axis
-order between the two (``fake_quant.weight_layout``). Reading it (``value[...]``,
-``jnp.asarray(value)``) dequantizes: ``codes * scale``, put back in the kernel's layout.
+stored ``codes`` (``jnp.int4``, which XLA packs two per byte, or int8) and ``scale``, and whose
+static part is the spec, the kernel's own shape and the axis order to mixle's ``(out, in)``
+matrix (``fake_quant.weight_layout``). The codes keep the kernel's own layout, in the view of its
+scale blocks (``stored_view``), so a TPU reads 4 bits a weight and dequantizes inside the
+product; grids with offsets or sub-block scales keep the ``(out, in)`` matrix. Reading it
+(``value[...]``, ``jnp.asarray(value)``) dequantizes: ``codes * scale`` in the kernel's layout.
+Files hold the matrix (``codes_matrix``, ``scale_matrix``; int4 packed in pairs by
+``mixle.core.packing``).
 
 * NNX: ``convert(model)`` returns a copy of the model, back in the user's own class, in which
   each quantized kernel Param became a ``QuantizedKernel`` (an ``nnx.Variable`` subclass, not a
@@ -40,74 +43,105 @@ from mixle.core.array_ops import is_tracer
 from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
-from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, weight_layout
+from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, kernel_blocks, weight_layout
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
-__all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "pack_int4_planar",
-           "unpack_int4_planar", "dequantize_variables"]
+__all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "stored_view",
+           "dequantize_variables"]
 
 
-def pack_int4_planar(codes):
-    """int4 codes of an ``(rows, cols)`` matrix, two per byte as a converted kernel holds them in
-    memory: byte ``[r, j]`` holds code ``[r, j]`` in its low nibble and code ``[r, j + half]`` in
-    its high one (``half = ceil(cols / 2)``). Unpacking then joins two halves along the rows
-    (``unpack_int4_planar``) instead of interleaving pairs: an array whose last axis has length
-    2 is padded to 128 lanes on a TPU, 64 times its size. Files keep ``pack_int4``'s pairs.
+def stored_view(shape, perm, out_count, spec):
+    """``(view shape, axis)`` a converted kernel's codes and scales are stored in, or None.
 
-    >>> pack_int4_planar(np.array([[1, -1, 7]], np.int8)).tolist()
-    [[113, 15]]
+    Where the kernel's input axes are adjacent and the grid dequantizes as ``codes * scale``, the
+    codes keep the kernel's own layout in the view of its scale blocks (``kernel_blocks``: groups
+    of ``group_size`` inputs split off their axis) and the scales broadcast along the block axis,
+    so dequantizing is one multiply and a reshape, the fake quantizer's own last step, which XLA
+    fuses into the product. Otherwise (None) they are the ``(out, in)`` matrix and ``(1, S, 1)``.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> stored_view((512, 2048), (1, 0), 1, QuantSpec(bits=4, group_size=32))
+    ((16, 32, 2048), 1)
     """
-    codes = np.asarray(codes, np.int8)
-    half = (codes.shape[1] + 1) // 2
-    high = np.zeros((codes.shape[0], half), np.int8)
-    high[:, : codes.shape[1] - half] = codes[:, half:]
-    return ((codes[:, :half].astype(np.uint8) & 0xF) | ((high.astype(np.uint8) & 0xF) << 4)).astype(np.uint8)
+    grid = spec.grid_record
+    if grid.table is not None or grid.two_level or grid.offset is not None:
+        return None
+    return kernel_blocks(shape, perm[out_count:], spec)
 
 
-def unpack_int4_planar(packed, cols):
-    """int8 codes ``(rows, cols)`` from ``pack_int4_planar``'s bytes (jax, traceable; or numpy).
+def _scale_to_view(scale, shape, view):
+    """The ``(1, S, 1)`` scales of the ``(out, in)`` matrix in ``view`` (length 1 along its axis)."""
+    view_shape, axis = view
+    scale_shape = view_shape[:axis] + (1,) + view_shape[axis + 1 :]
+    if len(view_shape) == len(shape) + 1:  # groups: S runs (out, group), the view (before, group, after)
+        before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
+        scale = scale.reshape(before, -1, groups).transpose(0, 2, 1)
+    return scale.reshape(scale_shape)
 
-    >>> unpack_int4_planar(jnp.array([[113, 15]], jnp.uint8), 3).tolist()
-    [[1, -1, 7]]
-    """
-    xp = np if isinstance(packed, np.ndarray) else jnp
-    low, high = (nibble.astype(np.int8) for nibble in (packed & 0xF, packed >> 4))
-    codes = xp.concatenate([low, high], axis=1)[:, :cols]
-    return (codes ^ 8) - 8  # sign-extends a 4-bit two's-complement nibble
+
+def _scale_to_matrix(scale, shape, view):
+    """Inverse of ``_scale_to_view``."""
+    view_shape, axis = view
+    if len(view_shape) == len(shape) + 1:
+        before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
+        scale = scale.reshape(before, groups, -1).transpose(0, 2, 1)
+    return scale.reshape(1, -1, 1)
 
 
 @jax.tree_util.register_pytree_node_class
 class QuantizedValue:
     """A kernel stored as integer codes and scales (see the module docstring).
 
+    Build one with ``QuantizedValue.of_matrix`` (or ``quantize_kernel``); the constructor takes
+    the stored arrays as they are.
+
     Args:
-        codes: uint8 int4 codes packed by ``pack_int4_planar`` (``(out, ceil(in / 2))``) or int8 ``(out, in)``.
-        scale: float scales of shape ``(1, S, 1)``.
+        codes: the codes in the ``view`` (or the ``(out, in)`` matrix): ``jnp.int4`` for signed
+            4-bit grids (XLA packs two per byte), else int8.
+        scale: float scales broadcasting over the view's block axis (or ``(1, S, 1)``).
         spec: the QuantSpec the codes were made with.
         shape: the kernel's own shape.
         perm: the axis order laying the kernel out as ``out + in`` (``weight_layout``).
         out_count: how many of the permuted axes are outputs.
+        parts: a grid's offsets and sub-block scales (``QuantizedArray``'s), matrix layout only.
+        view: ``stored_view``'s ``(view shape, axis)``, or None for the matrix layout.
     """
 
-    def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None):
+    def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None, view=None):
         self.codes, self.scale = codes, scale
         self.spec, self.shape, self.perm, self.out_count = spec, tuple(shape), tuple(perm), int(out_count)
-        self.parts = dict(parts or {})  # a grid's offsets and sub-block scales (QuantizedArray's)
+        self.parts = dict(parts or {})
+        self.view = None if view is None else (tuple(view[0]), int(view[1]))
+
+    @classmethod
+    def of_matrix(cls, codes, scale, spec, shape, perm, out_count, parts=None):
+        """The stored value of int8 codes ``(out, in)`` and ``(1, S, 1)`` scales (numpy or jax).
+
+        >>> from mixle.core.spec import QuantSpec
+        >>> v = QuantizedValue.of_matrix(np.array([[7, -8]], np.int8), np.ones((1, 1, 1), np.float32),
+        ...                              QuantSpec(bits=4), (2, 1), (1, 0), 1)
+        >>> v.codes.dtype.name, v.codes.shape, v.codes_matrix().tolist()
+        ('int4', (2, 1), [[7, -8]])
+        """
+        view = None if parts else stored_view(tuple(shape), perm, out_count, spec)
+        codes, scale = jnp.asarray(codes), jnp.asarray(scale)
+        if view is not None:
+            codes = from_matrix(codes, tuple(shape), perm).reshape(view[0])
+            scale = _scale_to_view(scale, tuple(shape), view)
+        if spec.bits == 4 and spec.code_min < 0:
+            codes = codes.astype(jnp.int4)
+        parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
+        return cls(codes, scale, spec, shape, perm, out_count, parts, view)
 
     def tree_flatten(self):
         names = tuple(sorted(self.parts))
         return (self.codes, self.scale, *(self.parts[n] for n in names)), (self.spec, self.shape, self.perm,
-                                                                            self.out_count, names)
+                                                                            self.out_count, self.view, names)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        *static, names = aux
-        return cls(children[0], children[1], *static, dict(zip(names, children[2:])))
-
-    @property
-    def planar(self):
-        """Whether the codes are packed by ``pack_int4_planar`` (signed 4-bit codes); else int8."""
-        return self.spec.bits == 4 and self.spec.code_min < 0
+        spec, shape, perm, out_count, view, names = aux
+        return cls(children[0], children[1], spec, shape, perm, out_count, dict(zip(names, children[2:])), view)
 
     @property
     def matrix_shape(self):
@@ -124,22 +158,22 @@ class QuantizedValue:
         return len(self.shape)
 
     def codes_matrix(self):
-        """The int8 codes as the ``(out, in)`` matrix (int4 codes unpacked)."""
-        if self.planar:
-            return unpack_int4_planar(self.codes, self.matrix_shape[1])
-        return self.codes
+        """The int8 codes as the ``(out, in)`` matrix."""
+        codes = self.codes if self.view is None else as_matrix(self.codes.reshape(self.shape), self.perm, self.out_count)
+        return codes.astype(np.int8)
+
+    def scale_matrix(self):
+        """The scales as files and ``QuantizedArray`` hold them: ``(1, S, 1)``."""
+        return self.scale if self.view is None else _scale_to_matrix(self.scale, self.shape, self.view)
 
     def file_codes(self):
         """The codes as files store them (numpy): int4 packed in pairs (``pack_int4``), or int8."""
-        if self.planar:  # unpacked by numpy: the bytes are read on the host anyway
-            return pack_int4(unpack_int4_planar(np.asarray(self.codes), self.matrix_shape[1]))
-        if self.spec.bits == 4:
-            return pack_int4(np.asarray(self.codes_matrix()))
-        return np.asarray(self.codes)
+        codes = np.asarray(self.codes_matrix())
+        return pack_int4(codes) if self.spec.bits == 4 else codes
 
     def quantized_array(self):
         """The ``QuantizedArray`` of the ``(out, in)`` matrix."""
-        return QuantizedArray(self.codes_matrix(), self.scale, self.spec, 0, 1, **self.parts)
+        return QuantizedArray(self.codes_matrix(), self.scale_matrix(), self.spec, 0, 1, **self.parts)
 
     def dequantize(self):
         """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``); eagerly
@@ -147,7 +181,9 @@ class QuantizedValue:
         if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
             host = jax.tree.map(np.asarray, self)
             return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
-        return kept_on_cpu(from_matrix(dequantize_array(self.quantized_array()), self.shape, self.perm))
+        if self.view is None:
+            return kept_on_cpu(from_matrix(dequantize_array(self.quantized_array()), self.shape, self.perm))
+        return kept_on_cpu((self.codes.astype(self.scale.dtype) * self.scale).reshape(self.shape))
 
     def __jax_array__(self):
         return self.dequantize()
@@ -156,8 +192,8 @@ class QuantizedValue:
         return self.dequantize()[index]
 
     def __repr__(self):
-        packing = "int4, 2 per byte" if self.planar else "int8"
-        return f"QuantizedValue(shape={self.shape}, {self.spec.short()}, {packing})"
+        layout = "int4" if self.codes.dtype == jnp.int4 else "int8"
+        return f"QuantizedValue(shape={self.shape}, {self.spec.short()}, {layout} codes)"
 
 
 class QuantizedKernel(nnx.Variable):
@@ -188,11 +224,8 @@ def quantize_kernel(kernel, input_axes, spec, importance=None):
         q = quantize_linear_weight(as_matrix(kernel, perm, out_count), spec)
     else:  # numpy's own operations on the concrete kernel, as its values are defined: no XLA compile
         q = quantize_array(as_matrix(np.asarray(kernel), perm, out_count), spec, importance=importance)
-    parts = {n: jnp.asarray(v) for n, v in q.parts().items() if n not in ("codes", "scale")}
-    value = QuantizedValue(jnp.asarray(q.codes), jnp.asarray(q.scale), spec, kernel.shape, perm, out_count, parts)
-    if value.planar:
-        value.codes = jnp.asarray(pack_int4_planar(np.asarray(q.codes)))
-    return value
+    parts = {n: v for n, v in q.parts().items() if n not in ("codes", "scale")}
+    return QuantizedValue.of_matrix(q.codes, q.scale, spec, kernel.shape, perm, out_count, parts)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from mixle.core.fileformat import describe_array, manifest_from, open_tensors, w
 from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
 from mixle.core.packing import unpack_int4
 from mixle.core.stored import check_stored
-from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes, pack_int4_planar
+from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes
 from mixle.flax_backend.fake_quant import weight_layout
 
 __all__ = ["save_quantized", "load_quantized", "LAYERS", "FlaxLayer"]
@@ -185,7 +185,7 @@ def _bias(layer, variables, torch_path):
 
 def _layer_entry(torch_path, layer, value, arrays, bias):
     """One manifest layer (torch's entry) and its tensors added to ``arrays``."""
-    codes, scale = value.file_codes(), np.asarray(value.scale)
+    codes, scale = value.file_codes(), np.asarray(value.scale_matrix())
     check_stored(codes, scale, value.spec, value.matrix_shape, name=f"layer {torch_path!r}")
     names = {"codes": _join(torch_path, "codes"), "scale": _join(torch_path, "scale")}
     arrays[names["codes"]], arrays[names["scale"]] = codes, scale
@@ -219,8 +219,8 @@ def _quantized_value(entry, arrays, param, layer, where, source):
     if entry.get("codes_nbytes") != codes.nbytes or entry.get("scale_nbytes") != scale.nbytes:
         raise ValueError(f"{where}: the manifest's codes_nbytes/scale_nbytes disagree with the tensors")
     if stored.spec.bits == 4:
-        codes = pack_int4_planar(unpack_int4(codes, (rows, cols)))
-    return QuantizedValue(jnp.asarray(codes), jnp.asarray(scale), stored.spec, value_shape, perm, out_count)
+        codes = unpack_int4(codes, (rows, cols))
+    return QuantizedValue.of_matrix(codes, scale, stored.spec, value_shape, perm, out_count)
 
 
 def load_quantized(path, model, *, names=None):
