@@ -356,24 +356,26 @@ def test_qwix_grid_codes_agree_with_numpy_for_every_element_of_a_minigpt():
     assert channels == 50 + 4 * 32 + 128 + 32
 
 
-def test_int4_kernels_are_stored_as_native_int4_in_the_kernels_group_view():
-    # The program reads 4-bit codes in the kernel's own (in / 16, 16, out) layout, scales
-    # broadcast along the groups: no unpacking of bytes and no transpose of the codes (XLA's TPU
-    # cost model: 40.7 MiB for one 2048 x 8192 kernel's 16-token product from (out, in / 2)
-    # uint8 bytes unpacked in halves, 8.6 MiB from int4 in this layout). Files keep pairs.
+@pytest.mark.parametrize("group_size,codes_shape,scale_shape", [(16, (3, 16, 64), (3, 1, 64)), (None, (64, 48), (1, 64, 1))])
+def test_int4_codes_are_stored_as_native_int4_groups_in_the_kernels_layout(group_size, codes_shape, scale_shape):
+    # The program reads 4-bit codes, unpacked by XLA: no bytes unpacked by hand. Group-wise codes
+    # keep the kernel's own (in / 16, 16, out) layout, the scales broadcast along the groups (in
+    # the (out, in) matrix the groups would lie along a TPU's lane axis); per-channel codes are
+    # the (out, in) matrix. Files keep pairs.
     import re
 
     x = jnp.asarray(X)
     model = MLP(nnx.Rngs(0))
-    apply_qat(model, spec=QuantSpec(bits=4, group_size=16), example_inputs=(x,))
+    spec = QuantSpec(bits=4, group_size=group_size)
+    apply_qat(model, spec=spec, example_inputs=(x,))
     converted = api_convert(model)
     graphdef, state = nnx.split(converted)
     text = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
-    assert re.search(r"tensor<3x16x64xi4>", text) and "ui8" not in text
+    assert re.search(r"tensor<%sxi4>" % "x".join(map(str, codes_shape)), text) and "ui8" not in text
     value = converted.layers[0].kernel.get_raw_value()
-    assert (value.codes.dtype, value.codes.shape, value.scale.shape) == (jnp.int4, (3, 16, 64), (3, 1, 64))
+    assert (value.codes.dtype, value.codes.shape, value.scale.shape) == (jnp.int4, codes_shape, scale_shape)
     kernel = np.asarray(model.layers[0].kernel[...])
-    codes, scale, _ = reference_codes_scales(np.ascontiguousarray(kernel.T), 4, "group", 16)
+    codes, scale, _ = reference_codes_scales(np.ascontiguousarray(kernel.T), 4, spec.granularity, group_size)
     np.testing.assert_array_equal(unpack_int4(value.file_codes(), (64, 48)), codes)
     np.testing.assert_array_equal(np.asarray(value.scale_matrix()).reshape(scale.shape), scale)
 

@@ -3,9 +3,10 @@
 Representation. A converted kernel is a ``QuantizedValue``: a jax pytree whose leaves are the
 stored ``codes`` (``jnp.int4``, which XLA packs two per byte, or int8) and ``scale``, and whose
 static part is the spec, the kernel's own shape and the axis order to mixle's ``(out, in)``
-matrix (``fake_quant.weight_layout``). The codes keep the kernel's own layout, in the view of its
-scale blocks (``stored_view``), so a TPU reads 4 bits a weight and dequantizes inside the
-product; grids with offsets or sub-block scales keep the ``(out, in)`` matrix. Reading it
+matrix (``fake_quant.weight_layout``). The codes are that ``(out, in)`` matrix, with ``(1, S,
+1)`` scales (``mixle.core.numerics.block_shape``), except group-wise ones, which keep the
+kernel's own layout in the view of its groups (``stored_view``); either way a TPU reads 4 bits a
+weight and dequantizes inside the product. Reading it
 (``value[...]``, ``jnp.asarray(value)``) dequantizes: ``codes * scale`` in the kernel's layout.
 Files hold the matrix (``codes_matrix``, ``scale_matrix``; int4 packed in pairs by
 ``mixle.core.packing``).
@@ -53,39 +54,40 @@ __all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "c
 def stored_view(shape, perm, out_count, spec):
     """``(view shape, axis)`` a converted kernel's codes and scales are stored in, or None.
 
-    Where the kernel's input axes are adjacent and the grid dequantizes as ``codes * scale``, the
-    codes keep the kernel's own layout in the view of its scale blocks (``kernel_blocks``: groups
-    of ``group_size`` inputs split off their axis) and the scales broadcast along the block axis,
-    so dequantizing is one multiply and a reshape, the fake quantizer's own last step, which XLA
-    fuses into the product. Otherwise (None) they are the ``(out, in)`` matrix and ``(1, S, 1)``.
+    Group-wise codes (``group_size``, where the kernel's input axes are adjacent and the grid
+    dequantizes as ``codes * scale``) keep the kernel's own layout in its group view
+    (``kernel_blocks``: ``(in / group_size, group_size, out)`` for a Linear), the scales
+    broadcasting along the groups: dequantizing is the fake quantizer's last multiply and a
+    reshape, which XLA fuses into the product. In the ``(out, in)`` matrix the groups would lie
+    along a TPU's 128-lane axis, each scale broadcast across it. Otherwise (None) the codes are
+    the ``(out, in)`` matrix and the scales ``(1, S, 1)``: per channel, whose contracting axis
+    is then the minor one, XLA's TPU cost model charges the 470M model's 16-token forward 1.64 GiB
+    for int4 codes this way, 2.01 GiB in the kernel's layout.
 
     >>> from mixle.core.spec import QuantSpec
     >>> stored_view((512, 2048), (1, 0), 1, QuantSpec(bits=4, group_size=32))
     ((16, 32, 2048), 1)
     """
     grid = spec.grid_record
-    if grid.table is not None or grid.two_level or grid.offset is not None:
+    if spec.granularity != "group" or grid.table is not None or grid.two_level or grid.offset is not None:
         return None
     return kernel_blocks(shape, perm[out_count:], spec)
 
 
-def _scale_to_view(scale, shape, view):
-    """The ``(1, S, 1)`` scales of the ``(out, in)`` matrix in ``view`` (length 1 along its axis)."""
+def _scale_to_view(scale, view):
+    """The ``(1, S, 1)`` scales of the ``(out, in)`` matrix in a group view (length 1 along its
+    axis): S runs ``(out, group)``, the view ``(before, group, 1, after)``."""
     view_shape, axis = view
-    scale_shape = view_shape[:axis] + (1,) + view_shape[axis + 1 :]
-    if len(view_shape) == len(shape) + 1:  # groups: S runs (out, group), the view (before, group, after)
-        before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
-        scale = scale.reshape(before, -1, groups).transpose(0, 2, 1)
-    return scale.reshape(scale_shape)
+    before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
+    scale = scale.reshape(before, -1, groups).transpose(0, 2, 1)
+    return scale.reshape(view_shape[:axis] + (1,) + view_shape[axis + 1 :])
 
 
-def _scale_to_matrix(scale, shape, view):
+def _scale_to_matrix(scale, view):
     """Inverse of ``_scale_to_view``."""
     view_shape, axis = view
-    if len(view_shape) == len(shape) + 1:
-        before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
-        scale = scale.reshape(before, groups, -1).transpose(0, 2, 1)
-    return scale.reshape(1, -1, 1)
+    before, groups = math.prod(view_shape[: axis - 1]), view_shape[axis - 1]
+    return scale.reshape(before, groups, -1).transpose(0, 2, 1).reshape(1, -1, 1)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -98,13 +100,13 @@ class QuantizedValue:
     Args:
         codes: the codes in the ``view`` (or the ``(out, in)`` matrix): ``jnp.int4`` for signed
             4-bit grids (XLA packs two per byte), else int8.
-        scale: float scales broadcasting over the view's block axis (or ``(1, S, 1)``).
+        scale: ``(1, S, 1)`` float scales, or broadcasting over the view's group axis.
         spec: the QuantSpec the codes were made with.
         shape: the kernel's own shape.
         perm: the axis order laying the kernel out as ``out + in`` (``weight_layout``).
         out_count: how many of the permuted axes are outputs.
         parts: a grid's offsets and sub-block scales (``QuantizedArray``'s), matrix layout only.
-        view: ``stored_view``'s ``(view shape, axis)``, or None for the matrix layout.
+        view: ``stored_view``'s ``(view shape, axis)`` (group-wise), or None for the matrix layout.
     """
 
     def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None, view=None):
@@ -121,13 +123,13 @@ class QuantizedValue:
         >>> v = QuantizedValue.of_matrix(np.array([[7, -8]], np.int8), np.ones((1, 1, 1), np.float32),
         ...                              QuantSpec(bits=4), (2, 1), (1, 0), 1)
         >>> v.codes.dtype.name, v.codes.shape, v.codes_matrix().tolist()
-        ('int4', (2, 1), [[7, -8]])
+        ('int4', (1, 2), [[7, -8]])
         """
         view = None if parts else stored_view(tuple(shape), perm, out_count, spec)
         codes, scale = jnp.asarray(codes), jnp.asarray(scale)
         if view is not None:
             codes = from_matrix(codes, tuple(shape), perm).reshape(view[0])
-            scale = _scale_to_view(scale, tuple(shape), view)
+            scale = _scale_to_view(scale, view)
         if spec.bits == 4 and spec.code_min < 0:
             codes = codes.astype(jnp.int4)
         parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
@@ -164,7 +166,7 @@ class QuantizedValue:
 
     def scale_matrix(self):
         """The scales as files and ``QuantizedArray`` hold them: ``(1, S, 1)``."""
-        return self.scale if self.view is None else _scale_to_matrix(self.scale, self.shape, self.view)
+        return self.scale if self.view is None else _scale_to_matrix(self.scale, self.view)
 
     def file_codes(self):
         """The codes as files store them (numpy): int4 packed in pairs (``pack_int4``), or int8."""
