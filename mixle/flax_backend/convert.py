@@ -183,8 +183,9 @@ class QuantizedValue:
         if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
             host = jax.tree.map(np.asarray, self)
             return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
-        if self.view is None:
-            return kept_on_cpu(from_matrix(dequantize_array(self.quantized_array()), self.shape, self.perm))
+        if self.view is None:  # a CPU keeps the (out, in) values and its product reads them transposed:
+            # 2048 x 8192 int8 kernel, 16 tokens, 2 cores: 55 ms instead of 95 with the transposed copy kept
+            return from_matrix(kept_on_cpu(dequantize_array(self.quantized_array())), self.shape, self.perm)
         return kept_on_cpu((self.codes.astype(self.scale.dtype) * self.scale).reshape(self.shape))
 
     def __jax_array__(self):
