@@ -126,14 +126,15 @@ class QuantizedValue:
         ('int4', (1, 2), [[7, -8]])
         """
         view = None if parts else stored_view(tuple(shape), perm, out_count, spec)
-        codes, scale = jnp.asarray(codes), jnp.asarray(scale)
+        if not (is_tracer(codes) or is_tracer(scale)):  # numpy's own reshapes: no XLA compile per shape
+            codes, scale = np.asarray(codes), np.asarray(scale)
         if view is not None:
             codes = from_matrix(codes, tuple(shape), perm).reshape(view[0])
             scale = _scale_to_view(scale, view)
         if spec.bits == 4 and spec.code_min < 0:
             codes = codes.astype(jnp.int4)
         parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
-        return cls(codes, scale, spec, shape, perm, out_count, parts, view)
+        return cls(jnp.asarray(codes), jnp.asarray(scale), spec, shape, perm, out_count, parts, view)
 
     def tree_flatten(self):
         names = tuple(sorted(self.parts))
@@ -168,9 +169,13 @@ class QuantizedValue:
         """The scales as files and ``QuantizedArray`` hold them: ``(1, S, 1)``."""
         return self.scale if self.view is None else _scale_to_matrix(self.scale, self.view)
 
+    def on_host(self):
+        """A copy whose arrays are numpy's (its matrices are then numpy's too)."""
+        return jax.tree.map(np.asarray, self)
+
     def file_codes(self):
         """The codes as files store them (numpy): int4 packed in pairs (``pack_int4``), or int8."""
-        codes = np.asarray(self.codes_matrix())
+        codes = self.on_host().codes_matrix()
         return pack_int4(codes) if self.spec.bits == 4 else codes
 
     def quantized_array(self):
@@ -181,8 +186,7 @@ class QuantizedValue:
         """The float kernel, ``codes * scale`` in its own layout (``dequantize_array``); eagerly
         (no leaf traced) by numpy's own operations, the values the traced program computes."""
         if not any(is_tracer(leaf) for leaf in jax.tree.leaves(self)):
-            host = jax.tree.map(np.asarray, self)
-            return jnp.asarray(from_matrix(dequantize_array(host.quantized_array()), self.shape, self.perm))
+            return jnp.asarray(from_matrix(dequantize_array(self.on_host().quantized_array()), self.shape, self.perm))
         if self.view is None:  # a CPU keeps the (out, in) values and its product reads them transposed:
             # 2048 x 8192 int8 kernel, 16 tokens, 2 cores: 55 ms instead of 95 with the transposed copy kept
             return from_matrix(kept_on_cpu(dequantize_array(self.quantized_array())), self.shape, self.perm)

@@ -185,7 +185,7 @@ def _bias(layer, variables, torch_path):
 
 def _layer_entry(torch_path, layer, value, arrays, bias):
     """One manifest layer (torch's entry) and its tensors added to ``arrays``."""
-    codes, scale = value.file_codes(), np.asarray(value.scale_matrix())
+    codes, scale = value.file_codes(), value.on_host().scale_matrix()
     check_stored(codes, scale, value.spec, value.matrix_shape, name=f"layer {torch_path!r}")
     names = {"codes": _join(torch_path, "codes"), "scale": _join(torch_path, "scale")}
     arrays[names["codes"]], arrays[names["scale"]] = codes, scale

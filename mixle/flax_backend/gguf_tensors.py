@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from flax import nnx
 
-from mixle.core.stored import QuantizedArray
 from mixle.flax_backend.activations import qwix_options
 from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue
 
@@ -95,12 +94,6 @@ def float_tensors(model):
     return tensors
 
 
-def _numpy(q):
-    parts = {name: None if getattr(q, name) is None else np.asarray(getattr(q, name))
-             for name in ("offset", "sub_scales", "sub_offsets")}
-    return QuantizedArray(np.asarray(q.codes), np.asarray(q.scale), q.spec, q.batch_ndim, q.out_ndim, **parts)
-
-
 def stored_arrays(model):
     """``{torch module path: QuantizedArray (numpy)}`` of the kernels a QAT-wrapped or converted
     Flax model quantizes (see the module docstring); ``{}`` for a float model.
@@ -114,7 +107,7 @@ def stored_arrays(model):
     for path, name, variable in _params(model):
         value = variable.get_raw_value()
         if isinstance(value, QuantizedValue):
-            arrays[torch_path(path)] = _numpy(value.quantized_array())
+            arrays[torch_path(path)] = value.on_host().quantized_array()
     kernels = quantized_kernels(model)
     for kernel in kernels:
         spec = kernel.spec
