@@ -98,22 +98,20 @@ class QuantizedValue:
     the stored arrays as they are.
 
     Args:
-        codes: the codes in the ``view`` (or the ``(out, in)`` matrix): ``jnp.int4`` for signed
-            4-bit grids (XLA packs two per byte), else int8.
+        codes: the codes in ``stored_view``'s view (or the ``(out, in)`` matrix): ``jnp.int4``
+            for signed 4-bit grids (XLA packs two per byte), else int8.
         scale: ``(1, S, 1)`` float scales, or broadcasting over the view's group axis.
         spec: the QuantSpec the codes were made with.
         shape: the kernel's own shape.
         perm: the axis order laying the kernel out as ``out + in`` (``weight_layout``).
         out_count: how many of the permuted axes are outputs.
         parts: a grid's offsets and sub-block scales (``QuantizedArray``'s), matrix layout only.
-        view: ``stored_view``'s ``(view shape, axis)`` (group-wise), or None for the matrix layout.
     """
 
-    def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None, view=None):
+    def __init__(self, codes, scale, spec, shape, perm, out_count, parts=None):
         self.codes, self.scale = codes, scale
         self.spec, self.shape, self.perm, self.out_count = spec, tuple(shape), tuple(perm), int(out_count)
         self.parts = dict(parts or {})
-        self.view = None if view is None else (tuple(view[0]), int(view[1]))
 
     @classmethod
     def of_matrix(cls, codes, scale, spec, shape, perm, out_count, parts=None):
@@ -125,7 +123,7 @@ class QuantizedValue:
         >>> v.codes.dtype.name, v.codes.shape, v.codes_matrix().tolist()
         ('int4', (1, 2), [[7, -8]])
         """
-        view = None if parts else stored_view(tuple(shape), perm, out_count, spec)
+        view = None if parts else stored_view(tuple(shape), tuple(perm), out_count, spec)
         if not (is_tracer(codes) or is_tracer(scale)):  # numpy's own reshapes: no XLA compile per shape
             codes, scale = np.asarray(codes), np.asarray(scale)
         if view is not None:
@@ -134,17 +132,22 @@ class QuantizedValue:
         if spec.bits == 4 and spec.code_min < 0:
             codes = codes.astype(jnp.int4)
         parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
-        return cls(jnp.asarray(codes), jnp.asarray(scale), spec, shape, perm, out_count, parts, view)
+        return cls(jnp.asarray(codes), jnp.asarray(scale), spec, shape, perm, out_count, parts)
 
     def tree_flatten(self):
         names = tuple(sorted(self.parts))
         return (self.codes, self.scale, *(self.parts[n] for n in names)), (self.spec, self.shape, self.perm,
-                                                                            self.out_count, self.view, names)
+                                                                            self.out_count, names)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        spec, shape, perm, out_count, view, names = aux
-        return cls(children[0], children[1], spec, shape, perm, out_count, dict(zip(names, children[2:])), view)
+        *static, names = aux
+        return cls(children[0], children[1], *static, dict(zip(names, children[2:])))
+
+    @property
+    def view(self):
+        """``stored_view``'s ``(view shape, axis)`` the codes are stored in, or None: the matrix."""
+        return None if self.parts else stored_view(self.shape, self.perm, self.out_count, self.spec)
 
     @property
     def matrix_shape(self):
@@ -162,8 +165,9 @@ class QuantizedValue:
 
     def codes_matrix(self):
         """The int8 codes as the ``(out, in)`` matrix."""
-        codes = self.codes if self.view is None else as_matrix(self.codes.reshape(self.shape), self.perm, self.out_count)
-        return codes.astype(np.int8)
+        if self.view is None:
+            return self.codes.astype(np.int8)
+        return as_matrix(self.codes.reshape(self.shape), self.perm, self.out_count).astype(np.int8)
 
     def scale_matrix(self):
         """The scales as files and ``QuantizedArray`` hold them: ``(1, S, 1)``."""
