@@ -261,16 +261,18 @@ class Evaluator:
     """The run's evaluations: mixle's held-out loss and, from a GGUF file, llama.cpp's.
 
     ``loss(model, windows, batch)`` is the held-out loss of a model (default: the torch job's
-    ``held_out_loss`` of a transformers model; the jax job passes its own).
+    ``held_out_loss`` of a transformers model; the jax job passes its own), and ``answers(model)``
+    its greedy answers to ``--prompts`` (default: ``chat_answers`` of a transformers model).
 
     >>> Evaluator.__name__
     'Evaluator'
     """
 
-    def __init__(self, config, data, tokenizer, gguf_tokenizer=None, loss=None):
+    def __init__(self, config, data, tokenizer, gguf_tokenizer=None, loss=None, answers=None):
         self.config, self.data, self.tokenizer = config, data, tokenizer
         self.loss = loss or (lambda model, windows, batch: held_out_loss(model, windows, batch=batch,
                                                                          family=TRANSFORMERS))
+        self.answers = answers or (lambda model: chat_answers(model, tokenizer, config.prompts, config.answer_tokens))
         self.gguf_tokenizer = gguf_tokenizer  # checked before training (check_vocabulary), written into every GGUF
         self.llama_cpp = config.llama_cpp and llama_cpp_module() is not None
         self.llama_cpp_info = llama_cpp_skipped() if config.llama_cpp else None
@@ -284,7 +286,7 @@ class Evaluator:
             row["eval_data_loss"] = self.loss(model, self.data.extra_windows, batch)
             row["eval_data_perplexity"] = math.exp(row["eval_data_loss"])
         if self.config.prompts:  # what the model says, beside how well it predicts (mixle.lm.finetune_chat)
-            row["answers"] = chat_answers(model, self.tokenizer, self.config.prompts, self.config.answer_tokens)
+            row["answers"] = self.answers(model)
         return row
 
     def from_file(self, path, row):

@@ -7,7 +7,8 @@ model was pretrained on (LLM-QAT, Liu et al. 2023, distils on such "data-free" s
 distilling on it as well keeps the student close to the teacher away from the training domain.
 On Gemma 3 270M, measured, it did not close that gap (``docs/results/gemma3.rst``).
 
-The samples are ancestral: from the model's start token (BOS, or end-of-text for a model without
+The jax job (``--backend jax``) samples with the same transformers model it loads its Flax model's
+weights from, so both jobs train on the same ids for the same ``--seed``. The samples are ancestral: from the model's start token (BOS, or end-of-text for a model without
 one), every token is drawn from the float model's full next-token distribution at temperature 1
 (no top-k or top-p truncation: the KL the job minimises is then taken on the distribution it
 averages over), with a seeded ``torch.Generator``, under the run's ``--dtype``. A sample ends at

@@ -39,7 +39,8 @@ from mixle.lm import finetune_baselines as baselines
 from mixle.lm.finetune import Evaluator, FinetuneRun
 from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_hf import HF_DIR, write_hf_checkpoint
-from mixle.lm.finetune_jax_train import JaxTrainer, data_mesh, held_out_loss
+from mixle.lm.finetune_chat import greedy_answers, stop_ids
+from mixle.lm.finetune_jax_train import JaxTrainer, data_mesh, greedy_next_token, held_out_loss
 from mixle.lm.finetune_load import model_kind
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      finish_run)
@@ -218,6 +219,7 @@ class JaxRun(FinetuneRun):
                                        {name: t.detach().numpy() for name, t in self.model.state_dict().items()},
                                        str(config.model))
         self.mesh = data_mesh(config.batch_size, devices)
+        self.stops = stop_ids(self.model, self.loaded.tokenizer)  # the twin's generation config, read while it is here
         self.peaks.end("loading")
 
     def check_source(self):
@@ -233,7 +235,13 @@ class JaxRun(FinetuneRun):
     def make_evaluator(self, gguf_words):
         """The ``Evaluator`` with the JAX held-out loss (on the run's mesh)."""
         return Evaluator(self.config, self.data, self.loaded.tokenizer, gguf_words,
-                         loss=lambda model, windows, batch: held_out_loss(model, windows, batch, self.mesh))
+                         loss=lambda model, windows, batch: held_out_loss(model, windows, batch, self.mesh),
+                         answers=self._answers)
+
+    def _answers(self, model, states=None):
+        """The greedy answers of the Flax ``model`` (or its split ``states``) to ``--prompts``."""
+        return greedy_answers(greedy_next_token(model, self.mesh, states), self.loaded.tokenizer, self.config.prompts,
+                              self.config.answer_tokens, self.stops)
 
     def before(self):
         """The float and PTQ rows, the importance matrix and "PTQ imatrix" (from the checkpoint when resuming).
@@ -311,7 +319,8 @@ class JaxRun(FinetuneRun):
         if model is self.flax_model and getattr(self, "trainer", None) is not None:
             states = self.trainer.eval_states()
             loss = lambda _, windows, batch: held_out_loss(None, windows, batch, self.mesh, states=states)  # noqa: E731
-            return Evaluator(self.config, self.data, None, loss=loss).mixle(None, row)
+            return Evaluator(self.config, self.data, None, loss=loss,
+                             answers=lambda _: self._answers(None, states)).mixle(None, row)
         return self.evaluator.mixle(model, row)
 
     def train(self, rows, callback):

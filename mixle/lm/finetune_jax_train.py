@@ -46,12 +46,14 @@ from mixle.lm.finetune_distributed import SINGLE
 from mixle.lm.finetune_train import loop_config
 from mixle.lm.loop import Trainer, TrainState
 
-__all__ = ["data_mesh", "token_loss", "held_out_loss", "JaxTrainer", "BETAS", "EPS", "reused_graphdef"]
+__all__ = ["data_mesh", "token_loss", "held_out_loss", "greedy_next_token", "JaxTrainer", "BETAS", "EPS",
+           "reused_graphdef"]
 
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults
 _AXIS = "data"
 _GRAPHDEFS = collections.OrderedDict()  # (how made, structure, state shapes) -> the first such graphdef; newest last
 _KEPT = 4  # the structures whose graphdefs (and so compiled steps) stay reusable
+_ANSWER_BUCKET = 64  # a greedy answer's sequence is padded to a multiple of this: one compile per 64 tokens
 
 
 def reused_graphdef(graphdef, state, made):
@@ -207,6 +209,43 @@ def held_out_loss(model, windows, batch, mesh=None, states=None):
         rows = np.asarray(_row_nll(parts, _sharded(mesh, padded), graphdef=graphdef), np.float64)
         total += float(rows[: len(chunk)].sum())
     return total / (windows.shape[0] * (windows.shape[1] - 1))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits_at(states, ids, position, *, graphdef):
+    return nnx.merge(graphdef, *states)(ids)[0, position]
+
+
+def greedy_next_token(model, mesh=None, states=None):
+    """``next_token(ids) -> int`` of a Flax causal LM for ``finetune_chat.greedy_answers``: the argmax
+    of its float32 logits after the list ``ids``.
+
+    The sequence is right-padded to a multiple of 64 tokens (the causal mask keeps the padding out
+    of the logits read), so a few compiles serve every step of every answer.
+
+    Args:
+        model: the Flax causal LM (float, fake-quantized or converted), or None with ``states``.
+        mesh: the run's ``data_mesh`` (default: the first device); the model is replicated on it.
+        states: ``(graphdef, *states)`` of the model already split (the trainer's).
+
+    >>> from mixle.lm.flax_causal_lm import CausalLM, CausalLMConfig
+    >>> lm = CausalLM(CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+    ...     "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}), rngs=nnx.Rngs(0))
+    >>> next_token = greedy_next_token(lm)
+    >>> next_token([1, 2, 3]) == int(np.argmax(lm(jnp.asarray([[1, 2, 3]]))[0, -1]))
+    True
+    """
+    graphdef, *parts = nnx.split(model) if states is None else states
+    mesh = mesh or data_mesh(1, jax.devices()[:1])
+    parts = _replicated(mesh, tuple(parts))
+
+    def next_token(ids):
+        padded = np.zeros((1, -(-len(ids) // _ANSWER_BUCKET) * _ANSWER_BUCKET), np.int32)
+        padded[0, : len(ids)] = ids
+        logits = _logits_at(parts, _replicated(mesh, padded), len(ids) - 1, graphdef=graphdef)
+        return int(np.argmax(np.asarray(logits, np.float32)))
+
+    return next_token
 
 
 def _flat(state):
