@@ -830,11 +830,14 @@ def _rows(a, bits, axis=-1):
     return codes.astype(np.float32), absmax / np.float32(qmax)
 
 
+@pytest.mark.parametrize("lead", [(6,), (2, 3)])
 @pytest.mark.parametrize("spec", [QuantSpec(bits=8, act_bits=8), QuantSpec(bits=8, act_bits=8, bwd_bits=8),
-                                  QuantSpec(bits=4, act_bits=8, bwd_bits=8), QuantSpec(bits=4, group_size=16, act_bits=8)])
-def test_act_bits_multiply_mixles_weight_codes_by_activation_codes(spec):
+                                  QuantSpec(bits=4, act_bits=8, bwd_bits=8), QuantSpec(bits=4, group_size=16, act_bits=8),
+                                  QuantSpec(bits=8, granularity="tensor", act_bits=8, bwd_bits=8)])
+def test_act_bits_multiply_mixles_weight_codes_by_activation_codes(spec, lead):
     # Integer operands: the weight's codes are numpy's of the float32 kernel, the activations'
     # per token; int32 sums scaled back. With bwd_bits both backward products are integer too.
+    # Activations with several leading axes (batch, sequence) are the rows of their tokens.
     from mixle.flax_backend.int_matmul import int_matmul
 
     x = RNG.standard_normal((6, 48)).astype(np.float32)
@@ -846,9 +849,12 @@ def test_act_bits_multiply_mixles_weight_codes_by_activation_codes(spec):
         want = np.sum(parts, axis=0) * sx
     else:
         want = (qx @ codes.T) * scale.reshape(1, -1) * sx
-    got, pullback = jax.vjp(lambda a, w: int_matmul(a, w, spec), jnp.asarray(x), jnp.asarray(W1.T))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=4 * np.finfo(np.float32).eps, atol=0)
-    dx, dw = (np.asarray(a) for a in pullback(jnp.asarray(g)))
+    got, pullback = jax.vjp(lambda a, w: int_matmul(a, w, spec), jnp.asarray(x.reshape(lead + (48,))),
+                            jnp.asarray(W1.T))
+    assert got.shape == lead + (32,)
+    np.testing.assert_allclose(np.asarray(got).reshape(6, 32), want, rtol=4 * np.finfo(np.float32).eps, atol=0)
+    dx, dw = (np.asarray(a) for a in pullback(jnp.asarray(g.reshape(lead + (32,)))))
+    dx = dx.reshape(6, 48)
     if spec.bwd_bits is None:
         np.testing.assert_allclose(dx, g @ values, rtol=1e-5, atol=1e-5)  # float STE: the fake-quantized weight
         np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-5)

@@ -72,7 +72,8 @@ def weight_codes(w, spec):
 
 
 def quantize_rows(x, bits, axis=-1):
-    """Symmetric per-row codes of ``x`` along ``axis``: ``(codes int8, scale float32)`` with
+    """Symmetric per-row codes of ``x`` along ``axis`` (an axis or a tuple of them): ``(codes int8,
+    scale float32)`` with
     ``scale = absmax / qmax`` and ``codes = round_half_even(x * (qmax / absmax))`` (0 for a zero row).
 
     >>> codes, scale = quantize_rows(jnp.array([[1.0, -0.5, 0.25]]), 8)
@@ -95,19 +96,19 @@ def _int_dot(a, b, dims):
 
 
 def _forward(x, codes, scale, spec):
-    """``(y float32, weight float32 values)`` of the integer product."""
+    """``y`` float32 of the integer product. The activations keep their leading axes (no reshape to
+    rows): the product's output keeps the layer's layout, which XLA otherwise copies into the layout
+    the next op wants (on a TPU v5e, the attention's q/k/v: 5% of the 110M model's step)."""
     qx, sx = quantize_rows(x, spec.act_bits)
-    k = x.shape[-1]
-    rows = qx.reshape(-1, k)
+    lead = tuple(range(x.ndim - 1))
     if codes.ndim == 3:  # groups along the contraction: one product per group, summed
         groups, size, n = codes.shape
-        tiles = rows.reshape(-1, groups, size)
-        partial = _int_dot(tiles, codes, (((2,), (1,)), ((1,), (0,))))  # (groups, M, N)
-        y = (partial * scale).sum(axis=0)
+        tiles = qx.reshape(x.shape[:-1] + (groups, size))
+        partial = _int_dot(tiles, codes, (((x.ndim,), (1,)), ((x.ndim - 1,), (0,))))  # (groups, ..., N)
+        y = (partial * scale.reshape((groups,) + (1,) * len(lead) + (n,))).sum(axis=0)
     else:
-        y = _int_dot(rows, codes, (((1,), (0,)), ((), ()))) * scale
-    y = y * sx.reshape(-1, 1)
-    return y.reshape(x.shape[:-1] + (y.shape[-1],))
+        y = _int_dot(qx, codes, (((x.ndim - 1,), (0,)), ((), ()))) * scale
+    return y * sx
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -130,20 +131,20 @@ def _float_dot(a, b, contracting):
 def _product_bwd(spec, residuals, g):
     x, codes, scale, w_marker = residuals
     k, n = x.shape[-1], g.shape[-1]
-    xs, gs = x.reshape(-1, k), g.reshape(-1, n)
+    lead, last = tuple(range(x.ndim - 1)), ((x.ndim - 1,), (1,))
     if spec.bwd_bits is None or codes.ndim == 3:
         weight = (codes.astype(jnp.float32) * scale).reshape(k, n)
-        dx = _float_dot(gs, weight, ((1,), (1,)))
+        dx = _float_dot(g, weight, last)
     else:
-        qg, sg = quantize_rows(gs.astype(jnp.float32) * scale.reshape(1, -1), spec.bwd_bits)
-        dx = _int_dot(qg, codes, (((1,), (1,)), ((), ()))) * sg
+        qg, sg = quantize_rows(g.astype(jnp.float32) * scale.reshape(-1), spec.bwd_bits)
+        dx = _int_dot(qg, codes, (last, ((), ()))) * sg
     if spec.bwd_bits is None:
-        dw = _float_dot(xs, gs, ((0,), (0,)))
+        dw = _float_dot(x, g, (lead, lead))
     else:
-        qxc, sxc = quantize_rows(xs, spec.bwd_bits, axis=0)
-        qgc, sgc = quantize_rows(gs, spec.bwd_bits, axis=0)
-        dw = _int_dot(qxc, qgc, (((0,), (0,)), ((), ()))) * sxc.reshape(-1, 1) * sgc
-    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w_marker.dtype)
+        qxc, sxc = quantize_rows(x, spec.bwd_bits, axis=lead)
+        qgc, sgc = quantize_rows(g, spec.bwd_bits, axis=lead)
+        dw = _int_dot(qxc, qgc, ((lead, lead), ((), ()))) * sxc.reshape(-1, 1) * sgc.reshape(1, -1)
+    return dx.astype(x.dtype), dw.astype(w_marker.dtype)
 
 
 _product.defvjp(_product_fwd, _product_bwd)
