@@ -12,6 +12,7 @@ optimized program.
     pip install libtpu==0.0.42.1          # in a virtual environment of its own: jax then looks for a TPU
     python benchmarks/tpu_compile.py --size 470M --variants "mixle int8" "mixle int4 g32"
     python benchmarks/tpu_compile.py --size 470M --serving --hlo DIR   # the forward passes, programs kept
+    python benchmarks/tpu_compile.py --group-products                  # one group-wise kernel's product, per way
 
 Run each variant in its own process (``--variants`` one at a time) where memory is short: a 470M
 model with AdamW holds ~6.4 GB of host memory while it is built.
@@ -110,6 +111,41 @@ def compile_serving(size, name, device, hlo_dir=None):
             for shape_name, shape in serving_shapes(size).items()}
 
 
+def group_products(kernel_in=2048, tokens=16, group=32):
+    """One int4 group-wise kernel's 16-token product, written each way a converted model could
+    dequantize it (``codes * scale`` in float32, rounded to bfloat16), beside the float32 kernel and
+    per-channel codes: ``{(way, out): facts}`` for a 2048 x 8192 kernel and the 32,000-wide head."""
+    f32, bf16, s4 = jnp.float32, jnp.bfloat16, jnp.int4
+    k, g = kernel_in, kernel_in // group
+
+    def ways(n):
+        return {  # name -> (product, shapes and dtypes of the kernel's arrays)
+            "float32 kernel": (lambda x, w: x @ w.astype(bf16), [((k, n), f32)]),
+            "per channel, (out, in) codes": (lambda x, c, s: x @ (c.astype(f32) * s).astype(bf16).T,
+                                             [((n, k), s4), ((n, 1), f32)]),
+            "group view reshaped (convert)": (lambda x, c, s: x @ (c.astype(f32) * s).astype(bf16).reshape(k, n),
+                                              [((g, group, n), s4), ((g, 1, n), f32)]),
+            "kernel layout, scales repeated": (
+                lambda x, c, s: x @ (c.astype(f32) * jnp.repeat(s, group, axis=0)).astype(bf16),
+                [((k, n), s4), ((g, n), f32)]),
+            "(out, in) codes, transposed": (
+                lambda x, c, s: x @ (c.reshape(n, g, group).astype(f32) * s[..., None]).astype(bf16).reshape(n, k).T,
+                [((n, k), s4), ((n, g), f32)]),
+            "group view contracted": (
+                lambda x, c, s: jnp.einsum("tgk,gkn->tn", x.reshape(tokens, g, group), (c.astype(f32) * s).astype(bf16)),
+                [((g, group, n), s4), ((g, 1, n), f32)]),
+        }
+
+    device, rows = tpu_device(), {}
+    for n in (8192, 32000):
+        for name, (product, arrays) in ways(n).items():
+            abstract = _on(device, (jnp.zeros((tokens, k), bf16), *(jnp.zeros(shape, dtype) for shape, dtype in arrays)))
+            rows[name, n] = facts = _compiled_facts(jax.jit(product), abstract, None)
+            print(f"  {name:32s} {k} x {n:<6d} estimate {facts['estimate_ms'] * 1e3:7.1f} us  "
+                  f"HBM bytes {facts['hbm_gib'] * 1024:6.1f} MiB", flush=True)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -117,7 +153,11 @@ def main(argv=None):
     parser.add_argument("--serving", action="store_true", help="the serving forward passes instead of the step")
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--hlo", type=Path, help="write each optimized program here")
+    parser.add_argument("--group-products", action="store_true",
+                        help="one int4 group-32 kernel's product, per way of dequantizing it (group_products)")
     args = parser.parse_args(argv)
+    if args.group_products:
+        return group_products()
     variants, compile_one = (serving_variants(), compile_serving) if args.serving else (training_variants(), compile_step)
     names = args.variants or list(variants)
     unknown = sorted(set(names) - set(variants))
