@@ -123,16 +123,17 @@ class QuantizedValue:
         >>> v.codes.dtype.name, v.codes.shape, v.codes_matrix().tolist()
         ('int4', (1, 2), [[7, -8]])
         """
-        view = None if parts else stored_view(tuple(shape), tuple(perm), out_count, spec)
+        parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
+        value = cls(codes, scale, spec, shape, perm, out_count, parts)  # its layout (view) follows from these
         if not (is_tracer(codes) or is_tracer(scale)):  # numpy's own reshapes: no XLA compile per shape
             codes, scale = np.asarray(codes), np.asarray(scale)
-        if view is not None:
-            codes = from_matrix(codes, tuple(shape), perm).reshape(view[0])
-            scale = _scale_to_view(scale, view)
+        if value.view is not None:
+            codes = from_matrix(codes, value.shape, value.perm).reshape(value.view[0])
+            scale = _scale_to_view(scale, value.view)
         if spec.bits == 4 and spec.code_min < 0:
             codes = codes.astype(jnp.int4)
-        parts = {name: jnp.asarray(part) for name, part in (parts or {}).items()}
-        return cls(jnp.asarray(codes), jnp.asarray(scale), spec, shape, perm, out_count, parts)
+        value.codes, value.scale = jnp.asarray(codes), jnp.asarray(scale)
+        return value
 
     def tree_flatten(self):
         names = tuple(sorted(self.parts))

@@ -100,12 +100,11 @@ def _forward(x, codes, scale, spec):
     rows): the product's output keeps the layer's layout, which XLA otherwise copies into the layout
     the next op wants (on a TPU v5e, the attention's q/k/v: 5% of the 110M model's step)."""
     qx, sx = quantize_rows(x, spec.act_bits)
-    lead = tuple(range(x.ndim - 1))
     if codes.ndim == 3:  # groups along the contraction: one product per group, summed
         groups, size, n = codes.shape
         tiles = qx.reshape(x.shape[:-1] + (groups, size))
         partial = _int_dot(tiles, codes, (((x.ndim,), (1,)), ((x.ndim - 1,), (0,))))  # (groups, ..., N)
-        y = (partial * scale.reshape((groups,) + (1,) * len(lead) + (n,))).sum(axis=0)
+        y = (partial * scale.reshape((groups,) + (1,) * (x.ndim - 1) + (n,))).sum(axis=0)
     else:
         y = _int_dot(qx, codes, (((x.ndim - 1,), (0,)), ((), ()))) * scale
     return y * sx
