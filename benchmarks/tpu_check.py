@@ -2,7 +2,7 @@
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
     python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
-        [--variants NAME...] [--no-serving | --no-training] [--hlo] [--search] [--act-compile]
+        [--variants NAME...] [--serving-variants NAME...] [--no-serving | --no-training] [--hlo] [--search] [--act-compile]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -155,6 +155,7 @@ def main(argv=None):
     parser.add_argument("--speed", nargs="*", default=[], help="model sizes of tpu_speed.py to time")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variants", nargs="+", help="training variants of tpu_speed.py (default: all)")
+    parser.add_argument("--serving-variants", nargs="+", help="serving variants of tpu_speed.py (default: all)")
     parser.add_argument("--no-serving", action="store_true")
     parser.add_argument("--no-training", action="store_true", help="with --speed: the serving passes only")
     parser.add_argument("--hlo", action="store_true", help="also write each step's HLO and XLA's memory estimate")
@@ -185,7 +186,7 @@ def main(argv=None):
                 print_training(size, results[f"training {size}"])
                 (args.out / "results.json").write_text(json.dumps(results, indent=1))
             if not size.endswith("-b4") and not args.no_serving:
-                results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8)
+                results[f"serving {size}"] = time_serving(SIZES[size], args.rounds, 8, args.serving_variants)
                 print_serving(size, results[f"serving {size}"])
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if args.search:

@@ -233,7 +233,7 @@ def serving_variants():
 
     return {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
             "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
-            "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+            "mixle w8a8": converted(bits=8, act_bits=8), "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
 
 
 def serving_shapes(size):
@@ -252,12 +252,14 @@ def pure_forward(model):
     return jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids)), state
 
 
-def time_serving(size, rounds, calls):
-    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float (one at a time)."""
+def time_serving(size, rounds, calls, names=None):
+    """Forward-only times at 16 x 1 and 1 x seq tokens, converted and PTQ models beside float (one at a time;
+    ``names``: the serving variants to time, float always)."""
     shapes = serving_shapes(size)
     makers = serving_variants()
     times = {}
-    for name, make in makers.items():
+    for name in ["float bf16", *[n for n in names or makers if n != "float bf16"]]:
+        make = makers[name]
         model = LM(size, nnx.Rngs(0))
         try:
             forward, state = pure_forward(make(model) if make is not None else model)

@@ -113,11 +113,73 @@ def test_quantize_model_is_convert_of_apply_qat_and_leaves_the_model_alone():
 
 def test_convert_refuses_qwix_only_forwards_naming_the_kernel():
     model = MLP(nnx.Rngs(0))
-    apply_qat(model, bits=8, act_bits=8, example_inputs=(jnp.asarray(X),))
+    apply_qat(model, bits=8, grid="qwix", act_bits=8, example_inputs=(jnp.asarray(X),))
     with pytest.raises(ValueError, match=r"kernel 'layers.0.kernel' trains as .*act_bits=8"):
         api_convert(model)
     with pytest.raises(ValueError, match="no QAT set up"):
         api_convert(MLP(nnx.Rngs(0)))
+
+
+def _token_codes(a):
+    """numpy: per-token int8 codes and scales (absmax / 127) of a (tokens, K) array."""
+    absmax = np.abs(a).max(axis=-1, keepdims=True)
+    return np.round(a * (np.float32(127) / absmax)), absmax / np.float32(127)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=8, act_bits=8), QuantSpec(bits=4, act_bits=8),
+                                  QuantSpec(bits=8, group_size=16, act_bits=8, bwd_bits=8)])
+def test_convert_multiplies_the_inputs_codes_by_the_stored_codes_with_act_bits(spec, tmp_path):
+    x = jnp.asarray(X.reshape(1, 5, 48))
+    model = MLP(nnx.Rngs(0))
+    w = np.asarray(model.layers[0].kernel[...]).T  # (out, in) float32 master
+    bias = np.asarray(model.layers[0].bias[...])
+    apply_qat(model, spec=spec, example_inputs=(x,))
+    converted = api_convert(model)
+    jitted = nnx.jit(lambda m, a: m(a))
+    # the same float operations on the same integers: equal, eagerly and compiled
+    np.testing.assert_array_equal(converted(x), model(x))
+    np.testing.assert_array_equal(jitted(converted, x), jitted(model, x))
+    codes, scale, _ = reference_codes_scales(w, spec.bits, spec.granularity, spec.group_size)
+    qx, sx = _token_codes(X)
+    if spec.granularity == "group":  # one exact integer sum per group, scaled, then summed
+        want = sum((qx[:, k:k + 16] @ codes[:, k:k + 16].T) * scale.reshape(64, 3)[:, k // 16] for k in (0, 16, 32))
+    else:
+        want = (qx @ codes.T) * scale.reshape(1, -1)
+    # each float32 scaling of an exact integer sum rounds once (a group's three products: a sum of three)
+    np.testing.assert_allclose(np.asarray(converted.layers[0](x)).reshape(5, 64), want * sx + bias,
+                               rtol=8 * np.finfo(np.float32).eps, atol=8 * np.finfo(np.float32).eps)
+    graphdef, state = nnx.split(converted)
+    program = jax.jit(lambda s, a: nnx.merge(graphdef, s)(a)).lower(state, x).as_text()
+    products = [line for line in program.splitlines() if "dot_general" in line]
+    assert len(products) == 2 and all(line.count("xi8>") == 2 for line in products), products
+    path = str(tmp_path / "w8a8.safetensors")
+    save_quantized(converted, path)
+    loaded = load_quantized(path, MLP(nnx.Rngs(5)))
+    np.testing.assert_array_equal(jitted(loaded, x), jitted(converted, x))
+
+
+def test_act_bits_layers_convert_only_as_integer_products(tmp_path):
+    class Scaled(nnx.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    x = jnp.asarray(X)
+    model = nnx.Sequential(Scaled(48, 16, rngs=nnx.Rngs(0)))
+    apply_qat(model, bits=8, act_bits=8, example_inputs=(x,))
+    before = np.asarray(model(x))
+    with pytest.raises(ValueError, match=r"kernel 'layers.0.kernel' is .*a8.* only in an nnx.Linear with its own "
+                                         r"__call__.*this is a Scaled"):
+        api_convert(model)
+    np.testing.assert_array_equal(model(x), before)
+    dense = nn.Dense(16)
+    variables = dense.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"convert_linen: kernel 'kernel' trains with act_bits=8 on integer"):
+        convert_linen(apply_qat(dense, bits=8, act_bits=8, example_inputs=(x,)), variables)
+    net = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 16)), bits=4, grid="q4_0", act_bits=8)
+    torch_export.save_quantized(net, str(tmp_path / "q4_0_a8.safetensors"))
+    with pytest.raises(ValueError, match=r"kernel 'layers.0.kernel' is stored as .*q4_0.* whose activation rounding"):
+        load_quantized(str(tmp_path / "q4_0_a8.safetensors"), nnx.Sequential(nnx.Linear(64, 16, rngs=nnx.Rngs(0))),
+                       names={"layers.0": "0"})
 
 
 def test_linen_convert_runs_the_qat_forward_on_stored_codes():

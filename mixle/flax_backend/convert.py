@@ -31,6 +31,7 @@ reassociation differs.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -45,10 +46,11 @@ from mixle.core.layer_weights import quantize_linear_weight
 from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, kernel_blocks, weight_layout
+from mixle.flax_backend import int_matmul
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
 __all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "stored_view",
-           "dequantize_variables"]
+           "dequantize_variables", "run_stored_products"]
 
 
 def stored_view(shape, perm, out_count, spec):
@@ -170,6 +172,13 @@ class QuantizedValue:
             return self.codes.astype(np.int8)
         return as_matrix(self.codes.reshape(self.shape), self.perm, self.out_count).astype(np.int8)
 
+    def kernel_codes(self):
+        """``(codes, scale)`` in a 2-D kernel's ``(in, out)`` layout (``int_matmul.weight_codes``'),
+        the group view kept: what ``int_matmul.integer_product`` multiplies."""
+        if self.view is not None:
+            return self.codes, self.scale
+        return from_matrix(self.codes, self.shape, self.perm), self.scale.reshape(1, -1)
+
     def scale_matrix(self):
         """The scales as files and ``QuantizedArray`` hold them: ``(1, S, 1)``."""
         return self.scale if self.view is None else _scale_to_matrix(self.scale, self.view)
@@ -255,14 +264,14 @@ def _quantized_kernels(state, what):
         record = state.provider.records.get((owner, name), (None,))[0]
         if record != QUANTIZED:
             continue
-        if not uses_mixle_numerics(spec):
+        if not (uses_mixle_numerics(spec) or int_matmul.spec_applies(spec)):
             raise ValueError(
                 f"{what}: kernel {decision.path!r} trains as {spec.short()}, whose forward is Qwix's own "
                 f"quantizer ({_qwix_fields(spec)}), which stored mixle codes and scales do not reproduce: "
                 f"convert supports integer weights with mixle's grids (channel, group, tensor, "
                 f"clip_percentile); apply_qat without those options for the layers you export"
             )
-        if spec.act_bits is not None:
+        if spec.act_bits is not None and not int_matmul.spec_applies(spec):
             raise ValueError(
                 f"{what}: kernel {decision.path!r} trains as {spec.short()} with act_bits={spec.act_bits}, the "
                 f"rounding of its input llama.cpp applies, which convert's layers (a float input times the "
@@ -305,13 +314,15 @@ def convert(model):
     Every kernel ``apply_qat`` quantizes becomes a ``QuantizedKernel`` (codes + scales, see the
     module docstring); the copy runs the user's own class and its forward equals the QAT
     forward. A tied ``Embed`` (used by ``attend``) stores its table once; its lookups read the
-    same codes. Layers convert with their spec whether or not fake quant is enabled.
+    same codes. Layers convert with their spec whether or not fake quant is enabled. An
+    ``nnx.Linear`` trained with ``act_bits`` on integer operands (``int_matmul``) keeps them: its
+    product multiplies the input's per-token codes by the stored codes (``run_stored_products``).
 
     Linen modules keep their parameters outside: use ``convert_linen(module, variables)``.
 
     Raises:
         ValueError: the model has no QAT set up, or a kernel trains with a Qwix-only option
-            (``act_bits``, ``bwd_bits``, fp8, ``calibration``), naming it.
+            (fp8, ``calibration``, ``act_bits`` off mixle's integer products), naming it.
 
     >>> from mixle.api import apply_qat
     >>> model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
@@ -334,10 +345,66 @@ def convert(model):
     modules = {".".join(str(p) for p in path): module for path, module in nnx.iter_modules(new)}
     for owner, name, spec, layout in kernels:
         module = modules[owner]
+        run_stored_products(module, owner, name, spec)
         variable = vars(module)[name]
         value = quantize_kernel(variable.get_raw_value(), layout, spec, state.provider.importance.get(owner))
         setattr(module, name, QuantizedKernel(value))
     return new
+
+
+def run_stored_products(module, path, name, spec):
+    """Give a module holding a stored kernel the product its ``spec`` trained with: with ``act_bits``
+    on integer operands (``int_matmul.spec_applies``), an ``nnx.Linear`` multiplies its input's codes
+    by the stored codes, as the QAT forward did (its class becomes ``_integer_product_class``'s
+    subclass); without ``act_bits`` nothing changes (the layer reads the dequantized kernel).
+
+    Raises:
+        ValueError: ``act_bits`` on a layer other than a plain ``nnx.Linear``, or with activations a
+            converted Flax layer does not quantize (llama.cpp's grids, asymmetric), naming the kernel.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> layer = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    >>> run_stored_products(layer, "fc", "kernel", QuantSpec(bits=8, act_bits=8))
+    >>> type(layer).dot_general.__class__.__name__
+    'property'
+    """
+    if spec.act_bits is None:
+        return
+    label, cls = f"{path}.{name}".lstrip("."), type(module)
+    if not int_matmul.spec_applies(spec):
+        raise ValueError(
+            f"kernel {label!r} is stored as {spec.short()} with act_bits={spec.act_bits}, whose activation "
+            f"rounding a converted Flax layer does not apply (it runs integer products only for act_bits on "
+            f"mixle's symmetric integer grids): run this file with torch's load_quantized or llama.cpp")
+    if not (isinstance(module, nnx.Linear) and name == "kernel" and cls.__call__ is nnx.Linear.__call__
+            and vars(module).get("dot_general") is jax.lax.dot_general):
+        raise ValueError(
+            f"kernel {label!r} is {spec.short()} with act_bits={spec.act_bits}: integer operands, which a "
+            f"converted model runs only in an nnx.Linear with its own __call__ and dot_general (this is a "
+            f"{cls.__name__}): apply_qat without act_bits for this layer to convert it")
+    object.__setattr__(module, "__class__", _integer_product_class(cls))
+
+
+@functools.cache
+def _integer_product_class(cls):
+    """``cls`` (an ``nnx.Linear``) whose product reads its kernel's stored codes and scales:
+    ``int_matmul.integer_product``, what the QAT forward's integer product computes from the codes
+    of the master kernel (the same codes). Linear's own ``__call__`` runs (dtype promotion, bias);
+    only the ``dot_general`` it calls is this class's."""
+
+    def integer_dot(self):
+        value = self.kernel.get_raw_value()
+
+        def dot(inputs, kernel, dimension_numbers, **_):  # kernel: the dequantized one, unused
+            codes, scale = value.kernel_codes()
+            return int_matmul.integer_product(inputs, codes, scale, value.spec).astype(inputs.dtype)
+
+        return dot
+
+    def keep(self, function):  # nnx sets the instance's own dot_general when it builds or copies the module
+        vars(self)["dot_general"] = function
+
+    return type(cls.__name__, (cls,), {"dot_general": property(integer_dot, keep), "__module__": cls.__module__})
 
 
 def _refuse_lora(model):
@@ -382,6 +449,13 @@ def convert_linen(module, variables):
                         f"{'' if not isinstance(variables, dict) else ' without a params collection'}")
     state = _qat_state(module, "convert_linen")
     kernels = _quantized_kernels(state, "convert_linen")
+    for owner, name, spec, _ in kernels:
+        if int_matmul.spec_applies(spec):
+            raise ValueError(
+                f"convert_linen: kernel {f'{owner}.{name}'.lstrip('.')!r} trains with act_bits={spec.act_bits} on integer "
+                f"operands, which a Linen module converted here (a float product of the dequantized kernel) does "
+                f"not run: convert the NNX form of the model (convert runs nnx.Linear's integer product), or "
+                f"apply_qat without act_bits for this layer")
     float_module = module.copy()
     object.__setattr__(float_module, "__class__", _dequantizing_class(state.float_class))
     params = jax.tree.map(lambda x: x, dict(variables["params"]))  # a fresh tree; leaves are immutable

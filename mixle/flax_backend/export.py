@@ -28,7 +28,7 @@ from mixle.core.fileformat import describe_array, manifest_from, open_tensors, w
 from mixle.core.manifest import build_manifest, checked_tensors, layer_entry, manifest_metadata, read_layer
 from mixle.core.packing import unpack_int4
 from mixle.core.stored import check_stored
-from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes
+from mixle.flax_backend.convert import QuantizedKernel, QuantizedValue, model_nbytes, run_stored_products
 from mixle.flax_backend.fake_quant import weight_layout
 
 __all__ = ["save_quantized", "load_quantized", "LAYERS", "FlaxLayer"]
@@ -266,8 +266,9 @@ def load_quantized(path, model, *, names=None):
     if extra:
         raise ValueError(f"{source} does not fit this model: the file has {extra[:8]} that no variable of the model "
                          f"takes; pass a model built like the saved one (and names= for renamed modules)")
-    for module, name, value in assigned:
+    for module_path, module, name, value in assigned:
         if isinstance(value, QuantizedValue):
+            run_stored_products(module, module_path, name, value.spec)
             setattr(module, name, QuantizedKernel(value))
         else:
             vars(module)[name].set_raw_value(value)
@@ -311,7 +312,7 @@ def _load_module(module_path, module, variables, names, file, consumed, assigned
                              f"name that head, names={{{module_path!r}: ({torch_path!r}, '<head path>')}}")
         where = f"{source}: layer {torch_path!r}"
         value = _quantized_value(entry, arrays, variables[layer.weight].get_raw_value(), layer, where, source)
-        assigned.append((module, layer.weight, value))
+        assigned.append((module_path, module, layer.weight, value))
         consumed |= {entry["codes"], entry["scale"]}
         if head_path is not None:
             consumed |= _tied_head(manifest, entries, entry, torch_path, head_path, source)
@@ -321,7 +322,8 @@ def _load_module(module_path, module, variables, names, file, consumed, assigned
                              f"the saved one")
         if entry.get("bias") is not None:
             consumed.add(entry["bias"])
-            assigned.append((module, "bias", _float(arrays, entry["bias"], variables.get("bias"), False, where)))
+            bias = _float(arrays, entry["bias"], variables.get("bias"), False, where)
+            assigned.append((module_path, module, "bias", bias))
     elif head_path is not None:
         raise ValueError(f"{source}: names maps {module_path!r} to a tied pair, but the file has no embedding layer "
                          f"{torch_path!r}")
@@ -330,7 +332,8 @@ def _load_module(module_path, module, variables, names, file, consumed, assigned
             continue
         torch_name, transposed = layer.torch_names.get(name, (name, False)) if layer else (name, False)
         key = _join(torch_path, torch_name)
-        assigned.append((module, name, _float(arrays, key, variable, transposed, f"{source}: tensor {key!r}")))
+        value = _float(arrays, key, variable, transposed, f"{source}: tensor {key!r}")
+        assigned.append((module_path, module, name, value))
         consumed.add(key)
 
 

@@ -29,26 +29,47 @@ from mixle.core.array_ops import array_ops, is_tracer
 from mixle.core.numerics import quantize_blocks
 from mixle.flax_backend.fake_quant import kernel_blocks
 
-__all__ = ["applies", "int_matmul", "quantize_rows", "weight_codes"]
+__all__ = ["applies", "int_matmul", "integer_product", "linear_product", "quantize_rows", "spec_applies",
+           "weight_codes"]
+
+
+def spec_applies(spec):
+    """Whether ``spec``'s products run on integer operands (``int_matmul``): ``act_bits`` set, a
+    symmetric integer grid of mixle's own numerics (codes -qmax..qmax, as the activations and
+    gradients get; no clipping).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> spec_applies(QuantSpec(bits=8, act_bits=8)), spec_applies(QuantSpec(bits=4, grid="q4_0", act_bits=8))
+    (True, False)
+    """
+    return (spec.act_bits is not None and spec.weight_format == "int"
+            and spec.calibration is None and spec.clip_percentile is None and spec.bwd_stochastic_rounding is None
+            and spec.act_symmetric and spec.grid_record.numerics is None and spec.grid_record.offset is None
+            and spec.grid_record.activation_grid is None  # llama.cpp's grids round their inputs to its blocks
+            and spec.grid_record.scale_rule == "absmax" and spec.code_min == -spec.code_max)
 
 
 def applies(spec, lhs, rhs, dimension_numbers, side):
     """Whether ``int_matmul`` computes this product: an ``(K, N)`` weight on the right contracted
-    over its first axis with the last axis of the activations, no batch axes, a symmetric integer
-    grid of mixle's own numerics (codes -qmax..qmax, as the activations and gradients get; no
-    clipping), ``act_bits`` set.
+    over its first axis with the last axis of the activations, no batch axes, and ``spec_applies``.
 
     >>> from mixle.core.spec import QuantSpec
     >>> applies(QuantSpec(bits=8, act_bits=8), jnp.zeros((2, 4)), jnp.zeros((4, 3)), (((1,), (0,)), ((), ())), "rhs")
     True
     """
+    return side == "rhs" and linear_product(lhs.ndim, rhs.ndim, dimension_numbers) and spec_applies(spec)
+
+
+def linear_product(lhs_ndim, rhs_ndim, dimension_numbers):
+    """Whether ``dimension_numbers`` contract the last axis of an ``lhs_ndim``-axis input with the
+    first of a 2-D kernel, no batch axes (the product of a Linear).
+
+    >>> linear_product(3, 2, (((2,), (0,)), ((), ())))
+    True
+    """
     (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
-    return (side == "rhs" and rhs.ndim == 2 and tuple(rhs_c) == (0,) and tuple(lhs_c) == (lhs.ndim - 1,)
-            and not lhs_b and not rhs_b and spec.act_bits is not None and spec.weight_format == "int"
-            and spec.calibration is None and spec.clip_percentile is None and spec.bwd_stochastic_rounding is None
-            and spec.act_symmetric and spec.grid_record.numerics is None and spec.grid_record.offset is None
-            and spec.grid_record.activation_grid is None  # llama.cpp's grids round their inputs to its blocks
-            and spec.grid_record.scale_rule == "absmax" and spec.code_min == -spec.code_max)
+    return (rhs_ndim == 2 and tuple(rhs_c) == (0,) and tuple(lhs_c) == (lhs_ndim - 1,)
+            and not tuple(lhs_b) and not tuple(rhs_b))
 
 
 def weight_codes(w, spec):
@@ -95,10 +116,20 @@ def _int_dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
 
 
-def _forward(x, codes, scale, spec):
-    """``y`` float32 of the integer product. The activations keep their leading axes (no reshape to
-    rows): the product's output keeps the layer's layout, which XLA otherwise copies into the layout
-    the next op wants (on a TPU v5e, the attention's q/k/v: 5% of the 110M model's step)."""
+def integer_product(x, codes, scale, spec):
+    """``y`` float32 of the integer product of ``x`` ``(..., K)`` and a weight's codes and scales
+    (``weight_codes``' layout; int4 or int8 codes): ``x`` quantized per token at ``spec.act_bits``.
+
+    The activations keep their leading axes (no reshape to rows): the product's output keeps the
+    layer's layout, which XLA otherwise copies into the layout the next op wants (on a TPU v5e,
+    the attention's q/k/v: 5% of the 110M model's step).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> integer_product(jnp.array([[1.0, 2.0]]), jnp.array([[127], [64]], jnp.int8),
+    ...                 jnp.array([[0.5 / 127]]), QuantSpec(bits=8, act_bits=8)).tolist()
+    [[1.0078740119934082]]
+    """
+    codes = codes.astype(jnp.int8)
     qx, sx = quantize_rows(x, spec.act_bits)
     if codes.ndim == 3:  # groups along the contraction: one product per group, summed
         groups, size, n = codes.shape
@@ -113,12 +144,12 @@ def _forward(x, codes, scale, spec):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _product(x, w, spec):
     codes, scale = weight_codes(w, spec)
-    return _forward(x, codes, scale, spec).astype(x.dtype)
+    return integer_product(x, codes, scale, spec).astype(x.dtype)
 
 
 def _product_fwd(x, w, spec):
     codes, scale = weight_codes(w, spec)
-    return _forward(x, codes, scale, spec).astype(x.dtype), (x, codes, scale, jnp.zeros((0,), w.dtype))
+    return integer_product(x, codes, scale, spec).astype(x.dtype), (x, codes, scale, jnp.zeros((0,), w.dtype))
 
 
 def _float_dot(a, b, contracting):
