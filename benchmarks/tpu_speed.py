@@ -233,7 +233,44 @@ def serving_variants():
 
     return {"float bf16": None, "mixle int8": converted(bits=8), "mixle int4 channel": converted(bits=4),
             "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
-            "mixle w8a8": converted(bits=8, act_bits=8), "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+            "mixle w8a8": converted(bits=8, act_bits=8),
+            "mixle int4 g32 view": lambda model: contracting_group_views(converted(bits=4, group_size=32)(model)),
+            "mixle int4 g128 view": lambda model: contracting_group_views(converted(bits=4, group_size=128)(model)),
+            "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
+
+
+def contracting_group_views(model):
+    """An experiment on a converted model: each Linear with group-wise codes (stored in its kernel's
+    group view ``(in / g, g, out)``) multiplies its input, reshaped to ``(..., in / g, g)``, by the
+    dequantized view, contracting both axes, instead of by the kernel reshaped back to ``(in, out)``
+    (XLA fuses the dequantizing into a product only when the product reads the view itself). The
+    sums run in another order than the QAT forward's (not bit-equal on a TPU): timed, not shipped."""
+    from mixle.flax_backend.convert import QuantizedKernel
+
+    def view_dot(self):
+        value = self.kernel.get_raw_value()
+
+        def dot(inputs, kernel, dimension_numbers, **kwargs):
+            groups, size, _ = value.codes.shape
+            view = (value.codes.astype(value.scale.dtype) * value.scale).astype(inputs.dtype)
+            tiles = inputs.reshape(inputs.shape[:-1] + (groups, size))
+            lead = inputs.ndim - 1
+            return jax.lax.dot_general(tiles, view, (((lead, lead + 1), (0, 1)), ((), ())), **kwargs)
+
+        return dot
+
+    def keep(self, function):
+        vars(self)["dot_general"] = function
+
+    classes = {}
+    for _, module in nnx.iter_modules(model):
+        kernel = vars(module).get("kernel")
+        if isinstance(module, nnx.Linear) and isinstance(kernel, QuantizedKernel) and kernel.get_raw_value().view:
+            cls = type(module)
+            if cls not in classes:
+                classes[cls] = type(cls.__name__, (cls,), {"dot_general": property(view_dot, keep)})
+            object.__setattr__(module, "__class__", classes[cls])
+    return model
 
 
 def serving_shapes(size):
