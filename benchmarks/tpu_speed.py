@@ -109,6 +109,7 @@ def training_variants():
         "mixle int8": mixle_qat(bits=8),
         "mixle int4 channel": mixle_qat(bits=4),
         "mixle int4 g32": mixle_qat(bits=4, group_size=32),
+        "mixle int4 g128": mixle_qat(bits=4, group_size=128),
         "mixle w8a8": mixle_qat(bits=8, act_bits=8),
         "mixle w8a8 bwd int8": mixle_qat(bits=8, act_bits=8, bwd_bits=8),
         "qwix w8a8": qwix_qat(weight_qtype="int8", act_qtype="int8"),
@@ -235,41 +236,21 @@ def serving_variants():
             "mixle int4 g32": converted(bits=4, group_size=32), "mixle int4 g128": converted(bits=4, group_size=128),
             "mixle w8a8": converted(bits=8, act_bits=8),
             "mixle int4 g32 view": lambda model: contracting_group_views(converted(bits=4, group_size=32)(model)),
-            "mixle int4 g128 view": lambda model: contracting_group_views(converted(bits=4, group_size=128)(model)),
             "qwix ptq int8": ptq(weight_qtype="int8"), "qwix ptq w8a8": ptq(weight_qtype="int8", act_qtype="int8")}
 
 
 def contracting_group_views(model):
-    """An experiment on a converted model: each Linear with group-wise codes (stored in its kernel's
-    group view ``(in / g, g, out)``) multiplies its input, reshaped to ``(..., in / g, g)``, by the
-    dequantized view, contracting both axes, instead of by the kernel reshaped back to ``(in, out)``
-    (XLA fuses the dequantizing into a product only when the product reads the view itself). The
-    sums run in another order than the QAT forward's (not bit-equal on a TPU): timed, not shipped."""
+    """An experiment on a converted model: every Linear with group-wise codes multiplies its input by
+    the group view (``group_view.group_view_dot``), as ``convert`` does for groups of 128 only; for
+    groups of 32 XLA re-lays out the view first (timed, to show why)."""
     from mixle.flax_backend.convert import QuantizedKernel
+    from mixle.flax_backend.group_view import group_view_class
 
-    def view_dot(self):
-        value = self.kernel.get_raw_value()
-
-        def dot(inputs, kernel, dimension_numbers, **kwargs):
-            groups, size, _ = value.codes.shape
-            view = (value.codes.astype(value.scale.dtype) * value.scale).astype(inputs.dtype)
-            tiles = inputs.reshape(inputs.shape[:-1] + (groups, size))
-            lead = inputs.ndim - 1
-            return jax.lax.dot_general(tiles, view, (((lead, lead + 1), (0, 1)), ((), ())), **kwargs)
-
-        return dot
-
-    def keep(self, function):
-        vars(self)["dot_general"] = function
-
-    classes = {}
     for _, module in nnx.iter_modules(model):
         kernel = vars(module).get("kernel")
         if isinstance(module, nnx.Linear) and isinstance(kernel, QuantizedKernel) and kernel.get_raw_value().view:
-            cls = type(module)
-            if cls not in classes:
-                classes[cls] = type(cls.__name__, (cls,), {"dot_general": property(view_dot, keep)})
-            object.__setattr__(module, "__class__", classes[cls])
+            group_size = kernel.get_raw_value().spec.group_size
+            object.__setattr__(module, "__class__", group_view_class(type(module), group_size))
     return model
 
 

@@ -110,3 +110,17 @@ def test_a_stacked_groups_gradient_takes_memory_in_proportion_to_its_kernels():
         ratios.append(compiled.memory_analysis().temp_size_in_bytes / (count * 64 * 96 * 4))
     # Four times the kernels: the same temporaries per kernel (the TPU's compiler needs none here: 0 and 0).
     assert ratios[1] <= 1.5 * ratios[0], ratios
+
+
+def test_the_float_graph_contracts_group_views_as_the_wrapped_forward_off_the_cpu(monkeypatch):
+    # The TPU's program traced on this CPU: the wrapped forward multiplies groups of 128 in their view
+    # (group_view), and so does the float graph of the grouped kernels: equal logits.
+    model = wrapped(WIDE, parse_target("int4/group128"))
+    groups = kernel_groups(model)
+    graphdef, params, frozen, float_graph = split(model)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    grouped = jax.jit(lambda p: nnx.merge(float_graph, fake_quantize_groups(groups, p), frozen)(IDS))
+    plain = jax.jit(lambda p: nnx.merge(graphdef, p, frozen)(IDS))
+    viewed = [f.lower(params).as_text().count("contracting_dims = [2, 3] x [0, 1]") for f in (grouped, plain)]
+    assert viewed == [7, 7]  # q, k, v, o, gate, up (256 inputs each), down (256): every Linear
+    np.testing.assert_array_equal(grouped(params), plain(params))

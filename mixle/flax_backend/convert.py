@@ -47,6 +47,7 @@ from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, kernel_blocks, weight_layout
 from mixle.flax_backend import int_matmul
+from mixle.flax_backend.group_view import give_group_view, groups_in_view, plain_linear
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
 __all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "stored_view",
@@ -70,8 +71,7 @@ def stored_view(shape, perm, out_count, spec):
     >>> stored_view((512, 2048), (1, 0), 1, QuantSpec(bits=4, group_size=32))
     ((16, 32, 2048), 1)
     """
-    grid = spec.grid_record
-    if spec.granularity != "group" or grid.table is not None or grid.two_level or grid.offset is not None:
+    if not groups_in_view(spec):
         return None
     return kernel_blocks(shape, perm[out_count:], spec)
 
@@ -356,7 +356,8 @@ def run_stored_products(module, path, name, spec):
     """Give a module holding a stored kernel the product its ``spec`` trained with: with ``act_bits``
     on integer operands (``int_matmul.spec_applies``), an ``nnx.Linear`` multiplies its input's codes
     by the stored codes, as the QAT forward did (its class becomes ``_integer_product_class``'s
-    subclass); without ``act_bits`` nothing changes (the layer reads the dequantized kernel).
+    subclass); a plain ``nnx.Linear`` whose groups the QAT forward contracts in their view does too
+    (``group_view.give_group_view``); otherwise nothing changes (the layer reads the dequantized kernel).
 
     Raises:
         ValueError: ``act_bits`` on a layer other than a plain ``nnx.Linear``, or with activations a
@@ -369,6 +370,7 @@ def run_stored_products(module, path, name, spec):
     'property'
     """
     if spec.act_bits is None:
+        give_group_view(module, name, spec)
         return
     label, cls = f"{path}.{name}".lstrip("."), type(module)
     if not int_matmul.spec_applies(spec):
@@ -376,8 +378,7 @@ def run_stored_products(module, path, name, spec):
             f"kernel {label!r} is stored as {spec.short()} with act_bits={spec.act_bits}, whose activation "
             f"rounding a converted Flax layer does not apply (it runs integer products only for act_bits on "
             f"mixle's symmetric integer grids): run this file with torch's load_quantized or llama.cpp")
-    if not (isinstance(module, nnx.Linear) and name == "kernel" and cls.__call__ is nnx.Linear.__call__
-            and vars(module).get("dot_general") is jax.lax.dot_general):
+    if not plain_linear(module, name):
         raise ValueError(
             f"kernel {label!r} is {spec.short()} with act_bits={spec.act_bits}: integer operands, which a "
             f"converted model runs only in an nnx.Linear with its own __call__ and dot_general (this is a "
@@ -452,10 +453,10 @@ def convert_linen(module, variables):
     for owner, name, spec, _ in kernels:
         if int_matmul.spec_applies(spec):
             raise ValueError(
-                f"convert_linen: kernel {f'{owner}.{name}'.lstrip('.')!r} trains with act_bits={spec.act_bits} on integer "
-                f"operands, which a Linen module converted here (a float product of the dequantized kernel) does "
-                f"not run: convert the NNX form of the model (convert runs nnx.Linear's integer product), or "
-                f"apply_qat without act_bits for this layer")
+                f"convert_linen: kernel {f'{owner}.{name}'.lstrip('.')!r} trains with act_bits={spec.act_bits} "
+                f"on integer operands, which a Linen module converted here (a float product of the dequantized "
+                f"kernel) does not run: convert the NNX form of the model (convert runs nnx.Linear's integer "
+                f"product), or apply_qat without act_bits for this layer")
     float_module = module.copy()
     object.__setattr__(float_module, "__class__", _dequantizing_class(state.float_class))
     params = jax.tree.map(lambda x: x, dict(variables["params"]))  # a fresh tree; leaves are immutable

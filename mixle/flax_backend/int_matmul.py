@@ -29,8 +29,7 @@ from mixle.core.array_ops import array_ops, is_tracer
 from mixle.core.numerics import quantize_blocks
 from mixle.flax_backend.fake_quant import kernel_blocks
 
-__all__ = ["applies", "int_matmul", "integer_product", "linear_product", "quantize_rows", "spec_applies",
-           "weight_codes"]
+__all__ = ["applies", "int_matmul", "integer_product", "quantize_rows", "spec_applies", "weight_codes"]
 
 
 def spec_applies(spec):
@@ -57,19 +56,9 @@ def applies(spec, lhs, rhs, dimension_numbers, side):
     >>> applies(QuantSpec(bits=8, act_bits=8), jnp.zeros((2, 4)), jnp.zeros((4, 3)), (((1,), (0,)), ((), ())), "rhs")
     True
     """
-    return side == "rhs" and linear_product(lhs.ndim, rhs.ndim, dimension_numbers) and spec_applies(spec)
-
-
-def linear_product(lhs_ndim, rhs_ndim, dimension_numbers):
-    """Whether ``dimension_numbers`` contract the last axis of an ``lhs_ndim``-axis input with the
-    first of a 2-D kernel, no batch axes (the product of a Linear).
-
-    >>> linear_product(3, 2, (((2,), (0,)), ((), ())))
-    True
-    """
     (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
-    return (rhs_ndim == 2 and tuple(rhs_c) == (0,) and tuple(lhs_c) == (lhs_ndim - 1,)
-            and not tuple(lhs_b) and not tuple(rhs_b))
+    return (side == "rhs" and rhs.ndim == 2 and tuple(rhs_c) == (0,) and tuple(lhs_c) == (lhs.ndim - 1,)
+            and not lhs_b and not rhs_b and spec_applies(spec))
 
 
 def weight_codes(w, spec):

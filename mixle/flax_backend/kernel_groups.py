@@ -33,6 +33,7 @@ from flax import nnx
 from mixle.core.numerics import quantize_array
 from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
+from mixle.flax_backend.group_view import give_group_view
 from mixle.flax_backend.provider import dotted_path, straight_through, uses_mixle_numerics
 from mixle.flax_backend.qat import float_class_of, qat_state, quantized_kernels, restore_float_classes
 
@@ -237,4 +238,7 @@ def float_graphdef(model, *filters):
     if qat_state(model) is not None:
         restore_float_classes(copy, qat_state(model))
         round_product_inputs(copy, model)
+        modules = {dotted_path(path): module for path, module in nnx.iter_modules(copy)}
+        for kernel in quantized_kernels(model):  # the products the wrapped forward contracts in group views
+            give_group_view(modules[kernel.owner], kernel.name, kernel.spec)
     return nnx.split(copy, *filters)[0]

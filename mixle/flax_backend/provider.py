@@ -9,8 +9,8 @@ pitfalls and mixle's one-grid promise require:
   same codes as numpy and torch for every element, every granularity, ``clip_percentile``
   included, and the values ``convert`` stores), then multiplied in float; Qwix's quantizer
   (whose scale can be one ulp off mixle's, moving the -absmax tie of ``grid='qwix'``) is used
-  only for fp8 weights, Qwix ``calibration`` methods and ``act_bits`` (see
-  ``uses_mixle_numerics``);
+  only for fp8 weights, Qwix ``calibration`` methods and ``act_bits`` outside mixle's integer
+  products (``int_matmul``; see ``uses_mixle_numerics``);
 * a weight is the Param itself (identity) or, failing that, the one Param of its shape (a cast
   weight); Qwix's jit-only tracer lineage is not used, so a weight is quantized alike eagerly,
   under ``jit`` and under ``grad``, and an activation shaped like a kernel is not taken for a
@@ -42,6 +42,7 @@ from mixle.core.numerics import block_shape, clip_threshold
 from mixle.flax_backend import int_matmul, qwix_seam
 from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
+from mixle.flax_backend.group_view import contracts_group_view, group_view_dot, plain_linear
 from mixle.flax_backend.rules import range_calibration
 
 
@@ -63,12 +64,11 @@ def uses_mixle_numerics(spec):
     """True when the weight is fake-quantized by mixle's own numerics (``fake_quantize_weight``):
     integer weights with mixle's calibration, no activation and no gradient quantization.
 
-    Qwix's quantizer is used for what mixle's numerics have no form of: fp8 weights, Qwix
-    ``calibration`` methods, ``act_bits`` off llama.cpp's grids (Qwix multiplies the two integer
-    operands; on llama.cpp's grids the input is rounded as llama.cpp rounds it,
-    ``round_product_input``, and the product stays float) and
-    ``bwd_bits`` (Qwix's backward multiplies the gradient, shifted by the weight's scales,
-    with the weight's integer codes, which needs its own quantized weight as the residual).
+    The products ``int_matmul.applies`` to (``act_bits`` on mixle's symmetric grid, a Linear's
+    product) multiply mixle's codes as integers and are not fake-quantized. Qwix's quantizer is
+    used for what mixle's numerics have no form of: fp8 weights, Qwix ``calibration`` methods,
+    ``act_bits`` off llama.cpp's grids (on them the input is rounded as llama.cpp rounds it,
+    ``round_product_input``, and the product stays float) and ``bwd_bits``, outside those products.
 
     >>> from mixle.core.spec import QuantSpec
     >>> uses_mixle_numerics(QuantSpec(bits=4, group_size=32)), uses_mixle_numerics(QuantSpec(bits=4, bwd_bits=8))
@@ -336,6 +336,9 @@ class QATProvider(qwix_seam.QtProviderBase):
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, _rounded_input(rhs, rhs_ca, spec, label)) if side == "lhs" else (
                     _rounded_input(lhs, lhs_ca, spec, label), w)
+                user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
+                if side == "rhs" and contracts_group_view(spec) and plain_linear(module, name, user_class):
+                    return group_view_dot(lhs, rhs, spec.group_size, **plain.keywords)  # as convert's layer
                 # The plain product of the two (its backward is the textbook STE).
                 return jax.lax.dot_general(lhs, rhs, dimension_numbers, **plain.keywords)
             else:

@@ -1,0 +1,118 @@
+"""Products that contract a group-wise kernel's group view, where a TPU fuses the dequantizing into them.
+
+A Linear's group-wise kernel is quantized, and stored by ``convert``, in its group view ``(in / g, g,
+out)`` (``fake_quant.kernel_blocks``). Reshaped back to ``(in, out)`` before the product, XLA's TPU
+compiler writes the dequantized kernel out first; a product that contracts the view's two input axes
+itself reads the codes and scales in its own fusion. On a TPU v5e, the 470M model of
+``benchmarks/tpu_speed.py`` at 16 tokens: group 128 0.569x of the float forward's time reshaped,
+0.395x contracting the view; group 32 1.307x contracting it, as XLA re-lays out 32-wide groups first.
+So groups that are whole multiples of the TPU's 128 lanes contract their view, off the CPU (where the
+plain product is faster). The QAT forward, the float graph of grouped kernels (``kernel_groups``) and
+the converted model run the same product, so their outputs stay equal on every backend. Training
+pays for it: the compiler's estimate of that model's QAT step at group 128 rises from 207.6 to 216.9
+ms (HBM bytes 96.6 to 107.4 GiB; ``benchmarks/tpu_compile.py --variants "mixle int4 g128"``); giving
+the view's product the plain product's gradients instead cost more (220.0 ms).
+"""
+
+import functools
+
+import jax
+from flax import nnx
+
+__all__ = ["GROUP_VIEW_LANES", "contracts_group_view", "group_view_dot", "plain_linear", "groups_in_view",
+           "group_view_class", "give_group_view"]
+
+# A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
+GROUP_VIEW_LANES = 128
+
+
+def groups_in_view(spec):
+    """Whether ``spec``'s kernels are quantized (and stored) in their group view: group-wise scales on a
+    grid that dequantizes as ``codes * scale`` (no table, offset or second-level scales).
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> groups_in_view(QuantSpec(bits=4, group_size=32)), groups_in_view(QuantSpec(bits=4))
+    (True, False)
+    """
+    grid = spec.grid_record
+    return (spec.granularity == "group" and grid.table is None and not grid.two_level and grid.offset is None)
+
+
+def contracts_group_view(spec):
+    """Whether a plain ``nnx.Linear``'s product with a ``spec`` kernel contracts the group view (off
+    the CPU): groups in the view (``groups_in_view``) of a multiple of ``GROUP_VIEW_LANES`` weights.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> contracts_group_view(QuantSpec(bits=4, group_size=128)), contracts_group_view(QuantSpec(bits=4, group_size=32))
+    (True, False)
+    """
+    return groups_in_view(spec) and spec.group_size % GROUP_VIEW_LANES == 0
+
+
+# Captured at import: inside Qwix's interception ``jax.lax.dot_general`` may be another function.
+_DOT_GENERAL = jax.lax.dot_general
+
+
+def plain_linear(module, name, cls=None):
+    """Whether ``module``'s product with its Param ``name`` is ``nnx.Linear``'s own: an ``nnx.Linear``
+    whose class (``cls``: the user's class of a QAT-wrapped module) runs Linear's ``__call__`` with
+    ``jax.lax.dot_general``, ``name`` its kernel.
+
+    >>> plain_linear(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), "kernel")
+    True
+    """
+    cls = type(module) if cls is None else cls
+    return (isinstance(module, nnx.Linear) and name == "kernel" and cls.__call__ is nnx.Linear.__call__
+            and vars(module).get("dot_general") is _DOT_GENERAL)
+
+
+def group_view_dot(x, kernel, group_size, **keywords):
+    """``x @ kernel`` (a Linear's product: ``x`` ``(..., K)``, ``kernel`` ``(K, N)``); off the CPU, the
+    two reshaped to ``(..., K / g, g)`` and ``(K / g, g, N)`` and contracted over both axes.
+
+    >>> import jax.numpy as jnp
+    >>> group_view_dot(jnp.ones((2, 256)), jnp.ones((256, 3)), 128).tolist()
+    [[256.0, 256.0, 256.0], [256.0, 256.0, 256.0]]
+    """
+    lead = x.ndim - 1
+    if jax.default_backend() == "cpu":
+        return jax.lax.dot_general(x, kernel, (((lead,), (0,)), ((), ())), **keywords)
+    groups = kernel.shape[0] // group_size
+    tiles = x.reshape(x.shape[:-1] + (groups, group_size))
+    view = kernel.reshape(groups, group_size, kernel.shape[1])
+    return jax.lax.dot_general(tiles, view, (((lead, lead + 1), (0, 1)), ((), ())), **keywords)
+
+
+@functools.cache
+def group_view_class(cls, group_size):
+    """``cls`` (an ``nnx.Linear``) whose product is ``group_view_dot`` with groups of ``group_size``.
+
+    >>> issubclass(group_view_class(nnx.Linear, 128), nnx.Linear)
+    True
+    """
+
+    def view_dot(self):
+        def dot(inputs, kernel, dimension_numbers, **keywords):
+            return group_view_dot(inputs, kernel, group_size, **keywords)
+
+        return dot
+
+    def keep(self, function):  # nnx sets the instance's own dot_general when it builds or copies the module
+        vars(self)["dot_general"] = function
+
+    return type(cls.__name__, (cls,), {"dot_general": property(view_dot, keep), "__module__": cls.__module__})
+
+
+def give_group_view(module, name, spec):
+    """Make a plain ``nnx.Linear`` with a ``spec`` kernel (``contracts_group_view``) run ``group_view_dot``:
+    its class becomes a subclass of its own (``isinstance`` holds). Returns whether it did.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> layer = nnx.Linear(256, 2, rngs=nnx.Rngs(0))
+    >>> give_group_view(layer, "kernel", QuantSpec(bits=4, group_size=128)), isinstance(layer, nnx.Linear)
+    (True, True)
+    """
+    if not (contracts_group_view(spec) and plain_linear(module, name)):
+        return False
+    object.__setattr__(module, "__class__", group_view_class(type(module), spec.group_size))
+    return True
