@@ -93,6 +93,15 @@ def _rounded_input(x, contracting, spec, label):
     return round_product_input(x, spec)
 
 
+def _weight_product(module, name, side, spec, lhs, rhs, dimension_numbers, keywords):
+    """A product with a fake-quantized weight: a plain Linear's with groups of 128 contracts the group
+    view off the CPU (``group_view``, as its converted layer does), any other is ``dot_general``."""
+    user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
+    if side == "rhs" and contracts_group_view(spec) and plain_linear(module, name, user_class):
+        return group_view_dot(lhs, rhs, spec.group_size, **keywords)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, **keywords)
+
+
 @jax.custom_vjp
 def straight_through(w, value):
     """``value`` forward; the gradient goes to ``w`` unchanged (value carries none).
@@ -336,11 +345,8 @@ class QATProvider(qwix_seam.QtProviderBase):
                 self._record(path, name, QUANTIZED, layout=contracting)
                 lhs, rhs = (w, _rounded_input(rhs, rhs_ca, spec, label)) if side == "lhs" else (
                     _rounded_input(lhs, lhs_ca, spec, label), w)
-                user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
-                if side == "rhs" and contracts_group_view(spec) and plain_linear(module, name, user_class):
-                    return group_view_dot(lhs, rhs, spec.group_size, **plain.keywords)  # as convert's layer
-                # The plain product of the two (its backward is the textbook STE).
-                return jax.lax.dot_general(lhs, rhs, dimension_numbers, **plain.keywords)
+                # The plain product of the two (its backward is the textbook STE), as convert's layer runs it.
+                return _weight_product(module, name, side, spec, lhs, rhs, dimension_numbers, plain.keywords)
             else:
                 if spec.clip_percentile is not None and spec.clip_percentile < 100:
                     w = clip_live(w, contracting, spec)
