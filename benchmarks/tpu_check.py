@@ -176,7 +176,12 @@ def main(argv=None):
           f"python {platform.python_version()}")
     results.update(device=device.device_kind, jax=jax.__version__)
     if args.speed:
-        from tpu_speed import SIZES, print_serving, print_training, time_serving, time_training
+        from tpu_speed import (SIZES, chosen, print_serving, print_training, serving_variants, time_serving,
+                               time_training, training_variants)
+
+        # named variants checked before any chip time is spent
+        chosen(args.variants, training_variants(), "--variants")
+        chosen(args.serving_variants, serving_variants(), "--serving-variants")
 
         for size in args.speed:
             if not args.no_training:

@@ -140,6 +140,14 @@ def _timed(run, rounds, pipeline):
     return times
 
 
+def chosen(names, makers, option):
+    """``names`` (all of ``makers`` when None), each one checked to be a variant."""
+    unknown = sorted(set(names or ()) - set(makers))
+    if unknown:
+        raise ValueError(f"{option}: no variant named {unknown}; the variants are {list(makers)}")
+    return list(names or makers)
+
+
 def error_text(err):
     return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
 
@@ -187,7 +195,7 @@ def time_training(size, rounds, pipeline, names=None, hlo_dir=None, profile_dir=
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, size.vocab, (size.batch, size.seq + 1)), jnp.int32)
     makers = training_variants()
-    names = names or list(makers)
+    names = chosen(names, makers, "--variants")
     times, memory = {}, {}
     for name in ["float bf16", *[n for n in names if n != "float bf16"], "float bf16"]:
         model = LM(size, nnx.Rngs(0))
@@ -276,7 +284,7 @@ def time_serving(size, rounds, calls, names=None):
     shapes = serving_shapes(size)
     makers = serving_variants()
     times = {}
-    for name in ["float bf16", *[n for n in names or makers if n != "float bf16"]]:
+    for name in ["float bf16", *[n for n in chosen(names, makers, "--serving-variants") if n != "float bf16"]]:
         make = makers[name]
         model = LM(size, nnx.Rngs(0))
         try:
