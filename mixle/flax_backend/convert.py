@@ -47,7 +47,7 @@ from mixle.core.numerics import QuantizedArray, dequantize_array, quantize_array
 from mixle.core.packing import pack_int4, packed_int4_nbytes
 from mixle.flax_backend.fake_quant import as_matrix, from_matrix, kept_on_cpu, kernel_blocks, weight_layout
 from mixle.flax_backend import int_matmul
-from mixle.flax_backend.group_view import give_group_view, groups_in_view, plain_linear
+from mixle.flax_backend.group_view import give_group_view, groups_in_view, linear_with_product, plain_linear
 from mixle.flax_backend.provider import QUANTIZED, uses_mixle_numerics
 
 __all__ = ["QuantizedValue", "QuantizedKernel", "quantize_kernel", "convert", "convert_linen", "stored_view",
@@ -355,8 +355,8 @@ def convert(model):
 def run_stored_products(module, path, name, spec):
     """Give a module holding a stored kernel the product its ``spec`` trained with: with ``act_bits``
     on integer operands (``int_matmul.spec_applies``), an ``nnx.Linear`` multiplies its input's codes
-    by the stored codes, as the QAT forward did (its class becomes ``_integer_product_class``'s
-    subclass); a plain ``nnx.Linear`` whose groups the QAT forward contracts in their view does too
+    by the stored codes, as the QAT forward did (its class becomes a ``linear_with_product`` subclass
+    running ``_integer_dot``); a plain ``nnx.Linear`` whose groups the QAT forward contracts in their view does too
     (``group_view.give_group_view``); otherwise nothing changes (the layer reads the dequantized kernel).
 
     Raises:
@@ -386,26 +386,21 @@ def run_stored_products(module, path, name, spec):
     object.__setattr__(module, "__class__", _integer_product_class(cls))
 
 
-@functools.cache
-def _integer_product_class(cls):
-    """``cls`` (an ``nnx.Linear``) whose product reads its kernel's stored codes and scales:
-    ``int_matmul.integer_product``, what the QAT forward's integer product computes from the codes
-    of the master kernel (the same codes). Linear's own ``__call__`` runs (dtype promotion, bias);
-    only the ``dot_general`` it calls is this class's."""
+def _integer_dot(self):
+    """The product of a converted Linear trained on integer operands: ``int_matmul.integer_product``
+    of its input and its kernel's stored codes and scales, what the QAT forward's integer product
+    computes from the master kernel's codes (the same codes). Linear passes the dequantized kernel
+    too, unused."""
+    value = self.kernel.get_raw_value()
 
-    def integer_dot(self):
-        value = self.kernel.get_raw_value()
+    def dot(inputs, kernel, dimension_numbers, **_):
+        codes, scale = value.kernel_codes()
+        return int_matmul.integer_product(inputs, codes, scale, value.spec).astype(inputs.dtype)
 
-        def dot(inputs, kernel, dimension_numbers, **_):  # kernel: the dequantized one, unused
-            codes, scale = value.kernel_codes()
-            return int_matmul.integer_product(inputs, codes, scale, value.spec).astype(inputs.dtype)
+    return dot
 
-        return dot
 
-    def keep(self, function):  # nnx sets the instance's own dot_general when it builds or copies the module
-        vars(self)["dot_general"] = function
-
-    return type(cls.__name__, (cls,), {"dot_general": property(integer_dot, keep), "__module__": cls.__module__})
+_integer_product_class = functools.cache(lambda cls: linear_with_product(cls, _integer_dot))
 
 
 def _refuse_lora(model):

@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 __all__ = ["GROUP_VIEW_LANES", "contracts_group_view", "group_view_dot", "plain_linear", "groups_in_view",
-           "group_view_class", "give_group_view"]
+           "linear_with_product", "group_view_class", "give_group_view"]
 
 # A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
 GROUP_VIEW_LANES = 128
@@ -83,6 +83,21 @@ def group_view_dot(x, kernel, group_size, **keywords):
     return jax.lax.dot_general(tiles, view, (((lead, lead + 1), (0, 1)), ((), ())), **keywords)
 
 
+def linear_with_product(cls, product_of):
+    """A subclass of ``cls`` (an ``nnx.Linear``) whose ``__call__`` (Linear's own: dtype promotion,
+    bias) multiplies by ``product_of(self)``, a function taking ``dot_general``'s arguments, instead
+    of ``jax.lax.dot_general``. Named as ``cls``, so ``isinstance`` and reprs hold.
+
+    >>> issubclass(linear_with_product(nnx.Linear, lambda self: jax.lax.dot_general), nnx.Linear)
+    True
+    """
+
+    def keep(self, function):  # nnx sets the instance's own dot_general when it builds or copies the module
+        vars(self)["dot_general"] = function
+
+    return type(cls.__name__, (cls,), {"dot_general": property(product_of, keep), "__module__": cls.__module__})
+
+
 @functools.cache
 def group_view_class(cls, group_size):
     """``cls`` (an ``nnx.Linear``) whose product is ``group_view_dot`` with groups of ``group_size``.
@@ -92,15 +107,10 @@ def group_view_class(cls, group_size):
     """
 
     def view_dot(self):
-        def dot(inputs, kernel, dimension_numbers, **keywords):
-            return group_view_dot(inputs, kernel, group_size, **keywords)
+        return lambda inputs, kernel, dimension_numbers, **keywords: group_view_dot(inputs, kernel, group_size,
+                                                                                   **keywords)
 
-        return dot
-
-    def keep(self, function):  # nnx sets the instance's own dot_general when it builds or copies the module
-        vars(self)["dot_general"] = function
-
-    return type(cls.__name__, (cls,), {"dot_general": property(view_dot, keep), "__module__": cls.__module__})
+    return linear_with_product(cls, view_dot)
 
 
 def give_group_view(module, name, spec):

@@ -18,7 +18,7 @@ than two axes); ``fake_quantize_groups`` maps a state of the kernels to their fa
 values; ``float_graphdef`` is the graph of the model's float classes, which runs the forward with
 those values in place of the kernels (what a wrapped forward computes, with nothing intercepted;
 with ``act_bits`` on llama.cpp's grids each quantized Linear first rounds its input as llama.cpp does,
-``round_product_inputs``).
+``run_wrapped_products``, which also gives plain Linears with groups of 128 the group view's product).
 """
 
 import dataclasses
@@ -38,7 +38,7 @@ from mixle.flax_backend.provider import dotted_path, straight_through, uses_mixl
 from mixle.flax_backend.qat import float_class_of, qat_state, quantized_kernels, restore_float_classes
 
 __all__ = ["KernelGroup", "kernel_groups", "fake_quantize_groups", "quantized_state", "float_graphdef",
-           "round_product_inputs"]
+           "run_wrapped_products"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,21 +98,24 @@ def _rounding_class(cls, kind):
     return type(cls.__name__, (cls,), {method: rounded, "__module__": cls.__module__})
 
 
-def round_product_inputs(model, wrapped):
+def run_wrapped_products(model, wrapped):
     """Give the modules of ``model`` (a float copy of the QAT-wrapped ``wrapped``, in the user's classes)
-    that own a kernel ``wrapped`` quantizes with ``act_bits`` the rounding of their product's input
-    llama.cpp applies (``round_product_input``), so the float graph computes what the wrapped forward does.
+    the products the wrapped forward runs with the kernels ``wrapped`` quantizes, so the float graph
+    computes what the wrapped forward does: a plain Linear with groups of 128 contracts the group view
+    off the CPU (``group_view.give_group_view``), and with ``act_bits`` the input of the product is
+    first rounded as llama.cpp rounds it (``round_product_input``).
 
     Raises:
-        ValueError: such a kernel's module is of no kind in ``PRODUCT_INPUTS``.
+        ValueError: a kernel with ``act_bits`` belongs to a module of no kind in ``PRODUCT_INPUTS``.
 
-    >>> round_product_inputs(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    >>> run_wrapped_products(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     """
     modules = {dotted_path(path): module for path, module in nnx.iter_modules(model)}
     for kernel in quantized_kernels(wrapped):
+        module = modules[kernel.owner]
+        give_group_view(module, kernel.name, kernel.spec)
         if kernel.spec.act_bits is None:
             continue
-        module = modules[kernel.owner]
         kind = _product_kind(type(module), kernel.name)
         if kind is None:
             raise ValueError(f"module {kernel.owner!r} ({type(module).__name__}): act_bits rounds the product input "
@@ -237,8 +240,5 @@ def float_graphdef(model, *filters):
     copy = nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
     if qat_state(model) is not None:
         restore_float_classes(copy, qat_state(model))
-        round_product_inputs(copy, model)
-        modules = {dotted_path(path): module for path, module in nnx.iter_modules(copy)}
-        for kernel in quantized_kernels(model):  # the products the wrapped forward contracts in group views
-            give_group_view(modules[kernel.owner], kernel.name, kernel.spec)
+        run_wrapped_products(copy, model)
     return nnx.split(copy, *filters)[0]

@@ -109,11 +109,11 @@ def _with_stored_values(model, quantized):
     float model's compiled forward instead of a graph with the quantizer in it. The values come from
     one compiled quantizer call per group of kernels (``kernel_groups``), or numpy's numerics where
     the kernels do not group; the two give the same values."""
-    from mixle.flax_backend.kernel_groups import kernel_groups, quantized_state, round_product_inputs
+    from mixle.flax_backend.kernel_groups import kernel_groups, quantized_state, run_wrapped_products
     from mixle.flax_backend.qat import quantized_kernels
 
     copy = nnx.clone(model)
-    round_product_inputs(copy, quantized)  # --act-bits: each quantized Linear rounds its input as llama.cpp
+    run_wrapped_products(copy, quantized)  # --act-bits rounding, group views: the wrapped forward's products
     groups = kernel_groups(quantized)
     if groups is not None:
         paths = {path for group in groups for path in group.paths}
