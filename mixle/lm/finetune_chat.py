@@ -35,8 +35,12 @@ def stop_ids(model, tokenizer):
     """The ids that end an answer: the end-of-sequence ids of ``model``'s generation config (a
     transformers model; None: none) and of the tokenizer, and the common end-of-turn tokens it has.
 
-    >>> stop_ids  # doctest: +ELLIPSIS
-    <function stop_ids at ...>
+    >>> class Tokenizer:
+    ...     eos_token_id = 2
+    ...     def get_vocab(self): return {"<|im_end|>": 7}
+    ...     def convert_tokens_to_ids(self, token): return self.get_vocab()[token]
+    >>> sorted(stop_ids(None, Tokenizer()))
+    [2, 7]
     """
     stops = set()
     for source in (getattr(model, "generation_config", None), tokenizer):
