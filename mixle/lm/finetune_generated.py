@@ -11,7 +11,8 @@ The jax job (``--backend jax``) samples with the same transformers model it load
 weights from, so both jobs train on the same ids for the same ``--seed``. The samples are
 ancestral: from the model's start token (BOS, or end-of-text for a model without one), every
 token is drawn from the float model's full next-token distribution at temperature 1 (no top-k or
-top-p truncation: the KL the job minimises is then taken on the distribution it averages over), with a seeded ``torch.Generator``, under the run's ``--dtype``. A sample ends at
+top-p truncation: the KL the job minimises is then taken on the distribution it averages over),
+with a seeded ``torch.Generator``, under the run's ``--dtype``. A sample ends at
 its first end-of-text token or after ``4 * --block`` tokens; samples are drawn in batches until
 there are ``N`` tokens, and joined to the training text with the end-of-text token as the files of
 ``--data`` are. The ids are written to ``generated.npy`` in ``--out`` before training, and a
