@@ -39,7 +39,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tpu_speed import (LM, SIZES, error_text, parameters, pure_forward, pure_step,  # noqa: E402
+from tpu_speed import (LM, SIZES, chosen, error_text, parameters, pure_forward, pure_step,  # noqa: E402
                        serving_shapes, serving_variants, training_variants)
 
 
@@ -159,10 +159,10 @@ def main(argv=None):
     if args.group_products:
         return group_products()
     variants, compile_one = (serving_variants(), compile_serving) if args.serving else (training_variants(), compile_step)
-    names = args.variants or list(variants)
-    unknown = sorted(set(names) - set(variants))
-    if unknown:
-        parser.error(f"--variants {unknown}: not variants of tpu_speed.py; choose from {sorted(variants)}")
+    try:
+        names = chosen(args.variants, variants, "--variants")
+    except ValueError as err:
+        parser.error(str(err))
     if args.hlo:
         args.hlo.mkdir(parents=True, exist_ok=True)
     device = tpu_device(args.topology)
