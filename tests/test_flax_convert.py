@@ -20,6 +20,7 @@ from mixle.core.fileformat import read_manifest  # noqa: E402
 from mixle.core.packing import unpack_int4  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.flax_backend.convert import QuantizedKernel, convert_linen  # noqa: E402
+from mixle.flax_backend.group_view import GROUP_VIEW_MAX_ROWS  # noqa: E402
 from mixle.flax_backend.convert import model_nbytes as flax_model_nbytes  # noqa: E402
 from mixle.api import load_quantized, save_quantized  # noqa: E402  (names= passes through to Flax)
 from mixle.torch_backend import export as torch_export  # noqa: E402
@@ -490,14 +491,17 @@ def test_groups_of_128_contract_their_view_off_the_cpu_in_qat_and_converted_forw
     apply_qat(model, bits=4, group_size=group_size, exclude=("b",), example_inputs=(x,))
     converted = api_convert(model)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    programs, outputs = [], []
-    for net in (model, converted):
-        graphdef, state = nnx.split(net)
-        forward = jax.jit(lambda s, a, g=graphdef: nnx.merge(g, s)(a))
-        programs.append(forward.lower(state, x).as_text())
-        outputs.append(np.asarray(forward(state, x)))
-    np.testing.assert_array_equal(outputs[0], outputs[1])
-    assert [p.count("contracting_dims = [2, 3] x [0, 1]") for p in programs] == [viewed, viewed]
+    # more rows than GROUP_VIEW_MAX_ROWS (prefill, training): the reshaped kernel's product, in both
+    long = jnp.asarray(np.random.default_rng(6).standard_normal((2, GROUP_VIEW_MAX_ROWS // 2 + 1, 256)), jnp.float32)
+    for inputs, want_viewed in ((long, 0), (x, viewed)):
+        programs, outputs = [], []
+        for net in (model, converted):
+            graphdef, state = nnx.split(net)
+            forward = jax.jit(lambda s, a, g=graphdef: nnx.merge(g, s)(a))
+            programs.append(forward.lower(state, inputs).as_text())
+            outputs.append(np.asarray(forward(state, inputs)))
+        np.testing.assert_array_equal(outputs[0], outputs[1])
+        assert [p.count("contracting_dims = [2, 3] x [0, 1]") for p in programs] == [want_viewed, want_viewed]
     monkeypatch.undo()
     # against float64 numpy on the stored kernels: the order of 256 float32 sums apart
     # (|relu(u) - relu(v)| <= |u - v|: a layer's bound carries through the ReLU)

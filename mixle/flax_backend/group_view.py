@@ -5,25 +5,32 @@ out)`` (``fake_quant.kernel_blocks``). Reshaped back to ``(in, out)`` before the
 compiler writes the dequantized kernel out first; a product that contracts the view's two input axes
 itself reads the codes and scales in its own fusion. On a TPU v5e, the 470M model of
 ``benchmarks/tpu_speed.py`` at 16 tokens: group 128 0.569x of the float forward's time reshaped,
-0.395x contracting the view; group 32 1.307x contracting it, as XLA re-lays out 32-wide groups first.
+0.393x contracting the view; group 32 1.307x contracting it, as XLA re-lays out 32-wide groups first.
 So groups that are whole multiples of the TPU's 128 lanes contract their view, off the CPU (where the
-plain product is faster). The QAT forward, the float graph of grouped kernels (``kernel_groups``) and
-the converted model run the same product, so their outputs stay equal on every backend. Training
-pays for it: the compiler's estimate of that model's QAT step at group 128 rises from 207.6 to 216.9
-ms (HBM bytes 96.6 to 107.4 GiB; ``benchmarks/tpu_compile.py --variants "mixle int4 g128"``); giving
-the view's product the plain product's gradients instead cost more (220.0 ms).
+plain product is faster), in products of at most ``GROUP_VIEW_MAX_ROWS`` input rows: decoding, where
+reading the kernel is the product's cost. Longer products multiply the reshaped kernel: at 2048
+tokens the forward took 0.983x of float's time reshaped and 0.998x contracting the view, and a
+training step's gradients through the view cost more than the fused read saves (the compiler's
+estimate of ``tpu_speed.py``'s QAT step at group 128: 173.1 instead of 143.5 ms for the 110M model,
+216.9 instead of 207.6 ms for the 470M one; timed at 110M, 1.097x of the float step with the view
+where group 32 took 1.008x). The QAT forward, the float graph of grouped kernels
+(``kernel_groups``) and the converted model run the same product for the same input, so their
+outputs stay equal on every backend.
 """
 
 import functools
+import math
 
 import jax
 from flax import nnx
 
-__all__ = ["GROUP_VIEW_LANES", "contracts_group_view", "group_view_dot", "plain_linear", "groups_in_view",
+__all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "contracts_group_view", "group_view_dot", "plain_linear", "groups_in_view",
            "linear_with_product", "group_view_class", "give_group_view"]
 
 # A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
 GROUP_VIEW_LANES = 128
+# Products of more input rows than this (prefill, training) multiply the reshaped kernel.
+GROUP_VIEW_MAX_ROWS = 256
 
 
 def groups_in_view(spec):
@@ -40,7 +47,8 @@ def groups_in_view(spec):
 
 def contracts_group_view(spec):
     """Whether a plain ``nnx.Linear``'s product with a ``spec`` kernel contracts the group view (off
-    the CPU): groups in the view (``groups_in_view``) of a multiple of ``GROUP_VIEW_LANES`` weights.
+    the CPU, for few rows: ``group_view_dot``): groups in the view (``groups_in_view``) of a multiple
+    of ``GROUP_VIEW_LANES`` weights.
 
     >>> from mixle.core.spec import QuantSpec
     >>> contracts_group_view(QuantSpec(bits=4, group_size=128)), contracts_group_view(QuantSpec(bits=4, group_size=32))
@@ -67,15 +75,16 @@ def plain_linear(module, name, cls=None):
 
 
 def group_view_dot(x, kernel, group_size, **keywords):
-    """``x @ kernel`` (a Linear's product: ``x`` ``(..., K)``, ``kernel`` ``(K, N)``); off the CPU, the
-    two reshaped to ``(..., K / g, g)`` and ``(K / g, g, N)`` and contracted over both axes.
+    """``x @ kernel`` (a Linear's product: ``x`` ``(..., K)``, ``kernel`` ``(K, N)``); off the CPU, for
+    at most ``GROUP_VIEW_MAX_ROWS`` rows of ``x``, the two reshaped to ``(..., K / g, g)`` and ``(K /
+    g, g, N)`` and contracted over both axes.
 
     >>> import jax.numpy as jnp
     >>> group_view_dot(jnp.ones((2, 256)), jnp.ones((256, 3)), 128).tolist()
     [[256.0, 256.0, 256.0], [256.0, 256.0, 256.0]]
     """
     lead = x.ndim - 1
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu" or math.prod(x.shape[:-1]) > GROUP_VIEW_MAX_ROWS:
         return jax.lax.dot_general(x, kernel, (((lead,), (0,)), ((), ())), **keywords)
     groups = kernel.shape[0] // group_size
     tiles = x.reshape(x.shape[:-1] + (groups, group_size))

@@ -95,7 +95,8 @@ def _rounded_input(x, contracting, spec, label):
 
 def _weight_product(module, name, side, spec, lhs, rhs, dimension_numbers, keywords):
     """A product with a fake-quantized weight: a plain Linear's with groups of 128 contracts the group
-    view off the CPU (``group_view``, as its converted layer does), any other is ``dot_general``."""
+    view off the CPU for few rows (``group_view.group_view_dot``, as its converted layer does), any
+    other is ``dot_general``."""
     user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
     if side == "rhs" and contracts_group_view(spec) and plain_linear(module, name, user_class):
         return group_view_dot(lhs, rhs, spec.group_size, **keywords)
