@@ -5,7 +5,8 @@ The chunked loss runs the same float ops on each token as the whole-batch ``row_
 thread and in two (where torch splits a single token's vocabulary sum among the threads, so the
 chunks never leave a token alone). Both are also checked against a float64 numpy reference of
 the loss and of its gradient (softmax(q) - softmax(p) for the KL), within a tolerance of a few
-float32 roundings per vocabulary entry.
+float32 roundings per vocabulary entry. The fused KL (``chunked_kl_tokens``), whose backward runs
+autograd's ops on what its forward kept, must equal them bit for bit too.
 """
 
 import functools
@@ -15,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mixle.lm.chunked_loss import chunk_bounds, chunked_tokens, tokens_per_chunk  # noqa: E402
+from mixle.lm.chunked_loss import chunk_bounds, chunked_kl_tokens, chunked_tokens, tokens_per_chunk  # noqa: E402
 from mixle.lm.distill import distill_row_loss  # noqa: E402
 from mixle.lm.finetune_train import row_loss, rows_of_tokens, token_loss  # noqa: E402
 
@@ -64,6 +65,35 @@ def _chunked(s, t, y, temperature, weight, chunk_elements, into_teacher=True):
     return rows.detach(), s.grad
 
 
+def _fused(s, t, temperature, chunk_elements):
+    s = s.clone().requires_grad_(True)
+    student = s * 1.0  # the logits a model returns: not a leaf, consumed by the loss
+    rows = rows_of_tokens(chunked_kl_tokens(student, t.clone(), temperature, chunk_elements=chunk_elements),
+                          temperature, 1.0)
+    (rows.sum() * (1 / 33)).backward()
+    return rows.detach(), s.grad
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 1.5])
+def test_the_fused_kl_is_the_whole_batch_loss_and_gradient_bit_for_bit(temperature, threads):
+    s, t, y = _inputs(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want_rows, want_grad = _whole(s, t, y, temperature, 1.0)
+        for elements in (VOCAB, 5 * VOCAB, 10**9):
+            rows, grad = _fused(s, t, temperature, elements)
+            assert torch.equal(rows, want_rows), elements
+            assert torch.equal(grad, want_grad), elements
+    finally:
+        torch.set_num_threads(before)
+    ref_rows, ref_grad = _numpy_rows(s, t, y, temperature, 1.0)
+    eps, size = 2.0**-24, float(s.abs().max()) / min(temperature, 1.0) + np.log(VOCAB)  # as in the test below
+    np.testing.assert_allclose(rows.numpy(), ref_rows, rtol=0, atol=32 * eps * TOKENS * size)
+    np.testing.assert_allclose(grad.numpy(), ref_grad / 33, rtol=0, atol=32 * eps * np.abs(ref_grad / 33).max())
+
+
 @pytest.mark.parametrize("temperature,weight", OBJECTIVES)
 def test_chunked_loss_and_gradient_are_the_whole_batch_ones_bit_for_bit(temperature, weight):
     s, t, y = _inputs()
@@ -101,10 +131,12 @@ def test_a_vocabulary_larger_than_a_parallel_sum_is_exact_in_two_threads():
         want_rows, want_grad = _whole(s, t, y, 1.0, 1.0)
         rows, grad = _chunked(s, t, y, 1.0, 1.0, 40000)  # 6 tokens in chunks of 2 (one token's logits asked)
         rows5, grad5 = _chunked(s, t, y, 1.0, 1.0, 5 * 40000)  # of 5, and the token left over joins them
+        fused = _fused(s, t, 1.0, 40000)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(rows, want_rows) and torch.equal(grad, want_grad)
     assert torch.equal(rows5, want_rows) and torch.equal(grad5, want_grad)
+    assert torch.equal(fused[0], want_rows) and torch.equal(fused[1], want_grad)
 
 
 def test_chunks_never_leave_one_token_alone():
@@ -121,3 +153,5 @@ def test_chunked_tokens_refuses_mismatched_shapes():
     s, t, y = _inputs()
     with pytest.raises(ValueError, match="teacher_logits"):
         chunked_tokens(lambda *a: None, s, t[:, :-1], y)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        chunked_kl_tokens(s, t[:, :-1])

@@ -19,7 +19,7 @@ leaving the last checkpoint on disk as it was.
 import functools
 
 from mixle._optional import require
-from mixle.lm.chunked_loss import chunked_tokens
+from mixle.lm.chunked_loss import chunked_kl_tokens, chunked_tokens
 from mixle.lm.distill import distill_row_loss, distill_token_loss
 from mixle.lm.finetune_data import WindowCursor
 from mixle.lm.finetune_distributed import SINGLE
@@ -173,9 +173,12 @@ class FinetuneTrainer(Trainer):
             else:
                 teacher_logits = logits.detach()
         temperature, weight = config.temperature, config.distill_weight()
-        per_token = functools.partial(token_loss, temperature=temperature, weight=weight)
-        tokens = chunked_tokens(per_token, logits.float(), teacher_logits.float(), targets,
-                                grad_into_teacher=self.teacher_windows is not None)  # the teacher's logits are ours alone
+        if weight == 1.0:  # both logits are ours alone (the student's nothing else saved): consumed in place
+            tokens = chunked_kl_tokens(logits.float(), teacher_logits.float(), temperature)
+        else:
+            per_token = functools.partial(token_loss, temperature=temperature, weight=weight)
+            tokens = chunked_tokens(per_token, logits.float(), teacher_logits.float(), targets,
+                                    grad_into_teacher=self.teacher_windows is not None)
         del logits, teacher_logits  # alive only while the loss needs them (its saved tensors), not through backward
         rows = rows_of_tokens(tokens, temperature, weight)
         return rows.sum() * (1.0 / (config.batch_size * config.block * config.accumulate))
