@@ -89,7 +89,7 @@ def test_a_linear_multiplies_the_rounded_input_by_its_weights_blocks(grid, bits)
     assert np.abs(np.asarray(plain(jnp.asarray(x))) - want).max() > 10 * tolerance  # the rounding matters
 
 
-@pytest.mark.parametrize("act_rounding", ["reference", "x86"])
+@pytest.mark.parametrize("act_rounding", ["x86"])  # not the default: the option reaches every product's rounding
 def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(act_rounding):
     """The finetune job's step runs the float graph on the kernels' fake-quantized values, and its PTQ
     rows a float copy holding them: with act_bits both round each quantized product's input (the Q5_0
