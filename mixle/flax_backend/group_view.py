@@ -24,8 +24,8 @@ import math
 import jax
 from flax import nnx
 
-__all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "contracts_group_view", "group_view_dot", "plain_linear", "groups_in_view",
-           "linear_with_product", "group_view_class", "give_group_view"]
+__all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "contracts_group_view", "group_view_dot", "plain_linear",
+           "groups_in_view", "linear_with_product", "group_view_class", "give_group_view"]
 
 # A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
 GROUP_VIEW_LANES = 128
