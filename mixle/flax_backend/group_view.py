@@ -12,8 +12,8 @@ reading the kernel is the product's cost. Longer products multiply the reshaped 
 tokens the forward took 0.983x of float's time reshaped and 0.998x contracting the view, and a
 training step's gradients through the view cost more than the fused read saves (the compiler's
 estimate of ``tpu_speed.py``'s QAT step at group 128: 173.1 instead of 143.5 ms for the 110M model,
-216.9 instead of 207.6 ms for the 470M one; timed at 110M, 1.097x of the float step with the view
-where group 32 took 1.008x). The QAT forward, the float graph of grouped kernels
+216.9 instead of 207.6 ms for the 470M one; on the chip 1.097x of the float step at 110M and 1.091x
+at 470M with the view, 1.003x and 1.076x without). The QAT forward, the float graph of grouped kernels
 (``kernel_groups``) and the converted model run the same product for the same input, so their
 outputs stay equal on every backend.
 """
