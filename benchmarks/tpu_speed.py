@@ -45,7 +45,7 @@ class Size:
 
 
 SIZES = {"110M": Size(12, 768, 3072, 12, 1024, 8), "470M": Size(8, 2048, 8192, 16, 2048, 2),
-         "470M-b4": Size(8, 2048, 8192, 16, 2048, 4), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
+         "470M-b3": Size(8, 2048, 8192, 16, 2048, 3), "470M-b4": Size(8, 2048, 8192, 16, 2048, 4), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
 # The matmul layers QAT applies to (attention's QK and PV products stay bfloat16, as in Qwix's recipes).
 LINEAR = r".*(qkv|out|up|down|head)"
 
