@@ -42,10 +42,12 @@ class Size:
     seq: int
     batch: int
     vocab: int = 32000
+    remat: bool = False  # recompute each block's activations in the backward (jax.checkpoint)
 
 
 SIZES = {"110M": Size(12, 768, 3072, 12, 1024, 8), "470M": Size(8, 2048, 8192, 16, 2048, 2),
-         "470M-b3": Size(8, 2048, 8192, 16, 2048, 3), "470M-b4": Size(8, 2048, 8192, 16, 2048, 4), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
+         "470M-b3": Size(8, 2048, 8192, 16, 2048, 3), "470M-b4": Size(8, 2048, 8192, 16, 2048, 4),
+         "470M-b4-remat": Size(8, 2048, 8192, 16, 2048, 4, remat=True), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
 # The matmul layers QAT applies to (attention's QK and PV products stay bfloat16, as in Qwix's recipes).
 LINEAR = r".*(qkv|out|up|down|head)"
 
@@ -76,11 +78,12 @@ class LM(nnx.Module):
         self.norm = nnx.RMSNorm(size.d_model, dtype=jnp.bfloat16, rngs=rngs)
         self.head = nnx.Linear(size.d_model, size.vocab, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                use_bias=False, rngs=rngs)
+        self.remat = size.remat
 
     def __call__(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x)
+            x = nnx.remat(lambda block, x: block(x))(block, x) if self.remat else block(x)
         return self.head(self.norm(x))
 
 
