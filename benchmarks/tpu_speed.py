@@ -42,12 +42,16 @@ class Size:
     seq: int
     batch: int
     vocab: int = 32000
-    remat: bool = False  # recompute each block's activations in the backward (jax.checkpoint)
+    # Recompute each block's activations in the backward (nnx.remat): "all", or "kernels" (keep mixle's
+    # quantized kernels: jax.checkpoint_policies.save_only_these_names(QUANTIZED_KERNEL)); None: no remat.
+    remat: str | None = None
 
 
 SIZES = {"110M": Size(12, 768, 3072, 12, 1024, 8), "470M": Size(8, 2048, 8192, 16, 2048, 2),
          "470M-b3": Size(8, 2048, 8192, 16, 2048, 3), "470M-b4": Size(8, 2048, 8192, 16, 2048, 4),
-         "470M-b4-remat": Size(8, 2048, 8192, 16, 2048, 4, remat=True), "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
+         "470M-b4-remat": Size(8, 2048, 8192, 16, 2048, 4, remat="all"),
+         "470M-b4-remat-kernels": Size(8, 2048, 8192, 16, 2048, 4, remat="kernels"),
+         "tiny": Size(2, 64, 256, 4, 32, 2, vocab=256)}
 # The matmul layers QAT applies to (attention's QK and PV products stay bfloat16, as in Qwix's recipes).
 LINEAR = r".*(qkv|out|up|down|head)"
 
@@ -83,8 +87,19 @@ class LM(nnx.Module):
     def __call__(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
-            x = nnx.remat(lambda block, x: block(x))(block, x) if self.remat else block(x)
+            if self.remat is None:
+                x = block(x)
+            else:
+                x = nnx.remat(lambda block, x: block(x), policy=remat_policy(self.remat))(block, x)
         return self.head(self.norm(x))
+
+
+def remat_policy(remat):
+    """``nnx.remat``'s policy for ``Size.remat``: None (recompute everything) or one keeping mixle's
+    quantized kernels (``mixle.flax_backend.fake_quant.QUANTIZED_KERNEL``)."""
+    from mixle.flax_backend.fake_quant import QUANTIZED_KERNEL
+
+    return {"all": None, "kernels": jax.checkpoint_policies.save_only_these_names(QUANTIZED_KERNEL)}[remat]
 
 
 def parameters(size):

@@ -34,6 +34,7 @@ _FACE = {
     "pack_int4": ("mixle.core.packing", None),
     "unpack_int4": ("mixle.core.packing", None),
     "QATWrapper": ("mixle.torch_backend.layers.qat", "torch"),
+    "QUANTIZED_KERNEL": ("mixle.flax_backend.fake_quant", "jax"),
     "save_gguf": ("mixle.gguf.writer", "torch"),
     "load_gguf_weights": ("mixle.gguf.writer", "torch"),
     "gguf_mix_types": ("mixle.gguf.writer", "torch"),

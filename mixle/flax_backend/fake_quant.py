@@ -5,10 +5,18 @@ import math
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from mixle.core.array_ops import is_tracer
 from mixle.core.checks import check_array
 from mixle.core.numerics import block_shape, fake_quant_blocks, fake_quant_forward, quantize_array
+
+
+# The name every traced fake-quantized kernel carries (``jax.ad_checkpoint.checkpoint_name``), for
+# rematerialization: a block under ``jax.checkpoint`` / ``nnx.remat`` with the policy
+# ``jax.checkpoint_policies.save_only_these_names(QUANTIZED_KERNEL)`` keeps each quantized kernel for
+# its backward instead of quantizing the float32 master weight again in the recomputed forward.
+QUANTIZED_KERNEL = "mixle_quantized_kernel"
 
 
 def _refuse_qwix_only(spec):
@@ -112,6 +120,7 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None, dt
     whose values the traced path reproduces, instead of compiling each jax op for its shape.
     ``dtype`` (e.g. bfloat16, what a layer computes in) casts the values once, in the same pass
     as the quantizer, instead of keeping a float32 copy of the kernel for the layer to cast.
+    Traced, the result is named ``QUANTIZED_KERNEL`` for rematerialization policies.
 
     llama.cpp's grids with block numerics (``q4_1`` ... ``q6_k``), and any grid given an
     ``importance`` (one non-negative weight per input, numpy: ggml's weighted search, as
@@ -130,8 +139,10 @@ def fake_quantize_weight(w, input_axes, spec, name="kernel", importance=None, dt
         value = None if importance is None else _Fixed(importance).value
         return jax.numpy.asarray(_concrete_forward(np.asarray(w), axes, spec, name, value)).astype(dtype)
     if spec.grid_record.numerics is not None or importance is not None:
-        return _fake_quant_rows(w, axes, spec, name, None if importance is None else _Fixed(importance)).astype(dtype)
-    return _fake_quant_kernel(w, axes, spec, name, dtype)
+        value = _fake_quant_rows(w, axes, spec, name, None if importance is None else _Fixed(importance)).astype(dtype)
+    else:
+        value = _fake_quant_kernel(w, axes, spec, name, dtype)
+    return checkpoint_name(value, QUANTIZED_KERNEL)
 
 
 def _concrete_forward(w, input_axes, spec, name, importance):
