@@ -1,8 +1,8 @@
 """Flax on an accelerator (a TPU v5e here): the Flax tests, the codes and scales against numpy, the
 bfloat16 lattice, and the step timing, in one command that prints every number.
 
-    python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE...] [--skip-numerics] [--speed 110M 470M 470M-b4]
-        [--variants NAME...] [--serving-variants NAME...] [--no-serving | --no-training] [--hlo] [--search] [--act-compile]
+    python benchmarks/tpu_check.py --out DIR [--skip-tests | --tests FILE... | --tests rest] [--skip-numerics]
+        [--speed 110M 470M 470M-b4] [--variants NAME...] [--serving-variants NAME...] [--no-serving | --no-training] [--hlo] [--search] [--act-compile]
     bash benchmarks/tpu_run.sh --speed 110M 470M 470M-b4   # on the lent TPU machine (installs the wheels)
 
 Writes ``DIR/tests.log`` and ``DIR/results.json`` and prints their tables (the step and serving
@@ -25,6 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 FLAX_TESTS = ["tests/test_qat_flax.py", "tests/test_flax_fake_quant.py", "tests/test_flax_convert.py"]
+# ``--tests rest``: every other Flax test file (together with FLAX_TESTS, more than one call's 10 minutes)
+OTHER_FLAX_TESTS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*flax*.py")
+                          if str(path.relative_to(ROOT)) not in FLAX_TESTS)
 
 
 def run_tests(out, files=FLAX_TESTS):
@@ -150,7 +153,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "tpu_check_out")))
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--tests", nargs="+", default=FLAX_TESTS, help="test files (default: the Flax ones)")
+    parser.add_argument("--tests", nargs="+", default=FLAX_TESTS, help="test files (default: the Flax numerics' three; "
+                        "'rest': every other Flax test file)")
     parser.add_argument("--skip-numerics", action="store_true")
     parser.add_argument("--speed", nargs="*", default=[], help="model sizes of tpu_speed.py to time")
     parser.add_argument("--rounds", type=int, default=5)
@@ -168,7 +172,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     if not args.skip_tests:  # first: a TPU is held by one process, and this one takes it below
-        results["tests"] = run_tests(args.out, args.tests)
+        results["tests"] = run_tests(args.out, OTHER_FLAX_TESTS if args.tests == ["rest"] else args.tests)
     import jax
 
     device = jax.devices()[0]

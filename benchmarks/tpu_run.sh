@@ -9,7 +9,7 @@ if [[ "${1:-}" == "--download" ]]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl-tpu flax==0.12.8 qwix==0.1.8 optax==0.2.8 absl-py etils msgpack pyyaml rich treescope \
         typing_extensions markdown-it-py mdurl pygments safetensors hypothesis sortedcontainers attrs chex \
-        toolz filelock sympy mpmath networkx jinja2 fsspec markupsafe pytest-timeout tqdm
+        toolz filelock sympy mpmath networkx jinja2 fsspec markupsafe pytest-timeout tqdm gguf==0.19.0
     grep -qx '/.whl-tpu/' .git/info/exclude || echo '/.whl-tpu/' >> .git/info/exclude
     exit 0
 fi

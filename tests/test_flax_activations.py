@@ -95,6 +95,7 @@ def test_the_float_graph_and_the_ptq_rows_round_what_the_wrapped_forward_rounds(
     rows a float copy holding them: with act_bits both round each quantized product's input (the Q5_0
     and Q8_0 Linears of the Q4_K_M mix at this width, and the tied embedding's ``attend``), so their
     logits are the wrapped forward's, exactly, and not those of the same values without the rounding."""
+    pytest.importorskip("transformers")  # apply_qat(gguf_mix=...) needs it (mixle[hf])
     from mixle.lm.finetune_jax import _with_stored_values
 
     config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
@@ -156,6 +157,7 @@ def test_a_linear_trains_on_the_x86_builds_rounding_of_its_input():
 def test_projections_reading_one_input_share_its_rounding(monkeypatch):
     """q, k and v (gate and up) read the same tracer: the compiled forward rounds it once, so a layer
     holds four roundings (q/k/v, o, gate/up, down), not seven, plus the tied head's."""
+    pytest.importorskip("transformers")  # apply_qat(gguf_mix=...) needs it (mixle[hf])
     from mixle.flax_backend import activations
 
     config = CausalLMConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,

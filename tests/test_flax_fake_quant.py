@@ -232,17 +232,41 @@ def test_a_bfloat16_dtype_rounds_numpys_values_once_and_passes_a_float32_gradien
     np.testing.assert_array_equal(np.asarray(grad), passed)
 
 
-def test_activation_row_scales_are_numpys_quotient():
+def _uncorrected_divisions(jaxpr):
+    """The ``div`` equations of ``jaxpr`` and its nested ``jit``s, outside ``lax.cond``'s branches
+    (``JaxOps.divide`` corrects the quotient it divides in one)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "div":
+            found.append(eqn)
+        elif eqn.primitive.name != "cond":
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                found += _uncorrected_divisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("tpu_like", [False, pytest.param(True, marks=stand_in)])
+def test_activation_row_codes_and_scales_are_numpys_quotients(monkeypatch, tpu_like):
     # XLA multiplies by the reciprocal of a constant divisor, an ulp off for some scales (4% on
-    # CPU): the row scales are the correctly rounded absmax / qmax, as numpy divides.
+    # CPU), and the TPU's own quotients are ulps off (the stand-in): the row scales and the codes'
+    # multipliers are the correctly rounded absmax / qmax and qmax / absmax, as numpy divides.
     from mixle.flax_backend.int_matmul import quantize_rows
 
-    x = np.random.default_rng(6).uniform(0.1, 10, (20000, 3)).astype(np.float32)
+    if tpu_like:
+        monkeypatch.setattr(JaxOps, "quotient", _tpu_like_quotient)
+    rng = np.random.default_rng(6)
+    x = rng.uniform(0.1, 10, (20000, 3)).astype(np.float32)
+    # rows whose scaled values sit on halves, where a multiplier an ulp off moves the code
+    x[:, 1] = x[:, 0] * np.float32(rng.integers(1, 126, 20000) + 0.5) / np.float32(127)
+    x[:, 2] = x[:, 0] * rng.uniform(0, 1, 20000).astype(np.float32)
     for bits, axis in ((8, -1), (4, 0)):
         qmax = np.float32(2 ** (bits - 1) - 1)
-        _, scale = jax.jit(lambda v: quantize_rows(v, bits, axis))(jnp.asarray(x))
-        expected = np.abs(x).max(axis=axis, keepdims=True) / qmax
-        np.testing.assert_array_equal(np.asarray(scale).view(np.uint32), expected.view(np.uint32))
+        codes, scale = jax.jit(lambda v: quantize_rows(v, bits, axis))(jnp.asarray(x))
+        absmax = np.abs(x).max(axis=axis, keepdims=True)
+        np.testing.assert_array_equal(np.asarray(scale).view(np.uint32), (absmax / qmax).view(np.uint32))
+        np.testing.assert_array_equal(np.asarray(codes), np.clip(np.round(x * (qmax / absmax)), -qmax, qmax))
+    # a plain division would be exact here on the CPU and off on the TPU: there is none
+    assert not _uncorrected_divisions(jax.make_jaxpr(lambda v: quantize_rows(v, 8))(jnp.asarray(x)).jaxpr)
 
 
 @pytest.mark.parametrize("shape,input_axes", LAYOUTS)

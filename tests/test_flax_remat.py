@@ -73,6 +73,14 @@ def test_a_policy_keeping_the_named_kernels_quantizes_each_kernel_once_with_the_
     # leaves the quantizer's steps where the step without remat has them.
     assert everything > plain > 0
     assert kept == plain
-    # The same float32 operations, possibly fused differently by XLA: a few ulps of sums over 64 inputs.
     for got, want in zip(kept_grads, plain_grads):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=64 * np.finfo(np.float32).eps, atol=1e-7)
+        got, want = np.asarray(got), np.asarray(want)
+        if jax.default_backend() == "cpu":
+            # The same float32 operations, possibly fused differently by XLA: a few ulps of sums over 64 inputs.
+            np.testing.assert_allclose(got, want, rtol=64 * np.finfo(np.float32).eps, atol=1e-7)
+        else:
+            # Off the CPU XLA keeps a bfloat16 value in float32 inside a fusion (excess precision), and
+            # remat fuses differently: each of the four layers the gradient passes may round its
+            # bfloat16 output or not, half a bfloat16 ulp of the gradient's scale each.
+            bound = 4 * float(jnp.finfo(jnp.bfloat16).eps) / 2 * np.abs(want).max()
+            np.testing.assert_allclose(got, want, rtol=0, atol=bound)

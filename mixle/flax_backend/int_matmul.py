@@ -94,10 +94,12 @@ def quantize_rows(x, bits, axis=-1):
     x = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
     safe = jnp.where(absmax == 0, 1.0, absmax)
-    codes = jnp.clip(jnp.round(x * (qmax / safe)), -qmax, qmax).astype(jnp.int8)
-    # XLA multiplies by the reciprocal of a constant divisor (an ulp off for some scales): the
-    # scale is the correctly rounded quotient, one per row, as numpy divides.
+    # The TPU's division misses the nearest float for some quotients and XLA multiplies by the
+    # reciprocal of a constant divisor: the multiplier and the scale, one each per row, are the
+    # correctly rounded quotients, as numpy divides, on every backend.
     ops = array_ops(absmax)
+    multiplier = ops.divide(ops.divisor(qmax, safe), safe)
+    codes = jnp.clip(jnp.round(x * multiplier), -qmax, qmax).astype(jnp.int8)
     return codes, jnp.where(absmax == 0, 0.0, ops.divide(absmax, ops.divisor(qmax, absmax)))
 
 
