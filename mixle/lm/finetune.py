@@ -223,38 +223,46 @@ def shared_teacher(model, trained, matmul_dtype=None):
 
 
 def store_matmul_weights(model, dtype, keep=()):
-    """Store, in place, the weights and biases of ``model``'s linear layers in ``dtype`` where those
-    layers' matrix products are their only use: under autocast to ``dtype`` each call casts them to it
-    anyway, so the products get the same values from less memory and no cast. Linear layers are
-    ``torch.nn.Linear`` and mixle's ``QATWrapper`` with fake-quant off (both run ``F.linear``); a
-    tensor another module also uses (a head tied to the embedding, whose lookups autocast leaves
-    alone) or in ``keep`` (tensors shared with a model being trained) keeps its dtype.
+    """Store the weights and biases of ``model``'s linear layers in ``dtype``: under autocast to
+    ``dtype`` each product casts them to it anyway, so the products get the same values with no cast
+    at every call. Linear layers are ``torch.nn.Linear`` and mixle's ``QATWrapper`` with fake-quant
+    off (both run ``F.linear``). A tensor whose matrix products are its only use is replaced (half its
+    memory); a head tied to the embedding gets its own copy in ``dtype`` and the embedding, whose
+    lookups autocast leaves alone, keeps the tensor (for Gemma 3's 262,144 x 640 table that saves a
+    0.34 GB cast at every call for 0.34 GB held). Other shared tensors and those in ``keep`` are left
+    as they are.
 
     Args:
         model: a frozen model run only under autocast to ``dtype`` (a teacher).
         dtype: autocast's dtype (``torch.bfloat16``).
-        keep: parameters to leave as they are.
+        keep: parameters shared with another model, frozen in both: only a tied head's copy is made of them.
 
     >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    >>> net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5))
+    >>> net[2].weight = net[0].weight  # a head tied to the embedding
     >>> store_matmul_weights(net, torch.bfloat16)
-    >>> net[1].weight.dtype, net[0].weight.dtype
-    (torch.bfloat16, torch.float32)
+    >>> net[1].weight.dtype, net[2].weight.dtype, net[0].weight.dtype
+    (torch.bfloat16, torch.bfloat16, torch.float32)
     """
     import torch
 
     from mixle.torch_backend.layers.qat import QATWrapper
+
+    def linear(module):
+        return type(module) is torch.nn.Linear or (type(module) is QATWrapper and not module.enabled)
 
     kept = {id(p) for p in keep}
     users = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             users.setdefault(id(param), []).append(module)
-    for module in model.modules():
-        if type(module) is torch.nn.Linear or (type(module) is QATWrapper and not module.enabled):
-            for name, param in module.named_parameters(recurse=False):
-                if name in ("weight", "bias") and id(param) not in kept and len(users[id(param)]) == 1:
-                    module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
+    for module in filter(linear, list(model.modules())):
+        for name, param in module.named_parameters(recurse=False):
+            others = [m for m in users[id(param)] if m is not module]
+            sole = not others and id(param) not in kept
+            tied_head = name == "weight" and others and all(isinstance(m, torch.nn.Embedding) for m in others)
+            if name in ("weight", "bias") and (sole or tied_head):
+                module._parameters[name] = type(param)(param.detach().to(dtype), requires_grad=False)
 
 
 class Evaluator:
