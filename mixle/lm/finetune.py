@@ -63,6 +63,7 @@ from mixle.lm.finetune_load import check_vocabulary, load_model
 from mixle.lm.finetune_report import (COMPRESSED_DIR, FLOAT, GGUF_FILE, GPTQ, PTQ, PTQ_IMATRIX, QAT, QAT_IMATRIX,
                                      finish_run)
 from mixle.lm.finetune_train import FinetuneTrainer, return_free_memory
+from mixle.lm.head_cast import head_cast_once
 from mixle.lm.llama_cpp_eval import (llama_cpp_loss, llama_cpp_module, llama_cpp_skipped, llama_cpp_text_loss,
                                      window_texts)
 from mixle.lm.training import held_out_loss
@@ -637,7 +638,9 @@ class FinetuneRun:
             self.payload = None  # its tensors are in the model now
         else:
             self.save(trainer, rows)  # before the first step: a full disk shows here, not at the end
-        state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
+        bfloat16 = require("torch", extra="torch", purpose="mixle finetune").bfloat16
+        with head_cast_once(student, bfloat16 if self.config.dtype == "bfloat16" and self.ranks.world == 1 else None):
+            state = trainer.train(lambda: self.save(trainer, rows), progress=self.progress, callback=callback)
         trained = sum(p.numel() for _, p in trainer.trainable)
         trainer.release()  # AdamW's state and the teacher go before the files are written
         return_free_memory()
