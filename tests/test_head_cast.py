@@ -51,10 +51,13 @@ def test_logits_and_gradients_are_autocasts_bit_for_bit_and_follow_an_in_place_c
         assert float32.dtype == torch.float32 and torch.equal(float32, lm(ids).logits)
 
 
-def test_a_trained_head_or_no_dtype_changes_nothing():
-    lm = _student()
+def test_a_trained_head_runs_autocasts_own_product_and_no_dtype_changes_nothing():
+    lm, ids = _student(), torch.arange(12)[None]
     with head_cast_once(lm, None):
         assert "forward" not in vars(lm.lm_head)
     lm.lm_head.weight.requires_grad_(True)  # the tied table trains: its rounding changes at every step
+    plain = _step(lm, ids, contextlib.nullcontext())[0], lm.lm_head.weight.grad
     with head_cast_once(lm, torch.bfloat16):
-        assert "forward" not in vars(lm.lm_head)
+        logits = _step(lm, ids, contextlib.nullcontext())[0]
+    # the product is autocast's, through the trained weight (a copy would give it no gradient)
+    assert torch.equal(logits, plain[0]) and torch.equal(lm.lm_head.weight.grad, plain[1])

@@ -14,10 +14,10 @@ __all__ = ["head_cast_once"]
 
 @contextlib.contextmanager
 def head_cast_once(model, dtype):
-    """While active, ``model``'s output head (``get_output_embeddings()``), if it is a plain
-    ``torch.nn.Linear`` whose weight and bias do not train, computes its product under autocast to
-    ``dtype`` from a ``dtype`` copy of them made once (again if a tensor is changed in place).
-    Outside autocast to ``dtype``, or with ``dtype`` None, it runs as before.
+    """While active, ``model``'s output head (``get_output_embeddings()``), a plain ``torch.nn.Linear``,
+    computes its product under autocast to ``dtype`` from a ``dtype`` copy of its weight and bias made
+    once (again if one is replaced or changed in place) while neither trains. Outside autocast to
+    ``dtype``, with a trained weight or bias, or with ``dtype`` None, it runs as before.
 
     Args:
         model: a transformers causal LM (or any module with ``get_output_embeddings``).
@@ -38,17 +38,18 @@ def head_cast_once(model, dtype):
     import torch
 
     head = model.get_output_embeddings() if dtype is not None and hasattr(model, "get_output_embeddings") else None
-    tensors = [] if head is None else [t for t in (head.weight, head.bias) if t is not None]
-    if type(head) is not torch.nn.Linear or "forward" in vars(head) or any(t.requires_grad for t in tensors):
+    if type(head) is not torch.nn.Linear or "forward" in vars(head):
         yield
         return
     copies = {}
 
     def forward(x):
+        tensors = [t for t in (head.weight, head.bias) if t is not None]
         device = x.device.type
-        if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype):
+        if (any(t.requires_grad for t in tensors) or not torch.is_autocast_enabled(device)
+                or torch.get_autocast_dtype(device) != dtype):
             return torch.nn.Linear.forward(head, x)
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        key = tuple((id(t), t.data_ptr(), t._version) for t in tensors)
         if copies.get("key") != key:
             copies.update(key=key, tensors=[t.detach().to(dtype) for t in tensors])
         weight, *bias = copies["tensors"]
