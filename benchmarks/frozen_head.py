@@ -13,7 +13,6 @@ tied head) and random weights: the time does not depend on their values.
 """
 
 import argparse
-import contextlib
 import copy
 import os
 import statistics
@@ -73,10 +72,10 @@ def timed(ways, run, repeat):
     return {name: statistics.median(values) for name, values in times.items()}, results
 
 
-def student_step(model, ids, context):
+def student_step(model, ids):
     """Logits and decoder gradients of one bfloat16 forward and backward of the student."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", torch.bfloat16), context:
+    with torch.autocast("cpu", torch.bfloat16):
         logits = model(ids).logits
     logits.float().square().mean().backward()
     return [logits.detach()] + [p.grad for p in model.model.layers.parameters()]
@@ -120,7 +119,7 @@ def main(argv=None):
         students[name].model.layers.requires_grad_(True)
     with head_cast_once(students["head cast once"], torch.bfloat16):  # one copy for all its steps
         show("student forward and backward",
-             *timed(students, lambda student: student_step(student, ids, contextlib.nullcontext()), args.repeat))
+             *timed(students, lambda student: student_step(student, ids), args.repeat))
 
 
 if __name__ == "__main__":
