@@ -13,6 +13,7 @@ from mixle.core.array_ops import JaxOps  # noqa: E402
 from mixle.core.numerics import quantize_dequantize_array  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.flax_backend.fake_quant import fake_quantize_weight, kernel_blocks  # noqa: E402
+from tests.jaxpr_walk import equations  # noqa: E402
 from tests.test_numerics import reference_codes_scales  # noqa: E402
 
 # (kernel shape, input axes): nnx.Linear (in, out), a conv (kh, kw, in, out), an Embed used by
@@ -232,19 +233,6 @@ def test_a_bfloat16_dtype_rounds_numpys_values_once_and_passes_a_float32_gradien
     np.testing.assert_array_equal(np.asarray(grad), passed)
 
 
-def _uncorrected_divisions(jaxpr):
-    """The ``div`` equations of ``jaxpr`` and its nested ``jit``s, outside ``lax.cond``'s branches
-    (``JaxOps.divide`` corrects the quotient it divides in one)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "div":
-            found.append(eqn)
-        elif eqn.primitive.name != "cond":
-            for sub in jax.core.jaxprs_in_params(eqn.params):
-                found += _uncorrected_divisions(sub)
-    return found
-
-
 @pytest.mark.parametrize("tpu_like", [False, pytest.param(True, marks=stand_in)])
 def test_activation_row_codes_and_scales_are_numpys_quotients(monkeypatch, tpu_like):
     # XLA multiplies by the reciprocal of a constant divisor, an ulp off for some scales (4% on
@@ -265,8 +253,10 @@ def test_activation_row_codes_and_scales_are_numpys_quotients(monkeypatch, tpu_l
         absmax = np.abs(x).max(axis=axis, keepdims=True)
         np.testing.assert_array_equal(np.asarray(scale).view(np.uint32), (absmax / qmax).view(np.uint32))
         np.testing.assert_array_equal(np.asarray(codes), np.clip(np.round(x * (qmax / absmax)), -qmax, qmax))
-    # a plain division would be exact here on the CPU and off on the TPU: there is none
-    assert not _uncorrected_divisions(jax.make_jaxpr(lambda v: quantize_rows(v, 8))(jnp.asarray(x)).jaxpr)
+    # a plain division would be exact here on the CPU and off on the TPU: there is none outside the
+    # conditionals in which JaxOps.divide corrects its quotient
+    jaxpr = jax.make_jaxpr(lambda v: quantize_rows(v, 8))(jnp.asarray(x)).jaxpr
+    assert not equations(jaxpr, "div", skip=("cond",))
 
 
 @pytest.mark.parametrize("shape,input_axes", LAYOUTS)

@@ -10,6 +10,7 @@ from flax import nnx  # noqa: E402
 
 import mixle  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
+from tests.jaxpr_walk import equations  # noqa: E402
 
 IN, HIDDEN = 64, 32
 
@@ -35,19 +36,6 @@ class Net(nnx.Module):
         return x
 
 
-def _equations(jaxpr, primitive):
-    """How many equations of ``primitive`` the jaxpr holds, its sub-jaxprs (remat, custom_vjp, jit) included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == primitive
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    count += _equations(sub, primitive)
-    return count
-
-
 def _gradient(net, remat, x, primitive):
     net.remat = remat
     graphdef, params, rest = nnx.split(net, nnx.Param, ...)
@@ -55,7 +43,7 @@ def _gradient(net, remat, x, primitive):
     def loss(params):
         return (nnx.merge(graphdef, params, rest)(x).astype(jnp.float32) ** 2).mean()
 
-    quantizing = _equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, primitive)
+    quantizing = len(equations(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, primitive))
     return quantizing, jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 

@@ -97,10 +97,10 @@ def quantize_rows(x, bits, axis=-1):
     # The TPU's division misses the nearest float for some quotients and XLA multiplies by the
     # reciprocal of a constant divisor: the multiplier and the scale, one each per row, are the
     # correctly rounded quotients, as numpy divides, on every backend.
-    ops = array_ops(absmax)
-    multiplier = ops.divide(ops.divisor(qmax, safe), safe)
-    codes = jnp.clip(jnp.round(x * multiplier), -qmax, qmax).astype(jnp.int8)
-    return codes, jnp.where(absmax == 0, 0.0, ops.divide(absmax, ops.divisor(qmax, absmax)))
+    ops = array_ops(safe)
+    divisor = ops.divisor(qmax, safe)
+    codes = jnp.clip(jnp.round(x * ops.divide(divisor, safe)), -qmax, qmax).astype(jnp.int8)
+    return codes, jnp.where(absmax == 0, 0.0, ops.divide(safe, divisor))
 
 
 def _int_dot(a, b, dims):
