@@ -267,8 +267,9 @@ def serving_variants():
 
 def contracting_group_views(model):
     """An experiment on a converted model: every Linear with group-wise codes multiplies its input by
-    the group view (``group_view.group_view_dot``), as ``convert`` does for groups of 128 only; for
-    groups of 32 XLA re-lays out the view first (timed, to show why)."""
+    the group view (``group_view.group_view_dot``), as ``convert`` does for groups of 128 and for
+    vocabulary-wide kernels only; for the layers' groups of 32 XLA re-lays out the view first
+    (timed, to show why)."""
     from mixle.flax_backend.convert import QuantizedKernel
     from mixle.flax_backend.group_view import group_view_class
 

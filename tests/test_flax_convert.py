@@ -20,6 +20,7 @@ from mixle.core.fileformat import read_manifest  # noqa: E402
 from mixle.core.packing import unpack_int4  # noqa: E402
 from mixle.core.spec import QuantSpec  # noqa: E402
 from mixle.flax_backend.convert import QuantizedKernel, convert_linen  # noqa: E402
+from mixle.flax_backend import group_view  # noqa: E402
 from mixle.flax_backend.group_view import GROUP_VIEW_MAX_ROWS  # noqa: E402
 from mixle.flax_backend.convert import model_nbytes as flax_model_nbytes  # noqa: E402
 from mixle.api import load_quantized, save_quantized  # noqa: E402  (names= passes through to Flax)
@@ -478,12 +479,16 @@ class Wide(nnx.Module):
         return self.c(self.b(jax.nn.relu(self.a(x))))
 
 
-@pytest.mark.parametrize("group_size,viewed", [(128, 2), (32, 0)])
+@pytest.mark.parametrize("group_size,wide,viewed", [(128, None, 2), (32, None, 0), (32, 64, 1)])
 def test_groups_of_128_contract_their_view_off_the_cpu_in_qat_and_converted_forwards(monkeypatch, group_size,
-                                                                                     viewed):
+                                                                                     wide, viewed):
     # The TPU's program traced on this CPU: a product that contracts a group view of 128 lets XLA fuse
-    # the dequantizing into it (a TPU v5e, 470M model, 16 tokens: 0.395x of float instead of 0.569x).
-    # The QAT forward and the converted model run the same product, so they stay equal.
+    # the dequantizing into it (a TPU v5e, 470M model, 16 tokens: 0.395x of float instead of 0.569x);
+    # groups of 32 only in a kernel with GROUP_VIEW_WIDE_OUTPUTS outputs (a vocabulary's head; here
+    # lowered to 64: layer a, not c). The QAT forward and the converted model run the same product,
+    # so they stay equal.
+    if wide is not None:
+        monkeypatch.setattr(group_view, "GROUP_VIEW_WIDE_OUTPUTS", wide)
     # each product's rounding: none on the CPU; a TPU's default precision multiplies bfloat16 operands
     product = 0.0 if jax.default_backend() == "cpu" else 2.0**-8
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 256)).astype(np.float32))

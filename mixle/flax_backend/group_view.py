@@ -5,12 +5,15 @@ out)`` (``fake_quant.kernel_blocks``). Reshaped back to ``(in, out)`` before the
 compiler writes the dequantized kernel out first; a product that contracts the view's two input axes
 itself reads the codes and scales in its own fusion. On a TPU v5e, the 470M model of
 ``benchmarks/tpu_speed.py`` at 16 tokens: group 128 0.569x of the float forward's time reshaped,
-0.393x contracting the view; group 32 1.307x contracting it, as XLA re-lays out 32-wide groups first.
-So groups that are whole multiples of the TPU's 128 lanes contract their view, off the CPU (where the
-plain product is faster), in products of at most ``GROUP_VIEW_MAX_ROWS`` input rows: decoding, where
-reading the kernel is the product's cost. Longer products multiply the reshaped kernel: at 2048
-tokens the forward took 0.983x of float's time reshaped and 0.998x contracting the view, and a
-training step's gradients through the view cost more than the fused read saves (the compiler's
+0.393x contracting the view; group 32 1.299x contracting it in every Linear, as XLA re-lays out
+32-wide groups first, but 0.506x instead of 0.598x in the 32,000-wide head alone (its reshaped
+kernel is written out at the vocabulary's size). So groups that are whole multiples of the TPU's 128
+lanes, and any groups of a kernel with at least ``GROUP_VIEW_WIDE_OUTPUTS`` outputs, contract their
+view, off the CPU (where the plain product is faster), in products of at most ``GROUP_VIEW_MAX_ROWS``
+input rows: decoding, where reading the kernel is the product's cost. Longer products multiply the
+reshaped kernel: at 2048 tokens the forward took 0.983x of float's time reshaped and 0.998x
+contracting the view, and a training step's gradients through the view cost more than the fused
+read saves (the compiler's
 estimate of ``tpu_speed.py``'s QAT step at group 128: 173.1 instead of 143.5 ms for the 110M model,
 216.9 instead of 207.6 ms for the 470M one; on the chip 1.097x of the float step at 110M and 1.091x
 at 470M with the view, 1.003x and 1.076x without). The QAT forward, the float graph of grouped kernels
@@ -24,11 +27,13 @@ import math
 import jax
 from flax import nnx
 
-__all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "contracts_group_view", "group_view_dot", "plain_linear",
-           "groups_in_view", "linear_with_product", "group_view_class", "give_group_view"]
+__all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "GROUP_VIEW_WIDE_OUTPUTS", "contracts_group_view",
+           "group_view_dot", "plain_linear", "groups_in_view", "linear_with_product", "group_view_class", "give_group_view"]
 
 # A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
 GROUP_VIEW_LANES = 128
+# A kernel with at least this many outputs (a vocabulary's head) contracts its view for any group size.
+GROUP_VIEW_WIDE_OUTPUTS = 16384
 # Products of more input rows than this (prefill, training) multiply the reshaped kernel.
 GROUP_VIEW_MAX_ROWS = 256
 
@@ -45,16 +50,20 @@ def groups_in_view(spec):
     return (spec.granularity == "group" and grid.table is None and not grid.two_level and grid.offset is None)
 
 
-def contracts_group_view(spec):
-    """Whether a plain ``nnx.Linear``'s product with a ``spec`` kernel contracts the group view (off
-    the CPU, for few rows: ``group_view_dot``): groups in the view (``groups_in_view``) of a multiple
-    of ``GROUP_VIEW_LANES`` weights.
+def contracts_group_view(spec, outputs):
+    """Whether a plain ``nnx.Linear``'s product with a ``spec`` kernel of ``outputs`` features contracts
+    the group view (off the CPU, for few rows: ``group_view_dot``): groups in the view
+    (``groups_in_view``) of a multiple of ``GROUP_VIEW_LANES`` weights, or of any size in a kernel of
+    at least ``GROUP_VIEW_WIDE_OUTPUTS`` outputs.
 
     >>> from mixle.core.spec import QuantSpec
-    >>> contracts_group_view(QuantSpec(bits=4, group_size=128)), contracts_group_view(QuantSpec(bits=4, group_size=32))
-    (True, False)
+    >>> g32 = QuantSpec(bits=4, group_size=32)
+    >>> contracts_group_view(QuantSpec(bits=4, group_size=128), 64)
+    True
+    >>> contracts_group_view(g32, 8192), contracts_group_view(g32, 32000)
+    (False, True)
     """
-    return groups_in_view(spec) and spec.group_size % GROUP_VIEW_LANES == 0
+    return groups_in_view(spec) and (spec.group_size % GROUP_VIEW_LANES == 0 or outputs >= GROUP_VIEW_WIDE_OUTPUTS)
 
 
 # Captured at import: inside Qwix's interception ``jax.lax.dot_general`` may be another function.
@@ -131,7 +140,7 @@ def give_group_view(module, name, spec):
     >>> give_group_view(layer, "kernel", QuantSpec(bits=4, group_size=128)), isinstance(layer, nnx.Linear)
     (True, True)
     """
-    if not (contracts_group_view(spec) and plain_linear(module, name)):
+    if not (plain_linear(module, name) and contracts_group_view(spec, module.out_features)):
         return False
     object.__setattr__(module, "__class__", group_view_class(type(module), spec.group_size))
     return True

@@ -18,7 +18,8 @@ than two axes); ``fake_quantize_groups`` maps a state of the kernels to their fa
 values; ``float_graphdef`` is the graph of the model's float classes, which runs the forward with
 those values in place of the kernels (what a wrapped forward computes, with nothing intercepted;
 with ``act_bits`` on llama.cpp's grids each quantized Linear first rounds its input as llama.cpp does,
-``run_wrapped_products``, which also gives plain Linears with groups of 128 the group view's product).
+``run_wrapped_products``, which also gives plain Linears the group view's product where
+``contracts_group_view`` says).
 """
 
 import dataclasses
@@ -101,8 +102,8 @@ def _rounding_class(cls, kind):
 def run_wrapped_products(model, wrapped):
     """Give the modules of ``model`` (a float copy of the QAT-wrapped ``wrapped``, in the user's classes)
     the products the wrapped forward runs with the kernels ``wrapped`` quantizes, so the float graph
-    computes what the wrapped forward does: a plain Linear with groups of 128 contracts the group view
-    off the CPU (``group_view.give_group_view``), and with ``act_bits`` the input of the product is
+    computes what the wrapped forward does: a plain Linear contracts the group view off the CPU where
+    ``contracts_group_view`` says (``group_view.give_group_view``), and with ``act_bits`` the input of the product is
     first rounded as llama.cpp rounds it (``round_product_input``).
 
     Raises:
