@@ -94,9 +94,9 @@ def _rounded_input(x, contracting, spec, label):
 
 
 def _weight_product(module, name, side, spec, lhs, rhs, dimension_numbers, keywords):
-    """A product with a fake-quantized weight: a plain Linear's whose group view
-    ``contracts_group_view`` contracts it off the CPU for few rows (``group_view.group_view_dot``, as
-    its converted layer does), any other is ``dot_general``."""
+    """A product with a fake-quantized weight: a plain Linear's contracts the group view off the CPU
+    for few rows where ``contracts_group_view`` says so (``group_view.group_view_dot``, as its
+    converted layer does), any other is ``dot_general``."""
     user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
     if side == "rhs" and plain_linear(module, name, user_class) and contracts_group_view(spec, module.out_features):
         return group_view_dot(lhs, rhs, spec.group_size, **keywords)
