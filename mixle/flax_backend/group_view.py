@@ -28,7 +28,8 @@ import jax
 from flax import nnx
 
 __all__ = ["GROUP_VIEW_LANES", "GROUP_VIEW_MAX_ROWS", "GROUP_VIEW_WIDE_OUTPUTS", "contracts_group_view",
-           "group_view_dot", "plain_linear", "groups_in_view", "linear_with_product", "group_view_class", "give_group_view"]
+           "group_view_dot", "plain_linear", "takes_group_view", "groups_in_view", "linear_with_product",
+           "group_view_class", "give_group_view"]
 
 # A group size that is a multiple of this is contracted in its view off the CPU (a TPU's lane width).
 GROUP_VIEW_LANES = 128
@@ -83,6 +84,18 @@ def plain_linear(module, name, cls=None):
             and vars(module).get("dot_general") is _DOT_GENERAL)
 
 
+def takes_group_view(module, name, spec, cls=None):
+    """Whether ``module``'s product with its ``spec`` kernel ``name`` contracts the group view off the
+    CPU for few rows: a plain ``nnx.Linear`` (``plain_linear``, ``cls`` as there) whose kernel
+    ``contracts_group_view`` at its ``out_features``.
+
+    >>> from mixle.core.spec import QuantSpec
+    >>> takes_group_view(nnx.Linear(256, 2, rngs=nnx.Rngs(0)), "kernel", QuantSpec(bits=4, group_size=128))
+    True
+    """
+    return plain_linear(module, name, cls) and contracts_group_view(spec, module.out_features)
+
+
 def group_view_dot(x, kernel, group_size, **keywords):
     """``x @ kernel`` (a Linear's product: ``x`` ``(..., K)``, ``kernel`` ``(K, N)``); off the CPU, for
     at most ``GROUP_VIEW_MAX_ROWS`` rows of ``x``, the two reshaped to ``(..., K / g, g)`` and ``(K /
@@ -132,7 +145,7 @@ def group_view_class(cls, group_size):
 
 
 def give_group_view(module, name, spec):
-    """Make a plain ``nnx.Linear`` with a ``spec`` kernel (``contracts_group_view``) run ``group_view_dot``:
+    """Make a plain ``nnx.Linear`` with a ``spec`` kernel (``takes_group_view``) run ``group_view_dot``:
     its class becomes a subclass of its own (``isinstance`` holds). Returns whether it did.
 
     >>> from mixle.core.spec import QuantSpec
@@ -140,7 +153,7 @@ def give_group_view(module, name, spec):
     >>> give_group_view(layer, "kernel", QuantSpec(bits=4, group_size=128)), isinstance(layer, nnx.Linear)
     (True, True)
     """
-    if not (plain_linear(module, name) and contracts_group_view(spec, module.out_features)):
+    if not takes_group_view(module, name, spec):
         return False
     object.__setattr__(module, "__class__", group_view_class(type(module), spec.group_size))
     return True

@@ -42,7 +42,7 @@ from mixle.core.numerics import block_shape, clip_threshold
 from mixle.flax_backend import int_matmul, qwix_seam
 from mixle.flax_backend.activations import round_product_input
 from mixle.flax_backend.fake_quant import fake_quantize_weight
-from mixle.flax_backend.group_view import contracts_group_view, group_view_dot, plain_linear
+from mixle.flax_backend.group_view import group_view_dot, takes_group_view
 from mixle.flax_backend.rules import range_calibration
 
 
@@ -95,10 +95,10 @@ def _rounded_input(x, contracting, spec, label):
 
 def _weight_product(module, name, side, spec, lhs, rhs, dimension_numbers, keywords):
     """A product with a fake-quantized weight: a plain Linear's contracts the group view off the CPU
-    for few rows where ``contracts_group_view`` says so (``group_view.group_view_dot``, as its
+    for few rows where ``takes_group_view`` says so (``group_view.group_view_dot``, as its
     converted layer does), any other is ``dot_general``."""
     user_class = getattr(type(module), qwix_seam.UNQUANTIZED_TYPE, type(module))
-    if side == "rhs" and plain_linear(module, name, user_class) and contracts_group_view(spec, module.out_features):
+    if side == "rhs" and takes_group_view(module, name, spec, user_class):
         return group_view_dot(lhs, rhs, spec.group_size, **keywords)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, **keywords)
 
